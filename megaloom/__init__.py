@@ -1,0 +1,1 @@
+"""megaloom: a dataflow runtime for fine-grained accelerator task graphs."""

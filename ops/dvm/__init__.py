@@ -1,0 +1,1 @@
+"""DVM fusion: clustering and splitting chains of vector ops into fused nodes."""

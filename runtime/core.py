@@ -1,0 +1,116 @@
+"""The microkernel: dependency counters, per-engine ready queues, completion propagation.
+
+It knows nothing of ops, tensors or time. Executors differ only in what "run a task"
+and "now" mean: the reference executor loops over :meth:`Core.pop`/:meth:`Core.done`,
+the thread executor makes the same calls from its workers, the simulator adds a clock.
+
+A task's state lives in one counter, as in graphlib: ``unmet[t] > 0`` waits for that many
+predecessors, ``0`` is ready (queued), ``RUNNING`` was handed out, ``DONE`` finished.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Sequence
+
+from megaloom.runtime.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from megaloom.runtime.graph import TaskGraph
+
+RUNNING = -1
+DONE = -2
+
+
+class Policy:
+    """Orders ready tasks. Subclasses override :meth:`prepare`, :meth:`push`, :meth:`pop`.
+
+    ``prepare`` sees the graph and the unit count of each engine kind before a run;
+    ``push`` receives a task that became ready; ``pop`` returns the next task for a free
+    unit of an engine kind, or -1 when it has none for that unit.
+    """
+
+    name = "fifo"
+
+    def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
+        self._engine = [t.engine for t in graph.tasks]
+        self._queues: dict[str, deque[int]] = {e: deque() for e in units}
+
+    def push(self, tid: int) -> None:
+        self._queues[self._engine[tid]].append(tid)
+
+    def pop(self, engine: str, unit: int) -> int:
+        q = self._queues[engine]
+        return q.popleft() if q else -1
+
+    def has_ready(self, engine: str) -> bool:
+        return bool(self._queues[engine])
+
+
+class FIFO(Policy):
+    """Ready tasks run in the order they became ready (ties: task id)."""
+
+
+class Core:
+    """Counts unmet dependencies and hands out ready tasks through a policy."""
+
+    __slots__ = ("graph", "policy", "unmet", "remaining", "_succ", "_names")
+
+    def __init__(self, graph: TaskGraph, units: dict[str, int], policy: Policy | None = None):
+        missing = [e for e in graph.engines() if units.get(e, 0) <= 0]
+        if missing:
+            raise ScheduleError(
+                f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
+            )
+        self.graph = graph
+        self.policy = policy if policy is not None else FIFO()
+        self.policy.prepare(graph, units)
+        self._succ = graph.succ
+        self.unmet = [len(p) for p in graph.pred]
+        self.remaining = len(self.unmet)
+        push = self.policy.push
+        for tid, n in enumerate(self.unmet):
+            if n == 0:
+                push(tid)
+
+    def pop(self, engine: str, unit: int = 0) -> int:
+        """Hand out the next ready task for ``unit`` of ``engine``, or -1 if none."""
+        tid = self.policy.pop(engine, unit)
+        if tid >= 0:
+            self.unmet[tid] = RUNNING
+        return tid
+
+    def done(self, tid: int) -> None:
+        """Mark a handed-out task finished and queue successors that became ready."""
+        unmet = self.unmet
+        if unmet[tid] != RUNNING:
+            state = "already done" if unmet[tid] == DONE else "not handed out"
+            raise ScheduleError(f"done() for task {self.graph.tasks[tid].name!r}, which is {state}")
+        unmet[tid] = DONE
+        self.remaining -= 1
+        push = self.policy.push
+        for s in self._succ[tid]:
+            n = unmet[s] - 1
+            unmet[s] = n
+            if n == 0:
+                push(s)
+
+    @property
+    def is_active(self) -> bool:
+        """True while some task is not done."""
+        return self.remaining > 0
+
+    def blocked(self) -> dict[str, list[str]]:
+        """Every task not done, with the predecessors it still waits for."""
+        tasks, unmet = self.graph.tasks, self.unmet
+        out: dict[str, list[str]] = {}
+        for tid, n in enumerate(unmet):
+            if n == DONE:
+                continue
+            if n == RUNNING:
+                out[tasks[tid].name] = ["(running)"]
+            else:
+                out[tasks[tid].name] = [tasks[p].name for p in self.graph.pred[tid] if unmet[p] != DONE]
+        return out
+
+    def states(self) -> Sequence[int]:
+        return self.unmet

@@ -1,0 +1,108 @@
+"""What all executors share: run context, buffer allocation, observers, results."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from megaloom.runtime.dtypes import torch_dtype
+from megaloom.runtime.errors import ExecutionError
+from megaloom.runtime.graph import Task, TaskGraph
+from megaloom.runtime.region import to_slices
+from megaloom.runtime.trace import Trace, TraceEvent
+
+
+@dataclass(slots=True)
+class ExecContext:
+    """Passed as ``ctx=`` to ops registered with ``context=True`` (comm ops, mostly)."""
+
+    rank: int = 0
+    world_size: int = 1
+    comm: Any = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class Observer:
+    """Hooks every executor calls alike; override what you need."""
+
+    def on_run_start(self, graph: TaskGraph, meta: dict[str, Any]) -> None:
+        pass
+
+    def on_task(self, event: TraceEvent) -> None:
+        pass
+
+    def on_run_end(self, trace: Trace) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Outputs of a run (graph output buffers by name; empty when simulated) and its trace."""
+
+    outputs: dict[str, torch.Tensor]
+    trace: Trace
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.outputs[name]
+
+
+def allocate(graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None, device: torch.device) -> dict[str, torch.Tensor]:
+    """One tensor per buffer: inputs checked and (for in-out buffers) copied, the rest empty."""
+    inputs = dict(inputs or {})
+    unknown = sorted(set(inputs) - {b.name for b in graph.inputs})
+    if unknown:
+        raise ExecutionError(f"graph {graph.name!r} has no input buffer named {', '.join(map(repr, unknown))}")
+    out: dict[str, torch.Tensor] = {}
+    for b in graph.buffers.values():
+        dt = torch_dtype(b.dtype)
+        if b.is_input:
+            if b.name not in inputs:
+                raise ExecutionError(f"graph {graph.name!r}: input {b.name!r} {b.shape} {b.dtype} was not given")
+            x = inputs[b.name]
+            if not isinstance(x, torch.Tensor):
+                raise ExecutionError(f"input {b.name!r} must be a torch.Tensor, got {type(x).__name__}")
+            if tuple(x.shape) != b.shape or x.dtype != dt:
+                raise ExecutionError(
+                    f"input {b.name!r} is {tuple(x.shape)} {x.dtype}, graph {graph.name!r} expects {b.shape} {dt}"
+                )
+            x = x.to(device)
+            out[b.name] = x.clone() if b.is_output else x
+        else:
+            out[b.name] = torch.empty(b.shape, dtype=dt, device=device)
+    return out
+
+
+def views(task: Task, bufs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors a task reads and writes: views of the buffers' storage."""
+    ins = [bufs[r.buffer.name][to_slices(r.box)] for r in task.inputs]
+    outs = [bufs[r.buffer.name][to_slices(r.box)] for r in task.outputs]
+    return ins, outs
+
+
+def event_of(graph: TaskGraph, task: Task, unit: int, rank: int, start: float, end: float) -> TraceEvent:
+    """The trace event of one task run."""
+    c = graph.costs()[task.id]
+    return TraceEvent(task.id, task.name, task.op, task.engine, unit, rank, start, end,
+                      c.flops, c.bytes, c.comm_bytes, graph.pred[task.id][:], dict(task.tags) if task.tags else {})
+
+
+def fail(task: Task, exc: BaseException) -> ExecutionError:
+    err = ExecutionError(f"task {task.name!r} (op {task.op!r}, engine {task.engine}) failed: {type(exc).__name__}: {exc}", task=task.name)
+    err.__cause__ = exc
+    return err
+
+
+class Executor:
+    """Base of the real executors: ``run`` blocks, ``run_async`` awaits the same work."""
+
+    name = "executor"
+
+    def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
+        raise NotImplementedError
+
+    async def run_async(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
+        """Run in a worker thread so the event loop stays free."""
+        return await asyncio.to_thread(self.run, graph, inputs)

@@ -1,0 +1,61 @@
+"""The oracle: tasks run one by one, in topological order, through each op's torch reference."""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Mapping
+
+import torch
+
+from megaloom.runtime.executors.base import (
+    ExecContext, Executor, Observer, RunResult, allocate, event_of, fail, views,
+)
+from megaloom.runtime.core import Core
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.registry import get_op, run_reference
+from megaloom.runtime.trace import Trace
+
+
+class ReferenceExecutor(Executor):
+    """Sequential execution with the ops' reference functions; one unit per engine kind."""
+
+    name = "reference"
+
+    def __init__(self, ctx: ExecContext | None = None, observers: Iterable[Observer] = ()):
+        self.ctx = ctx or ExecContext()
+        self.observers = list(observers)
+
+    def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
+        graph.validate()
+        bufs = allocate(graph, inputs, self.ctx.device)
+        units = {e: 1 for e in graph.engines()}
+        meta = {"graph": graph.name, "mode": "reference", "clock": "wall", "units": units,
+                "rank": self.ctx.rank, "world_size": self.ctx.world_size}
+        for o in self.observers:
+            o.on_run_start(graph, meta)
+        core = Core(graph, units)
+        events = []
+        engines = list(units)
+        while core.is_active:
+            tid = next((t for t in (core.pop(e) for e in engines) if t >= 0), -1)
+            task = graph.tasks[tid]
+            op = get_op(task.op)
+            ins, outs = views(task, bufs)
+            t0 = time.perf_counter()
+            try:
+                results = run_reference(op, ins, task.attrs, self.ctx)
+                if len(results) != len(outs):
+                    raise ValueError(f"reference returned {len(results)} outputs, task declares {len(outs)}")
+                for o, r in zip(outs, results):
+                    o.copy_(r)
+            except Exception as e:
+                raise fail(task, e) from e
+            ev = event_of(graph, task, 0, self.ctx.rank, t0, time.perf_counter())
+            events.append(ev)
+            for o in self.observers:
+                o.on_task(ev)
+            core.done(tid)
+        trace = Trace(events, meta)
+        for o in self.observers:
+            o.on_run_end(trace)
+        return RunResult({b.name: bufs[b.name] for b in graph.outputs}, trace, bufs)
+

@@ -1,0 +1,96 @@
+"""msgpack save/load of task graphs with a schema version.
+
+Every edge is stored (derived and control alike), so a loaded graph is the graph that
+was saved even where it was built from explicit edges only. Loading checks every field
+and raises TraceFormatError (bad file) or GraphError (bad graph), never a raw KeyError.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgpack
+
+from megaloom.runtime.errors import GraphError, TraceFormatError
+from megaloom.runtime.graph import Region, TaskGraph
+from megaloom.runtime.registry import Cost
+from megaloom.runtime.trace import atomic_write, read_msgpack
+
+GRAPH_FORMAT = "megaloom-graph"
+GRAPH_VERSION = 1
+
+
+def _region(r: Region) -> list[Any]:
+    return [r.buffer.name, [list(b) for b in r.box]]
+
+
+def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
+    return {
+        "format": GRAPH_FORMAT,
+        "version": GRAPH_VERSION,
+        "name": g.name,
+        "buffers": [[b.name, list(b.shape), b.dtype, b.is_input, b.is_output] for b in g.buffers.values()],
+        "tasks": [
+            {"name": t.name, "op": t.op, "engine": t.engine, "in": [_region(r) for r in t.inputs],
+             "out": [_region(r) for r in t.outputs], "attrs": t.attrs, "priority": t.priority, "tags": t.tags,
+             "cost": None if t.cost is None else [t.cost.flops, t.cost.bytes, t.cost.comm_bytes, t.cost.precision]}
+            for t in g.tasks
+        ],
+        "pred": g.pred,
+    }
+
+
+def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:
+    """Write ``g`` atomically; attrs and tags must be msgpack-encodable."""
+    try:
+        data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
+    except TypeError as e:
+        raise GraphError(f"graph {g.name!r}: attrs or tags are not msgpack-encodable: {e}") from e
+    atomic_write(path, data)
+
+
+def load_graph(path: str | os.PathLike) -> TaskGraph:
+    return graph_from_dict(read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION), str(path))
+
+
+def _want(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise TraceFormatError(f"{where}: {what}")
+
+
+def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
+    """Rebuild a graph from its dict form (as stored), checking every field."""
+    _want(isinstance(d.get("name"), str), where, "missing graph name")
+    _want(all(isinstance(d.get(k), list) for k in ("buffers", "tasks", "pred")), where, "missing buffers/tasks/pred")
+    g = TaskGraph(d["name"])
+    for i, b in enumerate(d["buffers"]):
+        ok = isinstance(b, list) and len(b) == 5 and isinstance(b[0], str) and isinstance(b[1], list) \
+            and all(isinstance(x, int) for x in b[1]) and isinstance(b[2], str)
+        _want(ok, where, f"buffer {i} is malformed: {b!r:.80}")
+        g._add_buffer(b[0], b[1], b[2], bool(b[3]), bool(b[4]))
+    n = len(d["tasks"])
+    for i, t in enumerate(d["tasks"]):
+        ok = isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("op"), str) \
+            and isinstance(t.get("engine"), str) and isinstance(t.get("in"), list) and isinstance(t.get("out"), list) \
+            and isinstance(t.get("attrs"), dict) and isinstance(t.get("tags"), dict) and isinstance(t.get("priority"), int)
+        _want(ok, where, f"task {i} is malformed")
+        regions = []
+        for r in t["in"] + t["out"]:
+            _want(isinstance(r, list) and len(r) == 2 and r[0] in g.buffers and isinstance(r[1], list)
+                  and all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in r[1]),
+                  where, f"task {t['name']!r} has a malformed region {r!r:.80}")
+            regions.append(Region(g.buffers[r[0]], tuple(tuple(p) for p in r[1])))
+        c = t.get("cost")
+        _want(c is None or (isinstance(c, list) and len(c) == 4), where, f"task {t['name']!r} has a malformed cost")
+        task = g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
+                      attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
+        # stored edges replace derived ones, so the loaded graph is exactly the saved one
+        g.succ[task.id].clear()
+        g.pred[task.id].clear()
+    _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)
+                                      for p in d["pred"]), where, "an edge names a task that does not exist")
+    g._forward_only = True
+    for b, preds in enumerate(d["pred"]):
+        for a in preds:
+            g._link(a, b)
+    return g

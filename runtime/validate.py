@@ -1,0 +1,123 @@
+"""``TaskGraph.validate``: a table of rules, each naming the tasks and buffers it blames.
+
+Rules run in table order; the first rule that finds problems raises one GraphError
+listing all of them (up to ten), with ``tasks`` naming every offender.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterator
+
+from megaloom.runtime.errors import GraphError
+from megaloom.runtime.region import overlaps, uncovered
+from megaloom.runtime.registry import TensorSpec, get_op
+
+if TYPE_CHECKING:
+    from megaloom.runtime.graph import TaskGraph
+
+Problem = tuple[str, str]  # (task name, message)
+
+
+def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
+    for t in g.tasks:
+        try:
+            get_op(t.op)
+        except GraphError:
+            yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
+
+
+def _engine(g: TaskGraph) -> Iterator[Problem]:
+    for t in g.tasks:
+        engines = get_op(t.op).engines
+        if t.engine not in engines:
+            yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(engines)}, not {t.engine!r}"
+
+
+def _shapes(g: TaskGraph) -> Iterator[Problem]:
+    for t in g.tasks:
+        ins = [TensorSpec(r.shape, r.dtype) for r in t.inputs]
+        try:
+            want = get_op(t.op).shape(ins, t.attrs)
+        except GraphError as e:
+            yield t.name, f"task {t.name!r}: {e}"
+            continue
+        if len(want) != len(t.outputs):
+            yield t.name, f"task {t.name!r}: op {t.op!r} makes {len(want)} outputs, task declares {len(t.outputs)}"
+            continue
+        for i, (w, r) in enumerate(zip(want, t.outputs)):
+            if tuple(w.shape) != r.shape or w.dtype != r.dtype:
+                yield t.name, (
+                    f"task {t.name!r}: output {i} ({r}) is {r.shape} {r.dtype}, "
+                    f"op {t.op!r} makes {tuple(w.shape)} {w.dtype}"
+                )
+
+
+def _cycles(g: TaskGraph) -> Iterator[Problem]:
+    try:
+        g.topological_order()
+    except GraphError as e:
+        for name in e.cycle[:1]:
+            yield name, str(e)
+
+
+def _writers(g: TaskGraph) -> dict[str, list[tuple[int, tuple]]]:
+    out: dict[str, list[tuple[int, tuple]]] = {}
+    for t in g.tasks:
+        for r in t.outputs:
+            out.setdefault(r.buffer.name, []).append((t.id, r.box))
+    return out
+
+
+def _ordered_before(g: TaskGraph, a: int, b: int) -> bool:
+    return a in g.pred[b] or g.reaches(a, b)
+
+
+def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
+    writers = _writers(g)
+    for t in g.tasks:
+        for r in t.inputs:
+            if r.buffer.is_input:
+                continue
+            covers = [box for w, box in writers.get(r.buffer.name, ()) if w != t.id and overlaps(box, r.box)
+                      and _ordered_before(g, w, t.id)]
+            gaps = uncovered(r.box, covers)
+            if gaps and any(all(b > a for a, b in gap) for gap in gaps):
+                yield t.name, f"task {t.name!r} reads {r}, but no earlier task writes {gaps[0]} of it and it is not a graph input"
+
+
+def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
+    for name, ws in _writers(g).items():
+        for i, (a, abox) in enumerate(ws):
+            for b, bbox in ws[i + 1:]:
+                if a != b and overlaps(abox, bbox) and not (_ordered_before(g, a, b) or _ordered_before(g, b, a)):
+                    ta, tb = g.tasks[a].name, g.tasks[b].name
+                    yield ta, f"tasks {ta!r} and {tb!r} both write buffer {name!r} with no order between them"
+
+
+RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [
+    ("unknown op", _unknown_op),
+    ("engine kind", _engine),
+    ("cycle", _cycles),
+    ("shape and dtype", _shapes),
+    ("read of unwritten region", _unwritten_reads),
+    ("unordered writes", _unordered_writes),
+]
+
+
+def validate(g: TaskGraph) -> None:
+    """Raise GraphError for the first rule of :data:`RULES` that the graph breaks."""
+    for rule, check in RULES:
+        problems = []
+        for p in check(g):
+            problems.append(p)
+            if len(problems) >= 10:
+                break
+        if problems:
+            names = tuple(dict.fromkeys(n for n, _ in problems))
+            msg = f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems)
+            cyc = ()
+            if rule == "cycle":
+                try:
+                    g.topological_order()
+                except GraphError as e:
+                    cyc = e.cycle
+            raise GraphError(msg, tasks=names, cycle=cyc)

@@ -131,8 +131,7 @@ def _slices(events: list[Any], report: ImportReport) -> tuple[list[_Slice], list
         if ph in ("s", "t", "f") or (ph == "X" and cat == "cuda_sync"):
             _num(e, "ts", i)
             marks.append((i, e))
-            if ph != "X":
-                continue
+            continue
         if cat in _META_CATS:
             report.skip(f"category {cat}")
             continue
@@ -199,18 +198,22 @@ def _walk(s: _Slice):
         yield from _walk(c)
 
 
+_GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|linear)$")
+
+
 def _work(s: _Slice) -> tuple[float, float, list[list[int]]]:
-    """Flops and bytes of the first GEMM in the nest (from recorded shapes), and its dims."""
-    for n in _walk(s):
+    """Flops and bytes of the innermost GEMM in the nest (from recorded shapes), and its dims."""
+    for n in reversed(list(_walk(s))):
         dims, types = n.args.get("Input Dims"), n.args.get("Input type")
-        if not isinstance(dims, list) or not _CUBE.search(n.name):
+        if not isinstance(dims, list) or not _GEMM.match(n.name):
             continue
         mats = [d for d in dims if isinstance(d, list) and len(d) in (2, 3) and all(isinstance(v, int) for v in d)]
         if len(mats) < 2:
             continue
-        a, b = mats[-2], mats[-1]
+        a, b = mats[0], mats[1]
         batch = a[0] if len(a) == 3 else 1
-        m, k, nn = a[-2], a[-1], b[-1]
+        m, k = a[-2], a[-1]
+        nn = b[-2] if n.name == "aten::linear" else b[-1]  # linear's weight is [out, in]
         size = itemsize(_DTYPE.get(types[0], "float32")) if isinstance(types, list) and types and isinstance(types[0], str) else 4
         flops = 2.0 * batch * m * k * nn
         nbytes = size * batch * (m * k + k * nn + m * nn)
@@ -280,7 +283,7 @@ def import_torch_profiler(path: str | os.PathLike, rank: int = 0) -> tuple[Trace
         if e.get("ph") in ("s", "t", "f"):
             flows.setdefault((e.get("cat"), e.get("id")), []).append(e)
     for chain in flows.values():
-        chain.sort(key=lambda e: float(e["ts"]))
+        chain.sort(key=lambda e: ("stf".index(e["ph"]), float(e["ts"])))  # a flow runs s -> t... -> f
         for a, b in zip(chain, chain[1:]):
             link(_enclosing(starts, tasks_on, top, (a.get("pid"), a.get("tid")), float(a["ts"])),
                  _enclosing(starts, tasks_on, top, (b.get("pid"), b.get("tid")), float(b["ts"])), "flows")

@@ -1,0 +1,102 @@
+"""Run a function on N local ranks, each with its own ``TorchCommunicator``.
+
+Used by tests, benchmarks and quick experiments (``megaloom launch`` starts scripts
+instead). Children start from a forkserver that has imported torch once, so a world
+starts in about a second. Each rank's return value travels back msgpack-encoded
+(never pickled); a rank that raises, dies or outlives ``timeout`` is reported by rank.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import msgpack
+
+from megaloom.runtime.errors import CommError
+
+_CTX = None
+
+
+def free_port() -> int:
+    """A TCP port on loopback that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "megaloom.comm"])
+    return _CTX
+
+
+def _child(fn, rank: int, world: int, port: int, comm_timeout: float, backend: str, conn, args) -> None:
+    import torch
+
+    from megaloom.comm.torch_comm import TorchCommunicator
+
+    torch.set_num_threads(1)
+    try:
+        comm = TorchCommunicator(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                 world_size=world, timeout=comm_timeout)
+        try:
+            result = {"ok": True, "value": fn(comm, *args)}
+        finally:
+            comm.close()
+    except BaseException as e:  # reported to the parent by rank
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    conn.send_bytes(msgpack.packb(result, use_bin_type=True))
+    conn.close()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+              comm_timeout: float = 10.0, backend: str = "gloo", allow_fail: bool = False) -> list[Any]:
+    """``fn(comm, *args)`` on ``world_size`` ranks; returns each rank's result, in rank order.
+
+    ``fn`` must be importable (a module-level function) and return msgpack-encodable data.
+    A rank that raises makes this raise CommError with its traceback, unless
+    ``allow_fail``, where the list holds ``{"error": ...}`` (or ``None`` for a rank that
+    exited without a result) in its place.
+    """
+    ctx = _context()
+    port = free_port()
+    procs, pipes = [], []
+    for rank in range(world_size):
+        recv, send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_child, args=(fn, rank, world_size, port, comm_timeout, backend, send, args),
+                        name=f"megaloom-rank{rank}", daemon=True)
+        p.start()
+        send.close()
+        procs.append(p)
+        pipes.append(recv)
+    deadline = time.monotonic() + timeout
+    results: list[Any] = [None] * world_size
+    for rank, (p, conn) in enumerate(zip(procs, pipes)):
+        left = max(0.0, deadline - time.monotonic())
+        if conn.poll(left):
+            try:
+                results[rank] = msgpack.unpackb(conn.recv_bytes(), raw=False)
+            except EOFError:
+                results[rank] = None
+        p.join(max(0.0, min(5.0, deadline - time.monotonic())))
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in stuck:
+        procs[r].kill()
+        procs[r].join(5)
+    if stuck:
+        raise CommError(f"ranks {stuck} of {world_size} did not finish within {timeout:g} s")
+    out = []
+    for rank, res in enumerate(results):
+        if res is None or not res.get("ok"):
+            if not allow_fail:
+                why = "exited without a result" if res is None else res["traceback"]
+                raise CommError(f"rank {rank} of {world_size} failed: {why}")
+            out.append(None if res is None else {"error": res["error"]})
+        else:
+            out.append(res["value"])
+    return out

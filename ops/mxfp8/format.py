@@ -1,0 +1,157 @@
+"""MXFP8 E4M3 (OCP Microscaling Formats v1.0): quantisation and dequantisation in plain torch.
+
+A quantised tensor is a pair of buffers: ``data`` (``float8_e4m3fn``, the shape of the input)
+and ``scales`` (``float8_e8m0fnu``, one per block of 32 consecutive elements along the
+quantisation axis). Axis ``"rows"`` blocks the last dim (scales ``(..., R, C // 32)``),
+axis ``"cols"`` blocks the second-to-last dim (scales ``(..., R // 32, C)``).
+
+Scale rules (spec section 6.3 and the common round-up variant):
+
+* ``floor`` (OCP, default): shared exponent ``e = floor(log2(amax)) - 8`` (8 = emax of E4M3);
+  elements ``x / 2**e`` may exceed 448 and saturate to +-448.
+* ``rceil``: ``2**e`` is the smallest power of two with ``448 * 2**e >= amax``; no element
+  saturates unless the exponent was clamped.
+
+``e`` is clamped to the E8M0 range [-127, 127]. Elements are rounded to nearest, ties to
+even, and saturated to +-448. A block of zeros gets the smallest scale (code 0, 2**-127)
+and zero data. NaN/Inf choice: a block holding any NaN or +-Inf gets the NaN scale (code
+0xFF) and NaN data (code 0x7F) in every element; by the spec a NaN scale makes the whole
+block decode to NaN, which is what dequantisation returns. The sign of zero is kept.
+
+All arithmetic is exact: exponents come from ``frexp`` (integers), scaling multiplies by
+exact powers of two in float32, and torch's float32 -> E4M3 cast rounds to nearest even.
+"""
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+from megaloom.runtime.errors import GraphError
+
+BLOCK = 32
+E4M3_MAX = 448.0
+E4M3_EMAX = 8
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+E4M3_NAN = 0x7F
+AXES = ("rows", "cols")
+SCALE_MODES = ("floor", "rceil")
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+Axis = Literal["rows", "cols"]
+
+# 2**(127 - code) for every scale code 0..254 (the multiplier that maps x to the element grid)
+_INV_SCALE = torch.tensor([2.0 ** (E8M0_BIAS - c) for c in range(255)] + [float("nan")], dtype=torch.float32)
+
+
+class MXTensor(NamedTuple):
+    """A quantised tensor: E4M3 payload, E8M0 block scales, and the blocked axis."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    axis: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def block_dim(axis: str) -> int:
+    """The tensor dim (negative index) that ``axis`` blocks."""
+    if axis not in AXES:
+        raise GraphError(f"MXFP8 axis must be one of {AXES}, got {axis!r}")
+    return -1 if axis == "rows" else -2
+
+
+def scale_shape(shape: tuple[int, ...], axis: str) -> tuple[int, ...]:
+    """Shape of the scales of a tensor of ``shape`` blocked along ``axis``; checks divisibility."""
+    d = block_dim(axis)
+    if len(shape) < 2:
+        raise GraphError(f"MXFP8 tensors are at least 2-D, got shape {tuple(shape)}")
+    if shape[d] % BLOCK:
+        raise GraphError(f"MXFP8 {axis} quantisation needs dim {len(shape) + d} of {tuple(shape)} to be a multiple of {BLOCK}")
+    out = list(shape)
+    out[d] //= BLOCK
+    return tuple(out)
+
+
+def check_mode(scale_mode: str) -> str:
+    if scale_mode not in SCALE_MODES:
+        raise GraphError(f"MXFP8 scale_mode must be one of {SCALE_MODES}, got {scale_mode!r}")
+    return scale_mode
+
+
+def _blocked(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """View with the blocked dim split into (n_blocks, 32); the 32 is at index -1 (rows) or -2 (cols)."""
+    *lead, r, c = x.shape
+    return x.reshape(*lead, r, c // BLOCK, BLOCK) if axis == "rows" else x.reshape(*lead, r // BLOCK, BLOCK, c)
+
+
+def scale_codes(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
+    """E8M0 codes (int32, 0..255) of blocks with float32 absolute maxima ``amax``."""
+    mant, ex = torch.frexp(amax)  # amax = mant * 2**ex, mant in [0.5, 1)
+    if scale_mode == "floor":
+        e = ex - 1 - E4M3_EMAX
+    else:  # 448 = 0.875 * 2**9: amax / 448 <= 2**(ex - 9) exactly when mant <= 0.875
+        e = ex - 9 + (mant > 0.875).to(torch.int32)
+    e = torch.where(amax == 0, -E8M0_BIAS, e).clamp_(-E8M0_BIAS, E8M0_BIAS) + E8M0_BIAS
+    return torch.where(torch.isfinite(amax), e, E8M0_NAN)
+
+
+def _encode(xb: torch.Tensor, codes: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Payload and scales of blocked float32 ``xb`` given per-block codes (unsqueezed at ``keep``)."""
+    inv = _INV_SCALE.to(xb.device)[codes.long()].unsqueeze(keep)
+    data = (xb * inv).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    bad = codes == E8M0_NAN
+    if bool(bad.any()):
+        data.view(torch.uint8).masked_fill_(bad.unsqueeze(keep).expand_as(data), E4M3_NAN)
+    return data, codes.to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dtype not in INPUT_DTYPES:
+        raise GraphError(f"MXFP8 quantisation takes float32/bfloat16/float16, got {x.dtype}")
+
+
+def quantize(x: torch.Tensor, axis: str = "rows", scale_mode: str = "floor") -> MXTensor:
+    """Quantise ``x`` (>= 2-D) in blocks of 32 along ``axis``."""
+    _check_input(x)
+    scale_shape(tuple(x.shape), axis)
+    check_mode(scale_mode)
+    xb = _blocked(x.float(), axis)
+    keep = -1 if axis == "rows" else -2
+    codes = scale_codes(xb.abs().amax(keep), scale_mode)
+    data, scales = _encode(xb, codes, keep)
+    return MXTensor(data.reshape(x.shape), scales, axis)
+
+
+def quantize_dual(x: torch.Tensor, scale_mode: str = "floor") -> tuple[MXTensor, MXTensor]:
+    """Row-wise and column-wise quantisation sharing one float32 conversion and one ``abs``."""
+    _check_input(x)
+    scale_shape(tuple(x.shape), "rows"), scale_shape(tuple(x.shape), "cols")
+    check_mode(scale_mode)
+    xf = x.float()
+    ax = xf.abs()
+    out = []
+    for axis, keep in (("rows", -1), ("cols", -2)):
+        codes = scale_codes(_blocked(ax, axis).amax(keep), scale_mode)
+        data, scales = _encode(_blocked(xf, axis), codes, keep)
+        out.append(MXTensor(data.reshape(x.shape), scales, axis))
+    return out[0], out[1]
+
+
+def dequantize(data: torch.Tensor, scales: torch.Tensor, axis: str = "rows", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``data * 2**(code - 127)`` per block (NaN scale -> NaN block), computed in float32, cast to ``dtype``."""
+    want = scale_shape(tuple(data.shape), axis)
+    if tuple(scales.shape) != want:
+        raise GraphError(f"MXFP8 scales are {tuple(scales.shape)}, data {tuple(data.shape)} blocked by {axis} needs {want}")
+    keep = -1 if axis == "rows" else -2
+    y = _blocked(data.float(), axis) * scales.float().unsqueeze(keep)
+    return y.reshape(data.shape).to(dtype)
+
+
+def pad_rows(x: torch.Tensor, multiple: int = BLOCK) -> torch.Tensor:
+    """``x`` with zero rows appended along dim -2 up to a multiple of ``multiple``."""
+    extra = -x.shape[-2] % multiple
+    return x if not extra else torch.nn.functional.pad(x, (0, 0, 0, extra))

@@ -1,0 +1,219 @@
+"""Hardware profiles: unit counts, peak rates, memory and link figures, each with its source.
+
+Profiles are YAML data files. The packaged ones live in ``scheduler/profiles/``; user
+profiles (``megaloom calibrate`` writes ``cpu.yaml`` there) live in ``$MEGALOOM_PROFILE_DIR``
+or else ``$XDG_CONFIG_HOME/megaloom/profiles`` (``~/.config/megaloom/profiles``) and take
+precedence over packaged files of the same name.
+
+Rates in the file are chip-wide datasheet figures (all units of an engine kind together).
+A task runs on one unit, so the cost model charges it a fair share: :meth:`unit_peak` and
+:meth:`unit_mem_bw` divide by the profile's unit count of that engine kind.
+
+Layout (numbers may be written ``1.6e12``)::
+
+    name: ascend-910b
+    description: one line
+    units: {cube: 24, vector: 48, comm: 4}
+    peak:                      # chip-wide flop/s per engine kind and precision
+      cube: {fp16: 3.76e14, bf16: 3.76e14, fp32: 9.4e13}
+      vector: {fp32: 1.1e13, fp16: 2.2e13}
+    mem_bw: 1.6e12             # B/s
+    links:                     # alpha: latency (s), beta: bandwidth (B/s)
+      intra: {alpha: 5.0e-6, beta: 3.92e11}
+      inter: {alpha: 1.0e-5, beta: 2.5e10}
+    task_overhead: 2.0e-6      # s added to every task
+    sources: {units: "...", peak.cube: "...", peak.vector: "...", mem_bw: "...",
+              links.intra: "...", links.inter: "...", task_overhead: "..."}
+
+A precision the engine has no figure for falls back along :data:`FALLBACK` (for example
+``mxfp8`` on a chip without MX support runs at its ``fp8`` rate, else ``bf16``...), the
+way a kernel library emulates a format with the next wider one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megaloom.runtime.errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
+FALLBACK: dict[str, tuple[str, ...]] = {
+    "mxfp8": ("fp8", "bf16", "fp16", "fp32"),
+    "fp8": ("bf16", "fp16", "fp32"),
+    "bf16": ("fp16", "fp32"),
+    "fp16": ("bf16", "fp32"),
+    "fp64": ("fp32",),
+    "fp32": (),
+}
+LINK_KINDS = ("intra", "inter")
+PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+def user_profile_dir() -> Path:
+    """Where user profiles (calibrated ``cpu.yaml``) are read from and written to."""
+    env = os.environ.get("MEGALOOM_PROFILE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "megaloom" / "profiles"
+
+
+@dataclass(slots=True)
+class HardwareProfile:
+    """One chip: engine units, chip-wide peak rates, memory and link figures, sources."""
+
+    name: str
+    units: dict[str, int]
+    peaks: dict[str, dict[str, float]]
+    mem_bw: float
+    links: dict[str, tuple[float, float]]
+    task_overhead: float
+    sources: dict[str, str] = field(default_factory=dict)
+    description: str = ""
+    path: str = ""
+
+    def peak(self, engine: str, precision: str = "fp32") -> float:
+        """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
+        rates = self.peaks.get(engine)
+        if not rates:
+            raise ConfigError(f"profile {self.name!r} has no peak rates for engine {engine!r}")
+        if precision not in FALLBACK:
+            raise ConfigError(f"profile {self.name!r}: unknown precision {precision!r}; known: {', '.join(FALLBACK)}")
+        for p in (precision, *FALLBACK[precision]):
+            if p in rates:
+                return rates[p]
+        raise ConfigError(f"profile {self.name!r}: engine {engine!r} has no rate for {precision!r} "
+                          f"nor its fallbacks {list(FALLBACK[precision])}")
+
+    def unit_peak(self, engine: str, precision: str = "fp32") -> float:
+        """flop/s one unit of ``engine`` gets: the chip-wide peak shared by its units."""
+        return self.peak(engine, precision) / self.units.get(engine, 1)
+
+    def unit_mem_bw(self, engine: str) -> float:
+        """Memory bandwidth one unit of ``engine`` gets (fair share of ``mem_bw``)."""
+        return self.mem_bw / self.units.get(engine, 1)
+
+    def link(self, kind: str = "intra") -> tuple[float, float]:
+        """``(alpha_s, beta_Bps)`` of the intra- or inter-node link."""
+        try:
+            return self.links[kind]
+        except KeyError:
+            raise ConfigError(f"profile {self.name!r} has no link {kind!r}; it has {sorted(self.links)}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML layout of this profile (what :func:`parse_profile` reads)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "units": dict(self.units),
+            "peak": {e: dict(r) for e, r in self.peaks.items()},
+            "mem_bw": self.mem_bw,
+            "links": {k: {"alpha": a, "beta": b} for k, (a, b) in self.links.items()},
+            "task_overhead": self.task_overhead,
+            "sources": dict(self.sources),
+        }
+
+
+def _number(where: str, key: str, v: Any, *, positive: bool = True) -> float:
+    if isinstance(v, bool):
+        raise ConfigError(f"{where}: key {key!r} must be a number, got {v!r}")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: key {key!r} must be a number, got {v!r}") from None
+    if not (x == x and x != float("inf")) or x < 0 or (positive and x == 0):
+        raise ConfigError(f"{where}: key {key!r} must be a {'positive' if positive else 'non-negative'} finite number, got {v!r}")
+    return x
+
+
+def _mapping(where: str, key: str, v: Any) -> dict[str, Any]:
+    if not isinstance(v, dict) or not v:
+        raise ConfigError(f"{where}: key {key!r} must be a non-empty mapping, got {v!r:.60}")
+    return v
+
+
+def parse_profile(data: Any, where: str) -> HardwareProfile:
+    """Check a profile's dict form; a missing or bad figure raises ConfigError naming ``where`` and the key."""
+    d = _mapping(where, "<top level>", data)
+    for key in ("name", "units", "peak", "mem_bw", "links", "task_overhead", "sources"):
+        if key not in d:
+            raise ConfigError(f"{where}: missing key {key!r}")
+    if not isinstance(d["name"], str) or not d["name"]:
+        raise ConfigError(f"{where}: key 'name' must be a non-empty string")
+    units = {}
+    for e, n in _mapping(where, "units", d["units"]).items():
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer, got {n!r}")
+        units[str(e)] = n
+    peaks: dict[str, dict[str, float]] = {}
+    for e, rates in _mapping(where, "peak", d["peak"]).items():
+        if e not in units:
+            raise ConfigError(f"{where}: key 'peak.{e}' names an engine missing from 'units'")
+        peaks[e] = {}
+        for p, v in _mapping(where, f"peak.{e}", rates).items():
+            if p not in FALLBACK:
+                raise ConfigError(f"{where}: key 'peak.{e}.{p}' is not a known precision ({', '.join(FALLBACK)})")
+            peaks[e][p] = _number(where, f"peak.{e}.{p}", v)
+    links = {}
+    for k in LINK_KINDS:
+        link = _mapping(where, f"links.{k}", _mapping(where, "links", d["links"]).get(k))
+        for part in ("alpha", "beta"):
+            if part not in link:
+                raise ConfigError(f"{where}: missing key 'links.{k}.{part}'")
+        links[k] = (_number(where, f"links.{k}.alpha", link["alpha"], positive=False),
+                    _number(where, f"links.{k}.beta", link["beta"]))
+    sources = _mapping(where, "sources", d["sources"])
+    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in LINK_KINDS), "task_overhead"]
+    for key in needed:
+        if not isinstance(sources.get(key), str) or not sources[key].strip():
+            raise ConfigError(f"{where}: missing source text 'sources.{key}' (cite where the figure comes from)")
+    return HardwareProfile(
+        name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
+        task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
+        sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
+        path=where,
+    )
+
+
+def read_profile(path: str | os.PathLike) -> HardwareProfile:
+    """Load one profile file; unreadable, non-YAML or incomplete files raise ConfigError."""
+    where = os.fspath(path)
+    try:
+        with open(where, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read profile: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    return parse_profile(data, where)
+
+
+def _dirs() -> list[Path]:
+    return [user_profile_dir(), PACKAGED_DIR]
+
+
+def list_profiles() -> list[str]:
+    """Names of every profile found (user profiles and packaged ones), sorted."""
+    names = set()
+    for d in _dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
+    """A profile by name (user directory first, then packaged) or by path to a YAML file."""
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    s = os.fspath(name_or_path)
+    if s.endswith((".yaml", ".yml")) or os.sep in s:
+        return read_profile(s)
+    for d in _dirs():
+        p = d / f"{s}.yaml"
+        if p.is_file():
+            return read_profile(p)
+    raise ConfigError(f"unknown hardware profile {s!r}; known: {', '.join(list_profiles())}")

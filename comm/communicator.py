@@ -101,10 +101,10 @@ class Communicator:
                             f"recv is {out.dtype} rows {tuple(out.shape[1:])}")
         metas = self.exchange([send, recv, str(inp.dtype), list(inp.shape[1:])])
         problems = []
+        dt0, row0 = metas[0][2], metas[0][3]
         for r, (s_r, _, dt, row) in enumerate(metas):
-            if dt != str(inp.dtype) or list(row) != list(inp.shape[1:]):
-                problems.append(f"rank {r} sends {dt} rows {tuple(row)}, rank {self.rank} expects "
-                                f"{inp.dtype} rows {tuple(inp.shape[1:])}")
+            if dt != dt0 or list(row) != list(row0):
+                problems.append(f"rank {r} sends {dt} rows {tuple(row)}, rank 0 sends {dt0} rows {tuple(row0)}")
             for p, (_, r_p, _, _) in enumerate(metas):
                 if s_r[p] != r_p[r]:
                     problems.append(f"rank {r} sends {s_r[p]} rows to rank {p}, which expects {r_p[r]}")

@@ -41,17 +41,17 @@ def _child(fn, rank: int, world: int, port: int, comm_timeout: float, backend: s
     from megaloom.comm.torch_comm import TorchCommunicator
 
     torch.set_num_threads(1)
+    comm = None
     try:
         comm = TorchCommunicator(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                  world_size=world, timeout=comm_timeout)
-        try:
-            result = {"ok": True, "value": fn(comm, *args)}
-        finally:
-            comm.close()
+        result = {"ok": True, "value": fn(comm, *args)}
     except BaseException as e:  # reported to the parent by rank
         result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     conn.send_bytes(msgpack.packb(result, use_bin_type=True))
     conn.close()
+    if comm is not None:
+        comm.close()  # may wait on dead peers; the parent stops waiting once it has every result
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
@@ -76,18 +76,20 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         pipes.append(recv)
     deadline = time.monotonic() + timeout
     results: list[Any] = [None] * world_size
-    for rank, (p, conn) in enumerate(zip(procs, pipes)):
-        left = max(0.0, deadline - time.monotonic())
-        if conn.poll(left):
+    answered = [False] * world_size
+    for rank, conn in enumerate(pipes):
+        if conn.poll(max(0.0, deadline - time.monotonic())):
+            answered[rank] = True
             try:
                 results[rank] = msgpack.unpackb(conn.recv_bytes(), raw=False)
-            except EOFError:
+            except EOFError:  # the rank exited without a result
                 results[rank] = None
-        p.join(max(0.0, min(5.0, deadline - time.monotonic())))
-    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in stuck:
-        procs[r].kill()
-        procs[r].join(5)
+    for p in procs:
+        p.join(max(0.0, min(2.0, deadline - time.monotonic())))
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    stuck = [r for r, a in enumerate(answered) if not a]
     if stuck:
         raise CommError(f"ranks {stuck} of {world_size} did not finish within {timeout:g} s")
     out = []

@@ -19,6 +19,9 @@ import torch.distributed as dist
 from megaloom.comm.communicator import Communicator, Handle, check_reduce_op, check_rows, pack
 from megaloom.runtime.errors import CommError
 
+# torch >= 2.10 names the tensor-in/tensor-out collectives *_single; older releases *_into_tensor / *_tensor
+_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -103,7 +106,7 @@ class TorchCommunicator(Communicator):
     def all_gather(self, out, inp, *, async_op=False) -> Handle:
         check_rows("all_gather", out, inp, self.world_size * inp.shape[0])
         dst, then = _contiguous_target(out)
-        return self._run("all_gather", lambda: dist.all_gather_into_tensor(
+        return self._run("all_gather", lambda: _GATHER(
             dst, inp.contiguous(), group=self.group, async_op=True), async_op, then)
 
     def reduce_scatter(self, out, inp, op="sum", *, async_op=False) -> Handle:
@@ -112,7 +115,7 @@ class TorchCommunicator(Communicator):
             raise CommError(f"reduce_scatter: {inp.shape[0]} input rows do not split over {self.world_size} ranks")
         check_rows("reduce_scatter", out, inp, inp.shape[0] // self.world_size)
         dst, then = _contiguous_target(out)
-        return self._run("reduce_scatter", lambda: dist.reduce_scatter_tensor(
+        return self._run("reduce_scatter", lambda: _SCATTER(
             dst, inp.contiguous(), op=_OPS[op], group=self.group, async_op=True), async_op, then)
 
     def all_reduce(self, tensor, op="sum", *, async_op=False) -> Handle:
@@ -139,12 +142,12 @@ class TorchCommunicator(Communicator):
         data = torch.frombuffer(bytearray(pack(value)), dtype=torch.uint8)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        self._run("exchange (sizes)", lambda: dist.all_gather_into_tensor(sizes, mine, group=self.group, async_op=True), False)
+        self._run("exchange (sizes)", lambda: _GATHER(sizes, mine, group=self.group, async_op=True), False)
         n = int(sizes.max())
         buf = torch.zeros(n, dtype=torch.uint8, device=self.device)
         buf[: data.numel()] = data.to(self.device)
         everyone = torch.empty(self.world_size * n, dtype=torch.uint8, device=self.device)
-        self._run("exchange (data)", lambda: dist.all_gather_into_tensor(everyone, buf, group=self.group, async_op=True), False)
+        self._run("exchange (data)", lambda: _GATHER(everyone, buf, group=self.group, async_op=True), False)
         raw = everyone.cpu().numpy().tobytes()
         return [msgpack.unpackb(raw[r * n: r * n + int(sizes[r])], raw=False) for r in range(self.world_size)]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megaloom.graphs import ops_proj  # noqa: F401  (the gate graphs' cube ops; one plug-in entry loads both)
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
 
@@ -60,7 +61,7 @@ def _topk_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if not 0 < k <= ins[0].shape[1]:
         raise GraphError(f"gate_topk: top_k={k} outside 1..{ins[0].shape[1]} experts")
     t = ins[0].shape[0]
-    return [TensorSpec((t, k), "float32"), TensorSpec((t, k), "int64")]
+    return [TensorSpec((t, k), ins[0].dtype), TensorSpec((t, k), "int64")]
 
 
 def _topk_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
@@ -70,7 +71,7 @@ def _topk_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Co
 
 
 def _topk_ref(logits, bias, top_k: int, score: str, scale: float = 1.0, renorm: bool = True):
-    s = scores(logits.float(), score)
+    s = scores(logits, score)
     idx = torch.topk(s + bias, top_k, dim=-1).indices
     return combine(s, idx, top_k, scale, renorm), idx
 
@@ -90,7 +91,7 @@ def _bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) != 4 or ins[1].shape != ins[2].shape or ins[3].shape != ins[0].shape:
         raise GraphError(f"gate_topk_bwd takes logits [t, E], indices [t, k], d weights [t, k], d logits [t, E], "
                          f"got {[s.shape for s in ins]}")
-    return [TensorSpec(ins[0].shape, "float32")]
+    return [TensorSpec(ins[0].shape, ins[0].dtype)]
 
 
 def _bwd_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
@@ -102,7 +103,7 @@ def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: floa
     def weights(lg: torch.Tensor) -> torch.Tensor:
         return combine(scores(lg, score), indices, top_k, scale, renorm)
 
-    _, gl = torch.autograd.functional.vjp(weights, logits.float(), g_w.float())
+    _, gl = torch.autograd.functional.vjp(weights, logits, g_w)
     return gl + g_logits
 
 

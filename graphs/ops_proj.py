@@ -1,14 +1,14 @@
-"""Tile ops shared by MegaGate and MegaMHC: small float32-accumulating projections.
+"""Tile ops shared by MegaGate and MegaMHC: small projections accumulated in float32.
 
 | op                | engine | what it computes                                                     |
 |-------------------|--------|----------------------------------------------------------------------|
-| proj_f32          | cube   | ``a.flat @ w^T`` in float32 (``a`` [m, ...] flattened to [m, k])      |
-| proj_grad_input   | cube   | ``(g @ w)`` reshaped to [m, *cols], cast to ``out_dtype``              |
-| proj_grad_weight  | cube   | ``[acc +] g^T @ a.flat`` in float32, cast to ``out_dtype`` (chains)    |
-| sum_partials      | vector | ``p.sum(0)`` in float32, cast to ``out_dtype`` (per-tile partials)     |
+| proj              | cube   | ``a.flat @ w^T`` accumulated (``a`` [m, ...] flattened to [m, k])     |
+| proj_grad_input   | cube   | ``g @ w`` reshaped to [m, *cols], cast to ``out_dtype``               |
+| proj_grad_weight  | cube   | ``[acc +] g^T @ a.flat`` accumulated, cast to ``out_dtype`` (chains)  |
+| sum_partials      | vector | ``p.sum(0)`` accumulated, cast to ``out_dtype`` (per-tile partials)   |
 
-Operands may be bfloat16; products are formed from float32 copies, as a cube unit
-accumulates in float32.
+"Accumulated" means in float32 (float64 for float64 operands): bfloat16 operands are
+multiplied as float32 copies, as a cube unit accumulates in float32.
 """
 from __future__ import annotations
 
@@ -22,8 +22,18 @@ from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
 
 
+def acc_dtype(dtype: str) -> str:
+    """Accumulation dtype of an operand dtype: float64 stays, everything else is float32."""
+    return "float64" if dtype == "float64" else "float32"
+
+
+def up(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in its accumulation dtype (float64 stays float64; others become float32)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _flat(a: torch.Tensor) -> torch.Tensor:
-    return a.reshape(a.shape[0], -1).float()
+    return up(a.reshape(a.shape[0], -1))
 
 
 def _cols(spec: TensorSpec) -> int:
@@ -34,13 +44,13 @@ def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
     return float(sum(s.nbytes for s in ins) + sum(o.nbytes for o in outs))
 
 
-# -- proj_f32: y = a.flat @ w^T ----------------------------------------------------------
+# -- proj: y = a.flat @ w^T ----------------------------------------------------------
 def _proj_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) != 2 or len(ins[1].shape) != 2 or len(ins[0].shape) < 2:
-        raise GraphError(f"proj_f32 takes a [m, ...] and w [n, k], got {[s.shape for s in ins]}")
+        raise GraphError(f"proj takes a [m, ...] and w [n, k], got {[s.shape for s in ins]}")
     if _cols(ins[0]) != ins[1].shape[1]:
-        raise GraphError(f"proj_f32: a {ins[0].shape} flattens to {_cols(ins[0])} columns, w {ins[1].shape} has {ins[1].shape[1]}")
-    return [TensorSpec((ins[0].shape[0], ins[1].shape[0]), "float32")]
+        raise GraphError(f"proj: a {ins[0].shape} flattens to {_cols(ins[0])} columns, w {ins[1].shape} has {ins[1].shape[1]}")
+    return [TensorSpec((ins[0].shape[0], ins[1].shape[0]), acc_dtype(ins[0].dtype))]
 
 
 def _proj_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
@@ -49,11 +59,11 @@ def _proj_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Co
 
 
 def _proj_ref(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.linear(_flat(a), w.float())
+    return torch.nn.functional.linear(_flat(a), up(w))
 
 
 def _proj_kernel(ins, outs) -> None:
-    torch.mm(_flat(ins[0]), ins[1].float().t(), out=outs[0])
+    torch.mm(_flat(ins[0]), up(ins[1]).t(), out=outs[0])
 
 
 # -- proj_grad_input: dA = g @ w ---------------------------------------------------------
@@ -72,27 +82,27 @@ def _grad_input_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict)
 
 
 def _grad_input_ref(g: torch.Tensor, w: torch.Tensor, cols=None, out_dtype: str | None = None) -> torch.Tensor:
-    y = (g.float() @ w.float()).reshape(g.shape[0], *(cols or [w.shape[1]]))
+    y = (up(g) @ up(w)).reshape(g.shape[0], *(cols or [w.shape[1]]))
     return y.to(torch_dtype(out_dtype) if out_dtype else w.dtype)
 
 
 def _grad_input_kernel(ins, outs, cols=None, out_dtype: str | None = None) -> None:
     g, w = ins
     out = outs[0]
-    if out.dtype == torch.float32 and out.is_contiguous():
-        torch.mm(g.float(), w.float(), out=out.view(g.shape[0], -1))
+    if out.dtype == g.dtype == w.dtype and out.is_contiguous():
+        torch.mm(g, w, out=out.view(g.shape[0], -1))
     else:
-        out.copy_((g.float() @ w.float()).view(out.shape))
+        out.copy_((up(g) @ up(w)).view(out.shape))
 
 
 # -- proj_grad_weight: dW = [acc +] g^T @ a.flat --------------------------------------------
 def _grad_weight_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) not in (2, 3) or len(ins[0].shape) != 2 or ins[0].shape[0] != ins[1].shape[0]:
         raise GraphError(f"proj_grad_weight takes g [m, n], a [m, ...] and an optional acc [n, k], got {[s.shape for s in ins]}")
-    shape = (ins[0].shape[1], _cols(ins[1]))
-    if len(ins) == 3 and (ins[2].shape != shape or ins[2].dtype != "float32"):
-        raise GraphError(f"proj_grad_weight: acc is {ins[2].shape} {ins[2].dtype}, expected {shape} float32")
-    return [TensorSpec(shape, attrs.get("out_dtype", "float32"))]
+    shape, acc = (ins[0].shape[1], _cols(ins[1])), acc_dtype(ins[1].dtype)
+    if len(ins) == 3 and (ins[2].shape != shape or ins[2].dtype != acc):
+        raise GraphError(f"proj_grad_weight: acc is {ins[2].shape} {ins[2].dtype}, expected {shape} {acc}")
+    return [TensorSpec(shape, attrs.get("out_dtype", acc))]
 
 
 def _grad_weight_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
@@ -101,22 +111,22 @@ def _grad_weight_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict
 
 
 def _grad_weight_ref(g: torch.Tensor, a: torch.Tensor, acc: torch.Tensor | None = None,
-                     out_dtype: str = "float32") -> torch.Tensor:
-    y = g.float().t() @ _flat(a)
+                     out_dtype: str | None = None) -> torch.Tensor:
+    y = up(g).t() @ _flat(a)
     if acc is not None:
         y = acc + y
-    return y.to(torch_dtype(out_dtype))
+    return y.to(torch_dtype(out_dtype)) if out_dtype else y
 
 
-def _grad_weight_kernel(ins, outs, out_dtype: str = "float32") -> None:
-    g, a = ins[0].float(), _flat(ins[1])
+def _grad_weight_kernel(ins, outs, out_dtype: str | None = None) -> None:
+    g, a = up(ins[0]), _flat(ins[1])
     out = outs[0]
     if len(ins) == 2:
-        if out.dtype == torch.float32:
+        if out.dtype == a.dtype:
             torch.mm(g.t(), a, out=out)
         else:
             out.copy_(g.t() @ a)
-    elif out.dtype == torch.float32:
+    elif out.dtype == a.dtype:
         if out.data_ptr() != ins[2].data_ptr():
             out.copy_(ins[2])
         out.addmm_(g.t(), a)
@@ -132,26 +142,26 @@ def _sum_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 
 def _sum_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    return Cost(float(ins[0].numel), _io_bytes(ins, outs), precision="fp32")
+    return Cost(float(ins[0].numel), _io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _sum_ref(p: torch.Tensor, out_dtype: str | None = None) -> torch.Tensor:
-    return p.float().sum(0).to(torch_dtype(out_dtype) if out_dtype else p.dtype)
+    return up(p).sum(0).to(torch_dtype(out_dtype) if out_dtype else p.dtype)
 
 
 def _sum_kernel(ins, outs, out_dtype: str | None = None) -> None:
     p, out = ins[0], outs[0]
-    if out.dtype == p.dtype == torch.float32:
+    if out.dtype == p.dtype:
         torch.sum(p, 0, out=out)
     else:
-        out.copy_(p.float().sum(0))
+        out.copy_(up(p).sum(0))
 
 
-register(OpDef("proj_f32", ("cube",), _proj_ref, _proj_shape, _proj_cost, _proj_kernel,
-               doc="a [m, ...] flattened to [m, k] times w [n, k] transposed, float32 result"))
+register(OpDef("proj", ("cube",), _proj_ref, _proj_shape, _proj_cost, _proj_kernel,
+               doc="a [m, ...] flattened to [m, k] times w [n, k] transposed, accumulated in float32"))
 register(OpDef("proj_grad_input", ("cube",), _grad_input_ref, _grad_input_shape, _grad_input_cost, _grad_input_kernel,
                doc="g [m, n] @ w [n, k], reshaped to [m, *cols], cast to out_dtype"))
 register(OpDef("proj_grad_weight", ("cube",), _grad_weight_ref, _grad_weight_shape, _grad_weight_cost,
-               _grad_weight_kernel, doc="[acc +] g^T @ a.flat in float32, cast to out_dtype; chains over token tiles"))
+               _grad_weight_kernel, doc="[acc +] g^T @ a.flat accumulated in float32, cast to out_dtype; chains over token tiles"))
 register(OpDef("sum_partials", ("vector",), _sum_ref, _sum_shape, _sum_cost, _sum_kernel,
-               doc="sum of per-tile partials over dim 0 in float32, cast to out_dtype"))
+               doc="sum of per-tile partials over dim 0, accumulated, cast to out_dtype"))

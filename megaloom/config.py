@@ -112,9 +112,12 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "timeout_s": Key(60, _NUM, check=_positive, doc="collective timeout"),
     },
     "low_precision": {
-        "linear": Key("none", (str,), choices=("none", "mxfp8"), doc="swap nn.Linear for MXFP8Linear"),
+        "format": Key("none", (str,), choices=("none", "mxfp8"), doc="swap nn.Linear for MXFP8Linear when 'mxfp8'"),
+        "linear": Key(None, (str, type(None)), choices=(None, "none", "mxfp8"), doc="another name for format"),
+        "scale_mode": Key("floor", (str,), choices=("floor", "rceil"), doc="MX block scale rounding"),
         "include": Key(["*"], (list,), check=_str_list, doc="module-name globs of the Linear layers to swap"),
-        "exclude": Key(["lm_head", "*.gate", "*router*"], (list,), check=_str_list, doc="globs kept in high precision"),
+        "exclude": Key(["lm_head"], (list,), check=_str_list, doc="globs kept in high precision"),
+        "rtol": Key(0.1, _NUM, check=_positive, doc="bound on the MXFP8 model's logits error vs float32 before training"),
     },
     "replace": {
         "rules": Key([], (list,), check=_rules, doc="the replacement plan: list of {match, type, with, options}"),

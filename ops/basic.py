@@ -33,6 +33,8 @@ def elementwise_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict,
 
 
 def broadcast_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    if not ins:
+        raise GraphError("expects at least 1 input, got none")
     try:
         shape = tuple(torch.broadcast_shapes(*(s.shape for s in ins)))
     except RuntimeError as e:
@@ -41,6 +43,13 @@ def broadcast_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(dtypes) != 1:
         raise GraphError(f"operands have different dtypes {sorted(dtypes)}")
     return [TensorSpec(shape, ins[0].dtype)]
+
+
+def binary_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    """Two operands broadcast together."""
+    if len(ins) != 2:
+        raise GraphError(f"expects 2 inputs, got {len(ins)}")
+    return broadcast_shape(ins, attrs)
 
 
 def same_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -110,9 +119,9 @@ def _noop_kernel(ins, outs, **attrs) -> None:
 
 register(OpDef("matmul", ("cube",), _matmul_ref, _matmul_shape, _matmul_cost, _matmul_kernel,
                doc="a @ b, b transposed when trans_b; out_dtype casts the result"))
-register(OpDef("add", ("vector",), torch.add, broadcast_shape, elementwise_cost, _binary_kernel(torch.add),
+register(OpDef("add", ("vector",), torch.add, binary_shape, elementwise_cost, _binary_kernel(torch.add),
                doc="a + b with broadcasting"))
-register(OpDef("mul", ("vector",), torch.mul, broadcast_shape, elementwise_cost, _binary_kernel(torch.mul),
+register(OpDef("mul", ("vector",), torch.mul, binary_shape, elementwise_cost, _binary_kernel(torch.mul),
                doc="a * b with broadcasting"))
 register(OpDef("silu", ("vector",), F.silu, same_shape, lambda i, o, a: elementwise_cost(i, o, a, 4.0),
                _silu_kernel, doc="x * sigmoid(x)"))

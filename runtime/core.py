@@ -100,7 +100,8 @@ class Core:
         return self.remaining > 0
 
     def blocked(self) -> dict[str, list[str]]:
-        """Every task not done, with the predecessors it still waits for."""
+        """Every task not done, with the predecessors it still waits for; a task that
+        waits for none is ``["(running)"]`` or ``["(ready, no unit took it)"]``."""
         tasks, unmet = self.graph.tasks, self.unmet
         out: dict[str, list[str]] = {}
         for tid, n in enumerate(unmet):
@@ -108,6 +109,8 @@ class Core:
                 continue
             if n == RUNNING:
                 out[tasks[tid].name] = ["(running)"]
+            elif n == 0:
+                out[tasks[tid].name] = ["(ready, no unit took it)"]
             else:
                 out[tasks[tid].name] = [tasks[p].name for p in self.graph.pred[tid] if unmet[p] != DONE]
         return out

@@ -248,7 +248,8 @@ class TaskGraph:
         for r in ins + outs:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
-            if not contains(full_box(r.buffer.shape), r.box):
+            if len(r.box) != len(r.buffer.shape) or any(a > b for a, b in r.box) \
+                    or not contains(full_box(r.buffer.shape), r.box):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
         if engine is None:
             from megaloom.runtime.registry import get_op

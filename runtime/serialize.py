@@ -65,7 +65,8 @@ def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
     g = TaskGraph(d["name"])
     for i, b in enumerate(d["buffers"]):
         ok = isinstance(b, list) and len(b) == 5 and isinstance(b[0], str) and isinstance(b[1], list) \
-            and all(isinstance(x, int) for x in b[1]) and isinstance(b[2], str)
+            and all(isinstance(x, int) for x in b[1]) and isinstance(b[2], str) \
+            and isinstance(b[3], bool) and isinstance(b[4], bool)
         _want(ok, where, f"buffer {i} is malformed: {b!r:.80}")
         g._add_buffer(b[0], b[1], b[2], bool(b[3]), bool(b[4]))
     n = len(d["tasks"])
@@ -76,15 +77,20 @@ def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
         _want(ok, where, f"task {i} is malformed")
         regions = []
         for r in t["in"] + t["out"]:
-            _want(isinstance(r, list) and len(r) == 2 and r[0] in g.buffers and isinstance(r[1], list)
+            _want(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and r[0] in g.buffers
+                  and isinstance(r[1], list)
                   and all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in r[1]),
                   where, f"task {t['name']!r} has a malformed region {r!r:.80}")
             regions.append(Region(g.buffers[r[0]], tuple(tuple(p) for p in r[1])))
         c = t.get("cost")
-        _want(c is None or (isinstance(c, list) and len(c) == 4), where, f"task {t['name']!r} has a malformed cost")
+        _want(c is None or (isinstance(c, list) and len(c) == 4 and isinstance(c[3], str)
+                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c[:3])),
+              where, f"task {t['name']!r} has a malformed cost")
         task = g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
                       attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
         # stored edges replace derived ones, so the loaded graph is exactly the saved one
+        for a in g.pred[task.id]:
+            g.succ[a].remove(task.id)
         g.succ[task.id].clear()
         g.pred[task.id].clear()
     _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)

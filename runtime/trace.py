@@ -42,6 +42,7 @@ class TraceEvent:
 
 
 _COLUMNS = [f.name for f in fields(TraceEvent)]
+_REQUIRED = _COLUMNS.index("end") + 1  # the columns without a default
 _TYPES: dict[str, tuple[type, ...]] = {
     "tid": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
     "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
@@ -86,7 +87,8 @@ class Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
         data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION)
         cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
-        if cols != _COLUMNS[: len(cols or [])] or not isinstance(rows, list) or not isinstance(meta, dict):
+        if not isinstance(cols, list) or len(cols) < _REQUIRED or cols != _COLUMNS[: len(cols)] \
+                or not isinstance(rows, list) or not isinstance(meta, dict):
             raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r})")
         events = []
         for i, row in enumerate(rows):

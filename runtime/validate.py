@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.graph import Region
 from megaloom.runtime.region import overlaps, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
 
@@ -37,8 +38,9 @@ def _shapes(g: TaskGraph) -> Iterator[Problem]:
         ins = [TensorSpec(r.shape, r.dtype) for r in t.inputs]
         try:
             want = get_op(t.op).shape(ins, t.attrs)
-        except GraphError as e:
-            yield t.name, f"task {t.name!r}: {e}"
+        except Exception as e:  # a shape rule given operands it does not expect may raise anything
+            why = str(e) if isinstance(e, GraphError) else f"shape rule of op {t.op!r} failed: {type(e).__name__}: {e}"
+            yield t.name, f"task {t.name!r}: {why}"
             continue
         if len(want) != len(t.outputs):
             yield t.name, f"task {t.name!r}: op {t.op!r} makes {len(want)} outputs, task declares {len(t.outputs)}"
@@ -79,9 +81,11 @@ def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
                 continue
             covers = [box for w, box in writers.get(r.buffer.name, ()) if w != t.id and overlaps(box, r.box)
                       and _ordered_before(g, w, t.id)]
-            gaps = uncovered(r.box, covers)
-            if gaps and any(all(b > a for a, b in gap) for gap in gaps):
-                yield t.name, f"task {t.name!r} reads {r}, but no earlier task writes {gaps[0]} of it and it is not a graph input"
+            gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
+            if gaps:
+                gap = Region(r.buffer, gaps[0])
+                yield t.name, (f"task {t.name!r} reads {r}, but no task ordered before it writes {gap}, "
+                               "and it is not a graph input")
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:

@@ -82,11 +82,40 @@ def views(task: Task, bufs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor]
     return ins, outs
 
 
+def _task_rows(graph: TaskGraph) -> list[tuple]:
+    """Per task, the trace-event fields that no run changes (cached per graph version)."""
+    def make() -> list[tuple]:
+        return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags)
+                for t, c in zip(graph.tasks, graph.costs())]
+    return graph._cached("trace_rows", make)
+
+
 def event_of(graph: TaskGraph, task: Task, unit: int, rank: int, start: float, end: float) -> TraceEvent:
     """The trace event of one task run."""
-    c = graph.costs()[task.id]
-    return TraceEvent(task.id, task.name, task.op, task.engine, unit, rank, start, end,
-                      c.flops, c.bytes, c.comm_bytes, graph.pred[task.id][:], dict(task.tags) if task.tags else {})
+    return events_of(graph, [(task.id, unit, start, end)], rank)[0]
+
+
+def events_of(graph: TaskGraph, records: list[tuple[int, int, float, float]], rank: int) -> list[TraceEvent]:
+    """Trace events of ``(task id, unit, start, end)`` records, in record order."""
+    rows = _task_rows(graph)
+    out = []
+    for tid, unit, start, end in records:
+        i, name, op, engine, flops, nbytes, comm, deps, tags = rows[tid]
+        out.append(TraceEvent(i, name, op, engine, unit, rank, start, end, flops, nbytes, comm, list(deps),
+                              dict(tags) if tags else {}))
+    return out
+
+
+def check_results(task: Task, results: tuple, outs: list[torch.Tensor]) -> None:
+    """Raise when a reference's results do not match the regions the task writes."""
+    if len(results) != len(outs):
+        raise ExecutionError(f"op {task.op!r} returned {len(results)} outputs, task {task.name!r} declares {len(outs)}",
+                             task=task.name)
+    for i, (o, r) in enumerate(zip(outs, results)):
+        if not isinstance(r, torch.Tensor) or tuple(r.shape) != tuple(o.shape):
+            got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+            raise ExecutionError(f"op {task.op!r} returned {got} for output {i} of task {task.name!r}, "
+                                 f"which is {tuple(o.shape)}", task=task.name)
 
 
 def fail(task: Task, exc: BaseException) -> ExecutionError:

@@ -7,9 +7,10 @@ from typing import Iterable, Mapping
 import torch
 
 from megaloom.runtime.executors.base import (
-    ExecContext, Executor, Observer, RunResult, allocate, event_of, fail, views,
+    ExecContext, Executor, Observer, RunResult, allocate, check_results, event_of, fail, views,
 )
 from megaloom.runtime.core import Core
+from megaloom.runtime.errors import DeadlockError, ExecutionError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import get_op, run_reference
 from megaloom.runtime.trace import Trace
@@ -37,16 +38,20 @@ class ReferenceExecutor(Executor):
         engines = list(units)
         while core.is_active:
             tid = next((t for t in (core.pop(e) for e in engines) if t >= 0), -1)
+            if tid < 0:  # only a policy that withholds ready tasks gets here
+                blocked = core.blocked()
+                raise DeadlockError(f"graph {graph.name!r}: no task is ready; {len(blocked)} tasks not done", blocked)
             task = graph.tasks[tid]
             op = get_op(task.op)
             ins, outs = views(task, bufs)
             t0 = time.perf_counter()
             try:
                 results = run_reference(op, ins, task.attrs, self.ctx)
-                if len(results) != len(outs):
-                    raise ValueError(f"reference returned {len(results)} outputs, task declares {len(outs)}")
+                check_results(task, results, outs)
                 for o, r in zip(outs, results):
                     o.copy_(r)
+            except ExecutionError:
+                raise
             except Exception as e:
                 raise fail(task, e) from e
             ev = event_of(graph, task, 0, self.ctx.rank, t0, time.perf_counter())

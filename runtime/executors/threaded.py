@@ -1,28 +1,40 @@
 """Real execution on torch tensors: one worker thread per engine unit.
 
 Workers share one lock around the microkernel core. A worker pops a ready task for its
-engine kind, runs the op's kernel outside the lock, then marks it done and wakes idle
-workers of engine kinds that got ready work. torch kernels release the GIL, so cube,
-vector and comm work of different tasks overlap.
+engine kind, runs the op's kernel outside the lock, then marks it done. Wake-ups are
+chained: a completion wakes one idle worker of each engine kind that got ready work, and
+a worker that pops a task wakes one more of its kind if ready work is left, so no idle
+worker is woken for nothing. torch kernels release the GIL, so cube, vector and comm work
+of different tasks overlap.
+
+A failing task sets the run's error; every worker stops before its next task and the
+caller gets :class:`ExecutionError` naming the task (``__cause__``: the original error).
+A run in which no task finishes for ``stall_timeout`` seconds raises
+:class:`DeadlockError` listing the tasks not done and what each waits for.
 """
 from __future__ import annotations
 
+import copy
+import gc
 import threading
 import time
-from typing import Iterable, Mapping
+from contextlib import contextmanager
+from operator import itemgetter
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
-from megaloom.runtime.core import Core, Policy
+from megaloom.runtime.core import FIFO, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, ScheduleError
 from megaloom.runtime.executors.base import (
-    ExecContext, Executor, Observer, RunResult, allocate, event_of, fail, views,
+    ExecContext, Executor, Observer, RunResult, allocate, check_results, event_of, events_of, fail, views,
 )
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import get_op, run_reference
 from megaloom.runtime.trace import Trace
 
 KERNEL_MODES = ("kernel", "reference", "null")
+_BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
 
 
 class ThreadExecutor(Executor):
@@ -31,7 +43,10 @@ class ThreadExecutor(Executor):
     ``kernels``: ``"kernel"`` (each op's kernel), ``"reference"`` (its torch reference)
     or ``"null"`` (run nothing: measures dispatch alone). ``stall_timeout``: seconds
     without any task finishing before the run fails with :class:`DeadlockError`.
-    ``intra_op_threads``: torch threads per kernel during the run (``None`` leaves it).
+    ``intra_op_threads``: torch threads per kernel during the run (``None`` leaves it;
+    torch's setting is process-wide). ``pause_gc``: keep Python's cyclic garbage
+    collector off during the run (it is turned back on after), which removes the
+    collector's pauses from dispatch; reference counting still frees memory.
     """
 
     name = "threaded"
@@ -46,65 +61,104 @@ class ThreadExecutor(Executor):
         kernels: str = "kernel",
         stall_timeout: float = 60.0,
         intra_op_threads: int | None = None,
+        pause_gc: bool = True,
     ):
         if kernels not in KERNEL_MODES:
             raise ScheduleError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
         if units is not None and any(int(n) <= 0 for n in units.values()):
             raise ScheduleError(f"every engine needs at least one unit, got {dict(units)}")
-        self.units = dict(units) if units is not None else None
+        if not stall_timeout > 0:
+            raise ScheduleError(f"stall_timeout must be positive, got {stall_timeout!r}")
+        if intra_op_threads is not None and intra_op_threads <= 0:
+            raise ScheduleError(f"intra_op_threads must be positive, got {intra_op_threads!r}")
+        self.units = {k: int(n) for k, n in units.items()} if units is not None else None
         self.policy = policy
         self.ctx = ctx or ExecContext()
         self.observers = list(observers)
         self.kernels = kernels
-        self.stall_timeout = stall_timeout
+        self.stall_timeout = float(stall_timeout)
         self.intra_op_threads = intra_op_threads
+        self.pause_gc = pause_gc
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
         graph.validate()
         units = self.units if self.units is not None else {e: 1 for e in graph.engines()}
+        # each run gets its own policy state, so one executor may run several graphs at once
+        policy = copy.copy(self.policy) if self.policy is not None else FIFO()
+        core = Core(graph, units, policy)
         bufs = allocate(graph, inputs, self.ctx.device) if self.kernels != "null" else {}
         meta = {"graph": graph.name, "mode": "execute", "clock": "wall", "units": dict(units),
                 "rank": self.ctx.rank, "world_size": self.ctx.world_size, "kernels": self.kernels}
         for o in self.observers:
             o.on_run_start(graph, meta)
-        run = _Run(graph, units, Core(graph, units, self.policy or _default_policy()), bufs, self)
-        saved_threads = torch.get_num_threads()
-        if self.intra_op_threads:
-            torch.set_num_threads(self.intra_op_threads)
-        try:
-            records = run.execute()
-        finally:
-            if self.intra_op_threads:
-                torch.set_num_threads(saved_threads)
-        events = [event_of(graph, graph.tasks[tid], unit, self.ctx.rank, t0, t1) for tid, unit, t0, t1 in records]
-        events.sort(key=lambda e: (e.start, e.tid))
+        with _gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
+            records = _Run(graph, units, core, bufs, self).execute()
+            records.sort(key=_BY_START)
+            events = events_of(graph, records, self.ctx.rank)
         trace = Trace(events, meta)
         for o in self.observers:
             o.on_run_end(trace)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
 
 
-def _default_policy() -> Policy:
-    from megaloom.runtime.core import FIFO
+@contextmanager
+def _gc_paused(pause: bool) -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was_enabled:
+            gc.enable()
 
-    return FIFO()
+
+@contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(saved)
+
+
+class _Parker:
+    """A worker's parking spot: a lock it blocks on while idle, released to wake it."""
+
+    __slots__ = ("park", "waiting")
+
+    def __init__(self) -> None:
+        self.park = threading.Lock()
+        self.park.acquire()
+        self.waiting = False
 
 
 class _Run:
-    """State of one run: the core behind one lock, one condition per engine kind."""
+    """State of one run: the core behind one lock, idle workers parked per engine kind.
+
+    Every field is read and written with ``lock`` held. A waker removes a parked worker
+    from ``parked`` and clears its ``waiting`` flag before releasing its park lock, so a
+    worker is woken at most once per idle spell and never counted as idle once woken.
+    """
+
+    IDLE_POLL = 0.05  # seconds a parked worker sleeps before it looks again by itself
 
     def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor):
         self.graph, self.units, self.core, self.bufs, self.ex = graph, dict(units), core, bufs, ex
         self.lock = threading.Lock()
-        self.conds = {e: threading.Condition(self.lock) for e in units}
-        self.idle = {e: 0 for e in units}
+        self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
+        self.n_parked = 0
         self.error: BaseException | None = None
         self.finished = threading.Event()
         self.last_progress = time.perf_counter()
-        self.ops = [get_op(t.op) for t in graph.tasks]
+        self.ops = [get_op(t.op) for t in graph.tasks] if ex.kernels != "null" else []
         self.per_unit = getattr(core.policy, "per_unit", False)
 
     def execute(self) -> list[tuple[int, int, float, float]]:
+        """Run every task; return ``(task id, unit, start, end)`` records, unordered."""
         if not self.core.is_active:
             return []
         records: list[list[tuple[int, int, float, float]]] = []
@@ -113,51 +167,85 @@ class _Run:
             for unit in range(n):
                 rec: list[tuple[int, int, float, float]] = []
                 records.append(rec)
-                th = threading.Thread(target=self._worker, args=(engine, unit, rec),
-                                      name=f"megaloom-{engine}.{unit}", daemon=True)
-                threads.append(th)
-        for th in threads:
-            th.start()
-        poll = min(0.1, self.ex.stall_timeout / 4)
-        while not self.finished.wait(poll):
+                threads.append(threading.Thread(target=self._worker, args=(engine, unit, rec),
+                                                name=f"megaloom-{engine}.{unit}", daemon=True))
+        stall = self.ex.stall_timeout
+        try:
+            for th in threads:
+                th.start()
+            poll = min(0.1, stall / 4)
+            while not self.finished.wait(poll):
+                with self.lock:
+                    if self.error is None and time.perf_counter() - self.last_progress > stall:
+                        self._stop(self._deadlock())
+        except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
-                if self.error is not None:
-                    break
-                if time.perf_counter() - self.last_progress > self.ex.stall_timeout:
-                    blocked = self.core.blocked()
-                    lines = [f"{t} waits for {', '.join(w) or 'nothing'}" for t, w in list(blocked.items())[:20]]
-                    self.error = DeadlockError(
-                        f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "
-                        f"{len(blocked)} tasks blocked:\n  " + "\n  ".join(lines), blocked)
-                    self._wake_all()
-                    break
-        for th in threads:
-            th.join(timeout=1.0)
+                self._stop(e)
+            raise
+        finally:
+            # a failed run waits (bounded) for tasks still inside a kernel, so none outlives it;
+            # a stalled run does not wait again for the task that stalled it
+            deadline = time.perf_counter() + (1.0 if isinstance(self.error, DeadlockError) else max(1.0, stall))
+            for th in threads:
+                if th.ident is not None:
+                    th.join(max(0.0, deadline - time.perf_counter()))
         if self.error is not None:
             raise self.error
         return [r for rec in records for r in rec]
 
-    def _wake_all(self) -> None:
-        for c in self.conds.values():
-            c.notify_all()
+    def _deadlock(self) -> DeadlockError:
+        blocked = self.core.blocked()
+        lines = [f"{t} waits for {', '.join(w) or 'nothing'}" for t, w in list(blocked.items())[:20]]
+        more = f"\n  ... and {len(blocked) - 20} more" if len(blocked) > 20 else ""
+        return DeadlockError(
+            f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "
+            f"{len(blocked)} tasks not done:\n  " + "\n  ".join(lines) + more, blocked)
+
+    def _stop(self, error: BaseException | None = None) -> None:
+        """Record the run's first error, if any, and wake every worker so it exits."""
+        if self.error is None:
+            self.error = error
+        for e in self.parked:
+            self._wake(e, every=True)
+        self.finished.set()
+
+    def _wake(self, engine: str, every: bool = False) -> None:
+        """Wake one parked worker of ``engine`` (all of them with ``every``)."""
+        parked = self.parked[engine]
+        while parked:
+            p = parked.pop()
+            p.waiting = False
+            self.n_parked -= 1
+            p.park.release()
+            if not every:
+                return
 
     def _worker(self, engine: str, unit: int, rec: list) -> None:
-        core, lock, cond, idle = self.core, self.lock, self.conds[engine], self.idle
+        core, lock, parked = self.core, self.lock, self.parked
+        mine = parked[engine]
+        pop, done, has_ready = core.pop, core.done, core.policy.has_ready
+        engines = list(parked)
+        wake = self._wake
+        every = self.per_unit  # per-unit queues: any unit may be the one with work
+        run_task = None if self.ex.kernels == "null" else self._run_task
         perf = time.perf_counter
+        append = rec.append
         observers = self.ex.observers
+        me = _Parker()
         lock.acquire()
         try:
             while self.error is None and core.remaining:
-                tid = core.pop(engine, unit)
+                tid = pop(engine, unit)
                 if tid < 0:
-                    idle[engine] += 1
-                    cond.wait(0.05)
-                    idle[engine] -= 1
+                    self._park(me, mine)
                     continue
+                if mine and has_ready(engine):  # chain: more work of this kind is ready
+                    wake(engine, every)
                 lock.release()
                 try:
                     t0 = perf()
-                    self._run_task(tid)
+                    if run_task is not None:
+                        run_task(tid)
                     t1 = perf()
                     if observers:
                         ev = event_of(self.graph, self.graph.tasks[tid], unit, self.ex.ctx.rank, t0, t1)
@@ -165,38 +253,47 @@ class _Run:
                             o.on_task(ev)
                 except BaseException as e:  # reported to the caller by name, never swallowed
                     lock.acquire()
-                    if self.error is None:
-                        self.error = e if isinstance(e, ExecutionError) else fail(self.graph.tasks[tid], e)
-                    self._wake_all()
-                    self.finished.set()
+                    self._stop(e if isinstance(e, ExecutionError) else fail(self.graph.tasks[tid], e))
                     return
                 lock.acquire()
-                rec.append((tid, unit, t0, t1))
-                core.done(tid)
+                append((tid, unit, t0, t1))
+                done(tid)
                 self.last_progress = t1
                 if not core.remaining:
-                    self._wake_all()
-                    self.finished.set()
+                    self._stop()
                     return
-                for e, c in self.conds.items():
-                    n = idle[e]
-                    if n and core.policy.has_ready(e):
-                        c.notify_all() if self.per_unit else c.notify(n)
+                if self.n_parked:
+                    for e in engines:
+                        if parked[e] and has_ready(e):
+                            wake(e, every)
         finally:
             lock.release()
 
+    def _park(self, me: _Parker, mine: list[_Parker]) -> None:
+        """Sleep until woken or ``IDLE_POLL`` passes (called and returns with the lock held)."""
+        me.waiting = True
+        mine.append(me)
+        self.n_parked += 1
+        self.lock.release()
+        got = me.park.acquire(True, self.IDLE_POLL)
+        self.lock.acquire()
+        if me.waiting:  # timed out and nobody woke us: leave the idle list
+            me.waiting = False
+            mine.remove(me)
+            self.n_parked -= 1
+        elif not got:  # a wake-up raced with the timeout: consume it
+            me.park.acquire(False)
+
     def _run_task(self, tid: int) -> None:
-        mode = self.ex.kernels
-        if mode == "null":
-            return
         task, op = self.graph.tasks[tid], self.ops[tid]
         ins, outs = views(task, self.bufs)
-        ctx = {"ctx": self.ex.ctx} if op.context else {}
-        if mode == "kernel" and op.kernel is not None:
-            op.kernel(ins, outs, **task.attrs, **ctx)
+        if self.ex.kernels == "kernel" and op.kernel is not None:
+            if op.context:
+                op.kernel(ins, outs, **task.attrs, ctx=self.ex.ctx)
+            else:
+                op.kernel(ins, outs, **task.attrs)
             return
         results = run_reference(op, ins, task.attrs, self.ex.ctx)
-        if len(results) != len(outs):
-            raise ExecutionError(f"op {op.name!r} returned {len(results)} outputs, task {task.name!r} declares {len(outs)}", task=task.name)
+        check_results(task, results, outs)
         for o, r in zip(outs, results):
             o.copy_(r)

@@ -1,0 +1,234 @@
+"""Checkpoints of uneven shards through ``torch.distributed.checkpoint`` (DCP).
+
+Each sharded tensor is saved as DCP chunks: the global shape once, and per shard its
+row offset and real size, so standard tooling reads it (``dcp_to_torch_save`` gives
+the full state dict) and a load at another world size reads exactly the rows each
+rank's new shard covers (save on 4 ranks, load on 3 or 2, bit-exact).
+
+Keys: ``model.<param>`` for parameter shards, ``optim.<param>.<state>`` for optimizer
+state (sharded like its parameter when it has the shard's shape, else replicated).
+
+Safety. DCP writes into ``<path>.partial``; rank 0 then adds ``megaloom.manifest``
+(msgpack: layouts and the size and SHA-256 of every file) and swaps the folder in with
+two renames (old -> ``<path>.old``, new -> ``<path>``). A crash at any point leaves
+either the previous or the new checkpoint complete; :func:`load` falls back to
+``<path>.old`` when ``<path>`` is missing. Before DCP opens anything, every file is
+checked against the manifest, so a truncated or tampered checkpoint is refused with
+:class:`CheckpointError` (DCP's own metadata file is a pickle: it is only read once
+its hash matches the manifest written alongside it).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner, DefaultSavePlanner, create_default_local_save_plan,
+)
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import TensorProperties
+
+from megaloom.comm.communicator import Communicator
+from megaloom.comm.fsdp import ShardedModule
+from megaloom.comm.sharding import ShardLayout
+from megaloom.runtime.dtypes import dtype_name, torch_dtype
+from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.trace import atomic_write, read_msgpack
+
+MANIFEST = "megaloom.manifest"
+FORMAT, VERSION = "megaloom-checkpoint", 1
+
+
+class CheckpointError(TraceFormatError):
+    """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
+
+
+def _chunk(lay: ShardLayout) -> ChunkStorageMetadata:
+    offsets = torch.Size([lay.offset] + [0] * (len(lay.shape) - 1))
+    return ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(lay.local_shape))
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """Sharded entries become SHARD write items at their row offset; the rest as usual."""
+
+    def __init__(self, layouts: dict[str, ShardLayout]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        self.layouts = layouts
+
+    def create_local_plan(self) -> SavePlan:
+        rest = {k: v for k, v in self.state_dict.items() if k not in self.layouts}
+        items = list(create_default_local_save_plan(rest, self.is_coordinator).items)
+        for fqn, lay in self.layouts.items():
+            t = self.state_dict[fqn]
+            chunk = _chunk(lay)
+            items.append(WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
+                                   tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(t),
+                                                               size=torch.Size(lay.shape))))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.state_dict[index.fqn]
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """Each rank reads the saved chunks that overlap its own shard (any saved layout)."""
+
+    def __init__(self, layouts: dict[str, ShardLayout]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.layouts = layouts
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for fqn, t in self.state_dict.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            lay = self.layouts.get(fqn)
+            shape = lay.shape if lay else tuple(t.shape)
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
+                got = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "nothing"
+                raise CheckpointError(f"checkpoint entry {fqn!r} holds {got}, the model expects {shape}")
+            chunk = _chunk(lay) if lay else ChunkStorageMetadata(torch.Size([0] * t.dim()), t.shape)
+            items += create_read_items_for_chunk_list(fqn, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]
+
+
+def state_of(model: ShardedModule, optimizer: torch.optim.Optimizer | None = None
+             ) -> tuple[dict[str, torch.Tensor], dict[str, ShardLayout]]:
+    """The flat state dict of local shards (views, not copies) and the layout of each sharded key."""
+    state: dict[str, torch.Tensor] = {}
+    layouts: dict[str, ShardLayout] = {}
+    for fqn, lay in model.layouts.items():
+        state[f"model.{fqn}"], layouts[f"model.{fqn}"] = model.shard(fqn).detach(), lay
+        if optimizer is None:
+            continue
+        for key, v in optimizer.state.get(model.shard(fqn), {}).items():
+            if isinstance(v, torch.Tensor):
+                state[f"optim.{fqn}.{key}"] = v.detach()
+                if v.dim() and tuple(v.shape) == lay.local_shape:
+                    layouts[f"optim.{fqn}.{key}"] = lay
+    return state, layouts
+
+
+def _collective_ok(comm: Communicator, ok: bool, what: str) -> None:
+    """Raise CheckpointError on every rank when any rank failed ``what``."""
+    if not all(comm.exchange(ok)):
+        raise CheckpointError(what)
+
+
+def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Save the shards of ``model`` (and ``optimizer`` state) atomically; a collective."""
+    comm, path = model.comm, os.fspath(path)
+    tmp = path + ".partial"
+    state, layouts = state_of(model, optimizer)
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    comm.barrier()
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(layouts),
+             process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
+    shards = comm.exchange({k: [lay.offset, lay.size] for k, lay in layouts.items()})
+    if comm.rank == 0:
+        tensors = {k: {"shape": list(t.shape) if k not in layouts else list(layouts[k].shape),
+                       "dtype": dtype_name(t.dtype),
+                       "shards": [s[k] for s in shards] if k in layouts else None} for k, t in state.items()}
+        files = {n: _digest(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+        atomic_write(os.path.join(tmp, MANIFEST), _pack({"format": FORMAT, "version": VERSION,
+                                                         "world_size": comm.world_size, "tensors": tensors,
+                                                         "files": files}))
+        old = path + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    comm.barrier()
+
+
+def _pack(obj: Any) -> bytes:
+    import msgpack
+
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+def _digest(path: str) -> list[Any]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return [os.path.getsize(path), h.hexdigest()]
+
+
+def verify(path: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint's manifest, after checking every file's size and hash against it."""
+    path = os.fspath(path)
+    if not os.path.isdir(path) and os.path.isdir(path + ".old"):
+        path = path + ".old"  # a crash between the two renames of save()
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no checkpoint there")
+    try:
+        man = read_msgpack(os.path.join(path, MANIFEST), FORMAT, VERSION)
+    except TraceFormatError as e:
+        raise CheckpointError(f"{path}: bad or missing manifest: {e}") from None
+    files, tensors = man.get("files"), man.get("tensors")
+    if not isinstance(files, dict) or not isinstance(tensors, dict):
+        raise CheckpointError(f"{path}: manifest lacks its file or tensor table")
+    for name, want in files.items():
+        f = os.path.join(path, name)
+        if not os.path.isfile(f):
+            raise CheckpointError(f"{path}: file {name!r} is missing")
+        got = _digest(f)
+        if got[0] != want[0]:
+            raise CheckpointError(f"{path}: file {name!r} has {got[0]} bytes, expected {want[0]} (truncated?)")
+        if got[1] != want[1]:
+            raise CheckpointError(f"{path}: file {name!r} does not match its SHA-256 in the manifest (tampered?)")
+    man["path"] = path
+    return man
+
+
+def load(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Load into ``model``'s shards (any saved world size); returns the manifest. A collective.
+
+    Optimizer state named in the checkpoint is created for the new layout and filled.
+    """
+    comm = model.comm
+    man: dict[str, Any] | None = None
+    err = ""
+    try:
+        man = verify(path)
+    except CheckpointError as e:
+        err = str(e)
+    errors = [e for e in comm.exchange(err) if e]
+    if errors:
+        raise CheckpointError(errors[0])
+    assert man is not None
+    if optimizer is not None:
+        _make_optimizer_state(man["tensors"], model, optimizer)
+    state, layouts = state_of(model, optimizer)
+    missing = sorted(k for k in state if k not in man["tensors"])
+    if missing:
+        raise CheckpointError(f"{man['path']}: checkpoint has no entry for {', '.join(missing[:5])}")
+    dcp.load(state, storage_reader=dcp.FileSystemReader(man["path"]), planner=_LoadPlanner(layouts),
+             process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
+    return man
+
+
+def _make_optimizer_state(tensors: dict[str, Any], model: ShardedModule, optimizer: torch.optim.Optimizer) -> None:
+    for key, info in tensors.items():
+        if not key.startswith("optim."):
+            continue
+        fqn, name = key[len("optim."):].rsplit(".", 1)
+        if fqn not in model.layouts:
+            raise CheckpointError(f"checkpoint entry {key!r} names parameter {fqn!r}, which the model lacks")
+        lay = model.layouts[fqn]
+        shape = lay.local_shape if info.get("shards") is not None else tuple(info["shape"])
+        optimizer.state[model.shard(fqn)][name] = torch.zeros(shape, dtype=torch_dtype(info["dtype"]))

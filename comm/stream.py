@@ -1,0 +1,206 @@
+"""Stream trace events from ranks to one collector over ZeroMQ (PUSH -> PULL), msgpack-encoded.
+
+Messages are msgpack maps ``{"v": 1, "kind": "hello" | "events" | "bye", "rank": int,
+"sent": float, ...}``; ``events`` carries ``rows`` (one list per event, in
+:class:`TraceEvent` field order) and ``bye`` the run's ``meta``. ``sent`` is the rank's
+``time.perf_counter()`` at sending, the clock its events use. The collector aligns
+each rank to its own wall clock with ``offset = min(received_at - sent)`` over that
+rank's messages (skew plus the smallest one-way delay, microseconds on one host).
+Malformed or oversized messages are dropped and counted; a rank that vanishes only
+loses its unsent events.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import msgpack
+import zmq
+
+from megaloom.runtime.errors import CommError
+from megaloom.runtime.executors.base import Observer
+from megaloom.runtime.trace import Trace, TraceEvent
+
+PROTOCOL = 1
+MAX_MESSAGE = 8 << 20
+_FIELDS = [f.name for f in fields(TraceEvent)]
+_INT, _NUM = (int,), (int, float)
+_KINDS = {"tid": _INT, "task": (str,), "op": (str,), "engine": (str,), "unit": _INT, "rank": _INT,
+          "start": _NUM, "end": _NUM, "flops": _NUM, "bytes": _NUM, "comm_bytes": _NUM, "deps": (list,),
+          "tags": (dict,)}
+
+
+class TraceStreamer(Observer):
+    """An executor observer that PUSHes this rank's events to ``endpoint`` in batches.
+
+    Sends never block: when the collector is absent and the queue is full, events are
+    dropped and counted in ``dropped``. ``close`` waits at most ``linger`` seconds.
+    """
+
+    def __init__(self, endpoint: str, rank: int, *, batch: int = 256, linger: float = 1.0, hwm: int = 1000):
+        self.rank, self.batch, self.dropped = rank, batch, 0
+        self._ctx = zmq.Context()  # its own, so close() can flush it before the process exits
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, int(linger * 1000))
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.connect(endpoint)
+        self._lock = threading.Lock()
+        self._rows: list[list[Any]] = []
+        self._send({"kind": "hello"})
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        msg.update(v=PROTOCOL, rank=self.rank, sent=time.perf_counter())
+        try:
+            self._sock.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += len(msg.get("rows", ())) or 1
+
+    def on_task(self, event: TraceEvent) -> None:
+        with self._lock:
+            self._rows.append([getattr(event, f) for f in _FIELDS])
+            if len(self._rows) >= self.batch:
+                self._flush()
+
+    def _flush(self) -> None:
+        if self._rows:
+            rows, self._rows = self._rows, []
+            self._send({"kind": "events", "rows": rows})
+
+    def on_run_end(self, trace: Trace) -> None:
+        with self._lock:
+            self._flush()
+            self._send({"kind": "bye", "meta": {k: v for k, v in trace.meta.items() if _plain(v)}})
+
+    def close(self) -> None:
+        with self._lock:
+            self._flush()
+            self._sock.close()
+            self._ctx.term()  # waits at most ``linger`` for queued messages
+
+
+def _plain(v: Any) -> bool:
+    try:
+        msgpack.packb(v)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass(slots=True)
+class CollectStats:
+    """What a collector saw: messages accepted and dropped, by reason; ranks seen and finished."""
+
+    received: int = 0
+    malformed: int = 0
+    oversized: int = 0
+    events: int = 0
+    ranks: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
+
+
+class Collector:
+    """PULL socket bound to ``endpoint`` (loopback by default) that merges ranks' events.
+
+    ``run`` returns when ``ranks`` ranks have said bye, or after ``idle`` seconds
+    without a message, or after ``duration`` seconds in all, whichever comes first.
+    """
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", *, max_message: int = MAX_MESSAGE):
+        self.max_message = max_message
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            self._sock.bind(endpoint if not endpoint.endswith(":0") else endpoint[:-2] + ":*")
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise CommError(f"collector cannot bind {endpoint}: {e}") from None
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.stats = CollectStats()
+        self._events: dict[int, list[TraceEvent]] = {}
+        self._offset: dict[int, float] = {}
+        self._meta: dict[int, dict[str, Any]] = {}
+
+    def run(self, ranks: int | None = None, *, idle: float = 10.0, duration: float | None = None) -> Trace:
+        """Receive until done (see class docstring); the merged, clock-aligned trace."""
+        start = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        last = time.monotonic()
+        while ranks is None or len(self.stats.finished) < ranks:
+            now = time.monotonic()
+            if now - last > idle or (duration is not None and now - start > duration):
+                break
+            if not poller.poll(50):
+                continue
+            while True:
+                try:
+                    raw = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                last = time.monotonic()
+                self.feed(raw, time.time())
+        return self.trace()
+
+    def feed(self, raw: bytes, received_at: float) -> None:
+        """Account one message received at wall time ``received_at``; never raises on bad input."""
+        if len(raw) > self.max_message:
+            self.stats.oversized += 1
+            return
+        try:
+            msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+            rank, kind, sent, rows = _check(msg)
+        except Exception:  # msgpack and our checks raise many unrelated types on bad input
+            self.stats.malformed += 1
+            return
+        self.stats.received += 1
+        self.stats.ranks.add(rank)
+        off = received_at - sent
+        self._offset[rank] = min(self._offset.get(rank, off), off)
+        if kind == "events":
+            self._events.setdefault(rank, []).extend(TraceEvent(*r) for r in rows)
+            self.stats.events += len(rows)
+        elif kind == "bye":
+            self.stats.finished.add(rank)
+            self._meta[rank] = msg.get("meta") if isinstance(msg.get("meta"), dict) else {}
+
+    def trace(self) -> Trace:
+        """The events so far, one clock (seconds since the earliest event), sorted by start."""
+        events = []
+        for rank, evs in self._events.items():
+            off = self._offset[rank]
+            for e in evs:
+                e.start, e.end, e.rank = e.start + off, e.end + off, rank
+                events.append(e)
+        self._events = {r: [] for r in self._events}
+        t0 = min((e.start for e in events), default=0.0)
+        for e in events:
+            e.start, e.end = e.start - t0, e.end - t0
+        events.sort(key=lambda e: (e.start, e.rank, e.tid))
+        meta = dict(next(iter(self._meta.values()), {}))
+        meta.update(mode="execute", clock="wall", world_size=len(self.stats.ranks), ranks=sorted(self.stats.ranks),
+                     finished=sorted(self.stats.finished), dropped_malformed=self.stats.malformed,
+                     dropped_oversized=self.stats.oversized)
+        return Trace(events, meta)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+def _check(msg: Any) -> tuple[int, str, float, list]:
+    if not isinstance(msg, dict) or msg.get("v") != PROTOCOL:
+        raise ValueError("not a megaloom trace message")
+    rank, kind, sent, rows = msg.get("rank"), msg.get("kind"), msg.get("sent"), msg.get("rows", [])
+    if not isinstance(rank, int) or rank < 0 or kind not in ("hello", "events", "bye"):
+        raise ValueError("bad rank or kind")
+    if not isinstance(sent, (int, float)) or not isinstance(rows, list):
+        raise ValueError("bad header")
+    for row in rows:
+        if not isinstance(row, list) or len(row) != len(_FIELDS):
+            raise ValueError("bad event row")
+        for name, v in zip(_FIELDS, row):
+            if not isinstance(v, _KINDS[name]) or isinstance(v, bool):
+                raise ValueError(f"bad field {name}")
+    return rank, kind, float(sent), rows

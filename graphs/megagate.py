@@ -1,0 +1,133 @@
+"""MegaGate: the MoE router as forward and backward task graphs over token shards.
+
+Forward, per shard ``i`` of ``tile_tokens`` rows::
+
+    x[i], W --proj (cube)--> logits[i] --gate_topk (vector)--> weights[i], indices[i]
+                                          bias --^
+
+The cube projects shard i+1 while the vector units select shard i. Backward, per shard::
+
+    logits[i], indices[i], dweights[i], dlogits_in[i] --gate_topk_bwd (vector)--> dlogits[i]
+    dlogits[i], W --proj_grad_input (cube)--> dx[i]
+    dlogits[i], x[i][:, cols], dW_acc[:, cols] --proj_grad_weight (cube)--> dW_acc[:, cols]
+
+The weight gradient is one chain over the shards per block of ``weight_cols`` hidden
+columns (the last link casts to W's dtype); the chains run on different cube units.
+
+Logits, weights and every gradient in between are float32 (float64 for float64 inputs);
+the correction bias moves the selection only and gets no gradient.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megaloom.graphs import ops_gate, ops_proj  # noqa: F401  (register the ops)
+from megaloom.graphs.megagate_mhc_common import (
+    check_dtype, load_options, require, spec_from_mapping, token_tiles, weight_grad_chains,
+)
+from megaloom.graphs.ops_gate import SCORES, combine, scores
+from megaloom.graphs.ops_proj import acc_dtype, up
+from megaloom.runtime.graph import TaskGraph
+
+
+@dataclass(frozen=True, slots=True)
+class GateSpec:
+    """Router shape and options. ``scale``: routed scaling factor; ``renorm``: renormalise
+    the k weights (only when ``top_k > 1``); ``tile_tokens``: rows per token shard;
+    ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel)."""
+
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+    score: str = "softmax"
+    scale: float = 1.0
+    renorm: bool = True
+    dtype: str = "float32"
+    tile_tokens: int = 128
+    weight_cols: int = 1024
+
+    def __post_init__(self) -> None:
+        what = "GateSpec"
+        for name in ("tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols"):
+            require(getattr(self, name) > 0, what, f"{name} must be positive, got {getattr(self, name)}")
+        require(self.top_k <= self.experts, what, f"top_k={self.top_k} exceeds experts={self.experts}")
+        require(self.score in SCORES, what, f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        check_dtype(what, self.dtype)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GateSpec:
+        """From CLI options or a YAML section; unknown keys raise ConfigError."""
+        return spec_from_mapping(cls, data)
+
+    @property
+    def acc(self) -> str:
+        """dtype of logits, weights and gradients in between."""
+        return acc_dtype(self.dtype)
+
+    @property
+    def attrs(self) -> dict:
+        return {"top_k": self.top_k, "score": self.score, "scale": float(self.scale), "renorm": self.renorm}
+
+
+def _tags(stage: str, direction: str, tile: int) -> dict:
+    return {"stage": stage, "direction": direction, "tile": tile}
+
+
+def build_megagate_forward(spec: GateSpec) -> TaskGraph:
+    """Inputs ``x`` [T, H], ``weight`` [E, H], ``bias`` [E]; outputs ``logits``, ``weights``, ``indices``."""
+    T, H, E, k = spec.tokens, spec.hidden, spec.experts, spec.top_k
+    g = TaskGraph("megagate_fwd")
+    x, w = g.input("x", (T, H), spec.dtype), g.input("weight", (E, H), spec.dtype)
+    bias = g.input("bias", (E,), spec.acc)
+    logits = g.output("logits", (T, E), spec.acc)
+    weights, indices = g.output("weights", (T, k), spec.acc), g.output("indices", (T, k), "int64")
+    for i, (a, b) in enumerate(token_tiles(T, spec.tile_tokens)):
+        g.task("proj", [x[a:b], w], [logits[a:b]], name=f"proj.{i}", tags=_tags("proj", "fwd", i))
+        g.task("gate_topk", [logits[a:b], bias], [weights[a:b], indices[a:b]], name=f"topk.{i}",
+               attrs=spec.attrs, tags=_tags("topk", "fwd", i))
+    return g
+
+
+def build_megagate_backward(spec: GateSpec) -> TaskGraph:
+    """Inputs ``x``, ``weight``, the saved ``logits`` and ``indices``, and the gradients
+    ``grad_weights`` [T, k] and ``grad_logits`` [T, E]; outputs ``grad_x``, ``grad_weight``."""
+    T, H, E, k = spec.tokens, spec.hidden, spec.experts, spec.top_k
+    g = TaskGraph("megagate_bwd")
+    x, w = g.input("x", (T, H), spec.dtype), g.input("weight", (E, H), spec.dtype)
+    logits, indices = g.input("logits", (T, E), spec.acc), g.input("indices", (T, k), "int64")
+    g_weights, g_logits = g.input("grad_weights", (T, k), spec.acc), g.input("grad_logits", (T, E), spec.acc)
+    g_x, g_w = g.output("grad_x", (T, H), spec.dtype), g.output("grad_weight", (E, H), spec.dtype)
+    d_logits = g.buffer("dlogits", (T, E), spec.acc)
+    tiles = token_tiles(T, spec.tile_tokens)
+    for i, (a, b) in enumerate(tiles):
+        g.task("gate_topk_bwd", [logits[a:b], indices[a:b], g_weights[a:b], g_logits[a:b]], [d_logits[a:b]],
+               name=f"topk_bwd.{i}", attrs=spec.attrs, tags=_tags("topk", "bwd", i))
+        g.task("proj_grad_input", [d_logits[a:b], w], [g_x[a:b]], name=f"dx.{i}",
+               attrs={"out_dtype": spec.dtype}, tags=_tags("proj_dx", "bwd", i))
+    weight_grad_chains(g, d_logits, x, g_w, tiles, spec.weight_cols, spec.acc, "dw")
+    return g
+
+
+def build_megagate(spec: GateSpec, direction: str = "fwd") -> TaskGraph:
+    """The forward (``"fwd"``) or backward (``"bwd"``) graph of ``spec``."""
+    builders = {"fwd": build_megagate_forward, "bwd": build_megagate_backward}
+    require(direction in builders, "build_megagate", f"direction must be 'fwd' or 'bwd', got {direction!r}")
+    return builders[direction](spec)
+
+
+
+def build_graph(spec: str | None = None, direction: str = "fwd", **options) -> TaskGraph:
+    """``megaloom simulate --graph megagate[:direction=bwd,k=v,...]`` entry point. ``spec``: a YAML
+    file of GateSpec options (at top level or under a ``megagate:`` key); ``options`` override it."""
+    return build_megagate(GateSpec.from_dict(load_options(spec, "megagate", options)), direction)
+
+def megagate_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int,
+                       score: str = "softmax", scale: float = 1.0, renorm: bool = True):
+    """Golden router in plain torch with autograd: (logits [T, E], weights [T, k], indices [T, k])."""
+    logits = torch.nn.functional.linear(up(x), up(weight))
+    s = scores(logits, score)
+    indices = torch.topk(s.detach() + bias, top_k, dim=-1).indices
+    return logits, combine(s, indices, top_k, scale, renorm), indices

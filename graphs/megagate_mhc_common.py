@@ -1,0 +1,184 @@
+"""Helpers shared by MegaGate and MegaMHC: token tiles, specs from options, graph runners."""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import OrderedDict
+from typing import Any, Callable, Mapping, TypeVar
+
+import torch
+
+from megaloom.runtime.dtypes import dtype_name, torch_dtype
+from megaloom.runtime.errors import ConfigError, GraphError
+from megaloom.runtime.executors import ExecContext, Executor, ThreadExecutor
+from megaloom.runtime.graph import Buffer, TaskGraph
+
+S = TypeVar("S")
+
+
+def token_tiles(tokens: int, tile: int) -> list[tuple[int, int]]:
+    """(start, stop) row ranges of at most ``tile`` tokens covering ``tokens``."""
+    return [(a, min(a + tile, tokens)) for a in range(0, tokens, tile)]
+
+
+def weight_grad_chains(g: TaskGraph, grad: Buffer, act: Buffer, out: Buffer, tiles: list[tuple[int, int]],
+                       cols: int, acc: str, stage: str = "proj_dw") -> None:
+    """``out = sum_i grad[i]^T flat(act[i])`` as cube chains over the token tiles ``i``.
+
+    The columns of ``out`` are split in blocks of at most ``cols`` (a block never spans two
+    rows of act's trailing dims), one chain per block, so the chains run on different cube
+    units. Each chain accumulates in its own ``acc`` buffer; its last link writes ``out`` in out's dtype.
+    """
+    last, lead = act.shape[-1], act.shape[1:-1]
+    blocks = [(idx, c0, min(c0 + cols, last)) for idx in itertools.product(*map(range, lead))
+              for c0 in range(0, last, cols)]
+    for j, (idx, c0, c1) in enumerate(blocks):
+        row = 0
+        for k, d in zip(idx, lead):  # row-major index of the trailing-dims row
+            row = row * d + k
+        dst = out[:, row * last + c0:row * last + c1]
+        # one accumulator per chain keeps each buffer's writer list short
+        acc_buf = g.buffer(f"{out.name}.acc{j}", dst.shape, acc) if len(tiles) > 1 else None
+        for i, (a, b) in enumerate(tiles):
+            final = i == len(tiles) - 1
+            src = act[(slice(a, b), *(slice(k, k + 1) for k in idx), slice(c0, c1))]
+            g.task("proj_grad_weight", [grad[a:b], src] + ([acc_buf] if i else []), [dst if final else acc_buf],
+                   name=f"{stage}.{i}.{j}", attrs={"out_dtype": out.dtype if final else acc},
+                   tags={"stage": stage, "direction": "bwd", "tile": i})
+
+
+def require(ok: bool, what: str, message: str) -> None:
+    """Raise ConfigError ``"<what>: <message>"`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{what}: {message}")
+
+
+def check_dtype(what: str, dtype: str) -> None:
+    try:
+        name = dtype_name(dtype)
+    except GraphError as e:
+        raise ConfigError(f"{what}: {e}") from None
+    require(name in ("float32", "bfloat16", "float16", "float64"), what,
+            f"dtype must be float32, bfloat16, float16 or float64, got {dtype!r}")
+
+
+def spec_from_mapping(cls: type[S], data: Mapping[str, Any]) -> S:
+    """Build the spec dataclass ``cls`` from a mapping (CLI options or a YAML section).
+
+    Unknown keys and values of the wrong type raise ConfigError naming them.
+    """
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    require(not unknown, cls.__name__, f"unknown option(s) {', '.join(unknown)}; known: {', '.join(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        kind = type(names[key].default) if names[key].default is not dataclasses.MISSING else int
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        require(isinstance(value, kind) and not (kind is int and isinstance(value, bool)), cls.__name__,
+                f"option {key!r} must be {kind.__name__}, got {value!r}")
+        kwargs[key] = value
+    missing = [n for n, f in names.items() if f.default is dataclasses.MISSING and n not in kwargs]
+    require(not missing, cls.__name__, f"missing option(s) {', '.join(missing)}")
+    return cls(**kwargs)
+
+
+def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Options from the YAML file ``path`` (at top level or under ``key``), then ``overrides``.
+
+    An unreadable file or a document that is not a mapping raises ConfigError naming the file.
+    """
+    opts: dict[str, Any] = {}
+    if path is not None:
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read {key} spec {path!r}: {e}") from None
+        data = data.get(key, data) if isinstance(data, dict) else data
+        require(isinstance(data, dict), f"{key} spec {path!r}", "must hold a mapping of options")
+        opts.update(data)
+    opts.update(overrides)
+    return opts
+
+
+class GraphRunner:
+    """Builds each (builder, spec) graph once and runs it on an executor.
+
+    ``executor=None`` runs on a one-unit-per-engine :class:`ThreadExecutor` on the inputs' device.
+    """
+
+    def __init__(self, executor: Executor | None = None, cache_size: int = 16):
+        self.executor = executor
+        self.cache_size = cache_size
+        self._graphs: OrderedDict[tuple, TaskGraph] = OrderedDict()
+
+    def graph(self, builder: Callable[[Any], TaskGraph], spec: Any) -> TaskGraph:
+        key = (builder, spec)
+        g = self._graphs.get(key)
+        if g is None:
+            g = builder(spec).validate()
+            self._graphs[key] = g
+            while len(self._graphs) > self.cache_size:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return g
+
+    def run(self, builder: Callable[[Any], TaskGraph], spec: Any, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The output buffers of the graph ``builder(spec)`` run on ``inputs`` (detached, contiguous)."""
+        graph = self.graph(builder, spec)
+        inputs = {k: v.detach().contiguous() for k, v in inputs.items()}
+        ex = self.executor
+        if ex is None:
+            device = next(iter(inputs.values())).device
+            ex = ThreadExecutor(ctx=ExecContext(device=device))
+        return ex.run(graph, inputs).outputs
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative L2 error ``|actual - expected| / |expected|`` in float64 (0 when both are zero)."""
+    a, e = actual.detach().double(), expected.detach().double()
+    den = e.norm().item()
+    return (a - e).norm().item() / den if den else (a - e).norm().item()
+
+
+def _poisoned(shape: tuple[int, ...], dtype: torch.dtype, strided: bool) -> torch.Tensor:
+    """NaN (or -1) filled output; ``strided``: a column slice of a wider tensor, like a region view."""
+    wide = (*shape[:-1], shape[-1] + 2) if strided and len(shape) >= 2 else shape
+    x = torch.full(wide, float("nan") if dtype.is_floating_point else -1).to(dtype)
+    return x[..., 1:shape[-1] + 1] if wide != shape else x
+
+
+def check_op(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], tol: float = 1e-5) -> list[torch.Tensor]:
+    """Run op ``name``'s kernel into fresh outputs and check it against the reference.
+
+    Checks: the shape rule matches the reference outputs; kernel outputs, written into whole
+    tensors and into strided column views, match them (relative L2 <= ``tol``; integer
+    outputs exactly); the cost is finite and positive. Returns the reference outputs;
+    raises AssertionError naming the op and output.
+    """
+    from megaloom.runtime.registry import TensorSpec, get_op, run_reference
+
+    op = get_op(name)
+    specs = op.shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in inputs], attrs)
+    ref = run_reference(op, inputs, attrs)
+    assert len(ref) == len(specs), f"{name}: reference makes {len(ref)} outputs, shape rule {len(specs)}"
+    for i, (s, r) in enumerate(zip(specs, ref)):
+        assert tuple(r.shape) == s.shape and dtype_name(r.dtype) == s.dtype, (
+            f"{name}: output {i} is {tuple(r.shape)} {r.dtype}, shape rule says {s.shape} {s.dtype}")
+    for strided in (False, True):  # outputs as whole tensors, then as column slices of wider ones
+        outs = [_poisoned(s.shape, torch_dtype(s.dtype), strided) for s in specs]
+        op.kernel(inputs, outs, **attrs)
+        for i, (o, r) in enumerate(zip(outs, ref)):
+            where = f"{name}: output {i}{' (strided)' if strided else ''}"
+            if o.dtype.is_floating_point:
+                err = rel_l2(o, r)
+                assert err <= tol, f"{where}: kernel vs reference relative L2 error {err:.3e} > {tol:.1e}"
+            else:
+                assert torch.equal(o, r), f"{where}: kernel differs from the reference"
+    c = op.cost([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in inputs], specs, attrs)
+    assert 0 < c.flops < float("inf") and 0 < c.bytes < float("inf"), f"{name}: cost {c} is not finite and positive"
+    return list(ref)

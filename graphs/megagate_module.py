@@ -1,0 +1,97 @@
+"""``MegaGate``: the router as a torch module whose forward and backward run the task graphs."""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from megaloom.graphs.megagate import GateSpec, build_megagate_backward, build_megagate_forward
+from megaloom.graphs.megagate_mhc_common import GraphRunner
+from megaloom.graphs.ops_proj import acc_dtype
+from megaloom.runtime.dtypes import dtype_name, torch_dtype
+from megaloom.runtime.executors import Executor
+
+
+class GateOutput(NamedTuple):
+    weights: torch.Tensor  # [..., k], float32 (float64 for float64 inputs)
+    indices: torch.Tensor  # [..., k], int64
+    logits: torch.Tensor  # [..., E], float32 (float64 for float64 inputs)
+
+
+class MegaGateFunction(torch.autograd.Function):
+    """Autograd function over the graphs: (x [T, H], weight [E, H], bias [E]) -> (logits, weights, indices)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: GateSpec, runner: GraphRunner):
+        out = runner.run(build_megagate_forward, spec, {"x": x, "weight": weight, "bias": bias})
+        ctx.save_for_backward(x, weight, out["logits"], out["indices"])
+        ctx.mark_non_differentiable(out["indices"])
+        ctx.spec, ctx.runner = spec, runner
+        return out["logits"], out["weights"], out["indices"]
+
+    @staticmethod
+    def backward(ctx, g_logits, g_weights, _g_indices):
+        x, weight, logits, indices = ctx.saved_tensors
+        spec: GateSpec = ctx.spec
+        if g_logits is None:
+            g_logits = torch.zeros_like(logits)
+        if g_weights is None:
+            g_weights = torch.zeros(indices.shape, dtype=logits.dtype, device=logits.device)
+        out = ctx.runner.run(build_megagate_backward, spec, {
+            "x": x, "weight": weight, "logits": logits, "indices": indices,
+            "grad_weights": g_weights.to(logits.dtype), "grad_logits": g_logits.to(logits.dtype)})
+        return out["grad_x"], out["grad_weight"], None, None, None
+
+
+def megagate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, top_k: int,
+             score: str = "softmax", scale: float = 1.0, renorm: bool = True, tile_tokens: int = 128,
+             weight_cols: int = 1024, runner: GraphRunner | None = None) -> GateOutput:
+    """Route ``x`` [..., H] with ``weight`` [E, H]; ``bias`` [E] moves the selection only.
+
+    The weight is used in x's dtype; gradients flow to x and weight through the graphs.
+    """
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    spec = GateSpec(x2.shape[0], hidden, weight.shape[0], top_k, score, float(scale), renorm,
+                    dtype_name(x.dtype), tile_tokens, weight_cols)
+    acc = torch_dtype(acc_dtype(spec.dtype))
+    if bias is None:
+        bias = torch.zeros(weight.shape[0], dtype=acc, device=x.device)
+    logits, weights, indices = MegaGateFunction.apply(x2, weight.to(x.dtype), bias.detach().to(acc), spec,
+                                                      runner or GraphRunner())
+    lead = x.shape[:-1]
+    return GateOutput(weights.reshape(*lead, top_k), indices.reshape(*lead, top_k), logits.reshape(*lead, -1))
+
+
+class MegaGate(nn.Module):
+    """MoE router: ``weight`` [E, H] is an ``nn.Parameter``; ``bias`` [E] (the per-expert
+    correction bias, updated outside autograd) is a float32 buffer.
+
+    ``executor``: the megaloom executor that runs the graphs (default: a ThreadExecutor).
+    """
+
+    def __init__(self, hidden: int, experts: int, top_k: int, *, score: str = "softmax", scale: float = 1.0,
+                 renorm: bool = True, tile_tokens: int = 128, weight_cols: int = 1024, executor: Executor | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.hidden, self.experts, self.top_k = hidden, experts, top_k
+        self.score, self.scale, self.renorm = score, scale, renorm
+        self.tile_tokens, self.weight_cols = tile_tokens, weight_cols
+        GateSpec(1, hidden, experts, top_k, score, float(scale), renorm, "float32", tile_tokens, weight_cols)  # check
+        self.weight = nn.Parameter(torch.empty(experts, hidden, device=device, dtype=dtype))
+        self.register_buffer("bias", torch.zeros(experts, device=device, dtype=torch.float32))
+        self.runner = GraphRunner(executor)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> GateOutput:
+        return megagate(x, self.weight, self.bias, top_k=self.top_k, score=self.score, scale=self.scale,
+                        renorm=self.renorm, tile_tokens=self.tile_tokens, weight_cols=self.weight_cols, runner=self.runner)
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, experts={self.experts}, top_k={self.top_k}, score={self.score!r}, "
+                f"scale={self.scale}, renorm={self.renorm}, tile_tokens={self.tile_tokens}")

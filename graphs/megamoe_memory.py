@@ -1,0 +1,65 @@
+"""Workspace memory of a graph from its buffer lifetimes, and what a run really allocated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+from megaloom.runtime.graph import TaskGraph
+
+
+@dataclass(slots=True)
+class MemoryEstimate:
+    """Workspace of one graph (graph inputs are the caller's and not counted).
+
+    ``allocated_bytes``: every non-input buffer, which is what the executors allocate for a
+    run (they allocate all buffers up front). ``peak_bytes``: the most bytes live at once
+    when tasks run in topological order and each buffer lives from its first access to its
+    last (outputs to the end): what a lifetime-aware allocator needs. ``saved_bytes``: the
+    output buffers (results and activations kept for the backward pass).
+    """
+
+    allocated_bytes: int
+    peak_bytes: int
+    saved_bytes: int
+    buffers: dict[str, int] = field(default_factory=dict)
+
+
+def estimate_memory(graph: TaskGraph) -> MemoryEstimate:
+    """Peak and total workspace bytes of ``graph`` from the tasks that touch each buffer."""
+    order = graph.topological_order()
+    step = {tid: i for i, tid in enumerate(order)}
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for t in graph.tasks:
+        s = step[t.id]
+        for r in (*t.inputs, *t.outputs):
+            n = r.buffer.name
+            first[n] = min(first.get(n, s), s)
+            last[n] = max(last.get(n, s), s)
+    work = {b.name: b.nbytes for b in graph.buffers.values() if not b.is_input}
+    end = len(order)
+    delta = [0] * (end + 1)
+    for name, nbytes in work.items():
+        if name not in first:  # never touched: allocated for the whole run
+            first[name], last[name] = 0, end
+        delta[first[name]] += nbytes
+        stop = end if graph.buffers[name].is_output else last[name] + 1
+        delta[stop] -= nbytes
+    peak = live = 0
+    for d in delta:
+        live += d
+        peak = max(peak, live)
+    return MemoryEstimate(sum(work.values()), peak, sum(n for k, n in work.items() if graph.buffers[k].is_output),
+                          work)
+
+
+def measured_bytes(graph: TaskGraph, buffers: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of storage a run allocated for the non-input buffers (``RunResult.buffers``)."""
+    seen: dict[int, int] = {}
+    for b in graph.buffers.values():
+        if not b.is_input and b.name in buffers:
+            st = buffers[b.name].untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,258 @@
+"""Vector tile ops of MegaMHC (manifold-constrained hyper-connections, ``n`` residual streams).
+
+| op             | engine | what it computes (one token tile)                                            |
+|----------------|--------|------------------------------------------------------------------------------|
+| mhc_mix        | vector | new residual ``R^T h + post (x) y`` and the inverse RMS of its flattening      |
+| mhc_norm       | vector | block input ``RMSNorm(sum_j pre_j new_j) * norm_w``                            |
+| mhc_coeff      | vector | next pre / post / residual mix from the projected logits (Sinkhorn on the mix) |
+| mhc_coeff_bwd  | vector | gradient of mhc_coeff: logits, inverse RMS, and per-tile alpha / bias partials |
+| mhc_norm_bwd   | vector | gradient of mhc_norm: new residual, pre, and per-tile norm-weight partials     |
+| mhc_mix_bwd    | vector | gradient of mhc_mix given the new residual's summed gradient                   |
+
+Logit layout (``m = n*n + 2n``; 24 for n = 4): ``l[:, 0:n]`` pre, ``l[:, n:2n]`` post,
+``l[:, 2n:]`` the mix, row-major ``[n, n]`` (entry ``4*i + j`` is row i, column j). The bias
+splits the same way; alpha is ``(a_pre, a_post, a_mix)``. ``l = raw * inv_rms``, where
+``raw = flat(new) @ phi^T`` (the RMS normalisation commutes with the projection, so it is
+applied after the cube stage as one scale per token).
+
+The backward references are the ``torch.autograd.functional.vjp`` of the forward
+references; the kernels are the analytic gradients (the Sinkhorn iterations are
+reversed step by step from stored row and column sums). Tests check one against the other.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megaloom.graphs.ops_proj import acc_dtype, up
+from megaloom.runtime.errors import GraphError
+from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
+
+
+def _check(name: str, ins: list[TensorSpec], want: list[tuple[int, ...] | None]) -> None:
+    got = [s.shape for s in ins]
+    if len(ins) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+        raise GraphError(f"{name}: operand shapes {got} do not match {want}")
+
+
+def _bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
+    return float(sum(s.nbytes for s in ins) + sum(o.nbytes for o in outs))
+
+
+def _cost(flops_per_elem: float, elem_operand: int = 0):
+    def cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+        return Cost(flops_per_elem * ins[elem_operand].numel, _bytes(ins, outs))
+    return cost
+
+
+# -- forward references ------------------------------------------------------------------
+def mix_ref(y, h, post, res, rms_eps: float = 1e-6):
+    """``new_i = sum_j res[j, i] h_j + post_i y`` (stored in h's dtype) and its inverse RMS."""
+    new = (torch.einsum("tji,tjh->tih", res, up(h)) + post.unsqueeze(-1) * up(y).unsqueeze(1)).to(h.dtype)
+    flat = up(new).flatten(1)
+    return new, torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
+
+
+def norm_ref(new, pre, norm_w, rms_eps: float = 1e-6):
+    """``RMSNorm(sum_j pre_j new_j) * norm_w`` in new's dtype."""
+    z = (pre.unsqueeze(-1) * up(new)).sum(1)
+    return (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + rms_eps) * up(norm_w)).to(new.dtype)
+
+
+def sinkhorn(m: torch.Tensor, iters: int) -> torch.Tensor:
+    """``iters`` rounds of row then column normalisation of positive [..., n, n] matrices."""
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+def split_logits(l: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [.., n], post [.., n], mix [.., n, n]) parts of logits laid out as the module docstring says."""
+    return l[..., :n], l[..., n:2 * n], l[..., 2 * n:].unflatten(-1, (n, n))
+
+
+def coeff_ref(raw, inv_rms, alpha, bias, n: int = 4, iters: int = 20, pre_eps: float = 1e-6):
+    """Next (pre, post, res) from the projected logits ``raw * inv_rms``."""
+    lp, lq, lr = split_logits(raw * inv_rms, n)
+    bp, bq, br = split_logits(bias, n)
+    pre = torch.sigmoid(alpha[0] * lp + bp) + pre_eps
+    post = 2 * torch.sigmoid(alpha[1] * lq + bq)
+    return pre, post, sinkhorn(torch.softmax(alpha[2] * lr + br, -1), iters)
+
+
+# -- forward kernels ---------------------------------------------------------------------
+def _mix_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, post, res = ins
+    new, inv = outs
+    acc = torch.baddbmm(up(y).unsqueeze(1) * post.unsqueeze(-1), res.transpose(1, 2), up(h))
+    new.copy_(acc)
+    flat = up(new).flatten(1)
+    torch.rsqrt(flat.square().mean(-1, keepdim=True).add_(rms_eps), out=inv)
+
+
+def _norm_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    new, pre, w = ins
+    z = torch.bmm(pre.unsqueeze(1), up(new)).squeeze(1)
+    outs[0].copy_(F.rms_norm(z, (z.shape[-1],), up(w), rms_eps))
+
+
+def _coeff_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
+    raw, inv, alpha, bias = ins
+    pre, post, res = outs
+    lp, lq, lr = split_logits(raw * inv, n)
+    bp, bq, br = split_logits(bias, n)
+    torch.sigmoid(torch.addcmul(bp, lp, alpha[0]), out=pre).add_(pre_eps)
+    torch.sigmoid(torch.addcmul(bq, lq, alpha[1]), out=post).mul_(2)
+    res.copy_(torch.softmax(torch.addcmul(br, lr, alpha[2]), -1))
+    for _ in range(iters):
+        res.div_(res.sum(-1, keepdim=True))
+        res.div_(res.sum(-2, keepdim=True))
+
+
+# -- backward references: VJPs of the forward references ---------------------------------
+def _coeff_bwd_ref(raw, inv_rms, alpha, bias, g_pre, g_post, g_res, n: int = 4, iters: int = 20, pre_eps: float = 1e-6):
+    def f(r, i, a, b):
+        return coeff_ref(r, i, a, b, n, iters, pre_eps)
+
+    _, (gr, gi, ga, gb) = torch.autograd.functional.vjp(f, (raw, inv_rms, alpha, bias), (g_pre, g_post, g_res))
+    return gr, gi, ga.unsqueeze(0), gb.unsqueeze(0)
+
+
+def _norm_bwd_ref(new, pre, norm_w, g_block, rms_eps: float = 1e-6):
+    def f(nw, p, w):
+        return norm_ref(nw, p, w, rms_eps)
+
+    _, (gn, gp, gw) = torch.autograd.functional.vjp(f, (up(new), pre, up(norm_w)), up(g_block))
+    return gn, gp, gw.unsqueeze(0)
+
+
+def _mix_bwd_ref(y, h, post, res, new, inv_rms, g_new, g_flat, g_norm, g_inv, rms_eps: float = 1e-6):
+    def f(y_, h_, p_, r_):
+        return mix_ref(y_, h_, p_, r_, rms_eps)
+
+    g = up(g_new) + g_flat + g_norm
+    _, (gy, gh, gp, gr) = torch.autograd.functional.vjp(f, (up(y), up(h), post, res), (g, g_inv))
+    return gy.to(y.dtype), gh.to(h.dtype), gp, gr
+
+
+# -- backward kernels: analytic gradients ------------------------------------------------
+def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
+    raw, inv, alpha, bias, g_pre, g_post, g_res = ins
+    g_raw, g_inv, g_alpha, g_bias = outs
+    l = raw * inv
+    lp, lq, lr = split_logits(l, n)
+    bp, bq, br = split_logits(bias, n)
+    sp = torch.sigmoid(alpha[0] * lp + bp)
+    sq = torch.sigmoid(alpha[1] * lq + bq)
+    g_zp = g_pre * sp * (1 - sp)
+    g_zq = 2 * g_post * sq * (1 - sq)
+    m0 = torch.softmax(alpha[2] * lr + br, -1)
+    steps, m = [], m0  # (row sums, row-normalised, column sums, column-normalised) per round
+    for _ in range(iters):
+        r = m.sum(-1, keepdim=True)
+        a = m / r
+        c = a.sum(-2, keepdim=True)
+        m = a / c
+        steps.append((r, a, c, m))
+    g = g_res
+    for r, a, c, m in reversed(steps):
+        g = (g - (g * m).sum(-2, keepdim=True)) / c
+        g = (g - (g * a).sum(-1, keepdim=True)) / r
+    g_zr = m0 * (g - (g * m0).sum(-1, keepdim=True))
+    g_z = torch.cat([g_zp, g_zq, g_zr.flatten(1)], -1)
+    gl_p, gl_q, gl_r = g_zp * alpha[0], g_zq * alpha[1], g_zr.flatten(1) * alpha[2]
+    g_l = torch.cat([gl_p, gl_q, gl_r], -1)
+    torch.mul(g_l, inv, out=g_raw)
+    torch.sum(g_l * raw, -1, keepdim=True, out=g_inv)
+    g_alpha.copy_(torch.stack([(g_zp * lp).sum(), (g_zq * lq).sum(), (g_zr * lr).sum()]).unsqueeze(0))
+    torch.sum(g_z, 0, keepdim=True, out=g_bias)
+
+
+def _norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    new, pre, w, g_block = ins
+    g_new, g_pre, g_w = outs
+    nw, g = up(new), up(g_block)
+    z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
+    r = torch.rsqrt(z.square().mean(-1, keepdim=True) + rms_eps)
+    torch.sum(g * z * r, 0, keepdim=True, out=g_w)
+    u = g * up(w)
+    g_z = r * u - z * r.pow(3) * (u * z).mean(-1, keepdim=True)
+    torch.mul(pre.unsqueeze(-1), g_z.unsqueeze(1), out=g_new)
+    torch.bmm(nw, g_z.unsqueeze(-1), out=g_pre.unsqueeze(-1))
+
+
+def _mix_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, post, res, new, inv, g_new, g_flat, g_norm, g_inv = ins
+    g_y, g_h, g_post, g_res = outs
+    nw = up(new)
+    k = nw.shape[1] * nw.shape[2]
+    g = up(g_new) + g_flat + g_norm
+    g.addcmul_(nw, (g_inv * inv.pow(3) / -k).unsqueeze(-1))
+    g_h.copy_(torch.bmm(res, g))
+    torch.bmm(up(h), g.transpose(1, 2), out=g_res)
+    torch.bmm(g, up(y).unsqueeze(-1), out=g_post.unsqueeze(-1))
+    g_y.copy_(torch.bmm(post.unsqueeze(1), g).squeeze(1))
+
+
+# -- shape rules -------------------------------------------------------------------------
+def _mix_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
+    _check("mhc_mix", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n)])
+    return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype))]
+
+
+def _norm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = (ins[0].shape + (0, 0, 0))[:3] if ins else (0, 0, 0)
+    _check("mhc_norm", ins, [(t, n, hd), (t, n), (hd,)])
+    return [TensorSpec((t, hd), ins[0].dtype)]
+
+
+def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    n = int(attrs.get("n", 4))
+    t = ins[0].shape[0] if ins and ins[0].shape else 0
+    m = n * n + 2 * n
+    _check("mhc_coeff", ins, [(t, m), (t, 1), (3,), (m,)])
+    dt = ins[0].dtype
+    return [TensorSpec((t, n), dt), TensorSpec((t, n), dt), TensorSpec((t, n, n), dt)]
+
+
+def _coeff_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    n = int(attrs.get("n", 4))
+    t = ins[0].shape[0] if ins and ins[0].shape else 0
+    m = n * n + 2 * n
+    _check("mhc_coeff_bwd", ins, [(t, m), (t, 1), (3,), (m,), (t, n), (t, n), (t, n, n)])
+    dt = ins[0].dtype
+    return [TensorSpec((t, m), dt), TensorSpec((t, 1), dt), TensorSpec((1, 3), dt), TensorSpec((1, m), dt)]
+
+
+def _norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = (ins[0].shape + (0, 0, 0))[:3] if ins else (0, 0, 0)
+    _check("mhc_norm_bwd", ins, [(t, n, hd), (t, n), (hd,), (t, hd)])
+    acc = acc_dtype(ins[0].dtype)
+    return [TensorSpec((t, n, hd), acc), TensorSpec((t, n), ins[1].dtype), TensorSpec((1, hd), acc)]
+
+
+def _mix_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
+    _check("mhc_mix_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n), (t, n, hd), (t, 1),
+                                (t, n, hd), (t, n, hd), (t, n, hd), (t, 1)])
+    return [ins[0], ins[1], ins[2], ins[3]]
+
+
+SINKHORN_FLOPS = 4.0  # per matrix entry and round: a sum and a divide, rows then columns
+
+register(OpDef("mhc_mix", ("vector",), mix_ref, _mix_shape, _cost(12.0, 1), _mix_kernel,
+               doc="new residual R^T h + post (x) y, and the inverse RMS of its flattening"))
+register(OpDef("mhc_norm", ("vector",), norm_ref, _norm_shape, _cost(4.0, 0), _norm_kernel,
+               doc="RMSNorm(sum_j pre_j new_j) * norm_w"))
+register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
+               lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
+               _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
+register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
+               lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
+               _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)"))
+register(OpDef("mhc_norm_bwd", ("vector",), _norm_bwd_ref, _norm_bwd_shape, _cost(10.0, 0), _norm_bwd_kernel,
+               doc="gradient of mhc_norm: new residual, pre, per-tile norm-weight partial"))
+register(OpDef("mhc_mix_bwd", ("vector",), _mix_bwd_ref, _mix_bwd_shape, _cost(20.0, 1), _mix_bwd_kernel,
+               doc="gradient of mhc_mix from the new residual's summed gradient and the inverse RMS gradient"))

@@ -1,0 +1,30 @@
+"""``megaloom replay``: re-simulate a saved trace with its measured durations under other
+unit counts or another policy, and compare with the recorded run."""
+from __future__ import annotations
+
+import argparse
+
+from megaloom.runtime.metrics import summary
+from megaloom.runtime.trace import Trace
+from megaloom.commands.simulate import add_common, policy_and_units, write_outputs
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="re-simulate a saved trace under other unit counts or policies")
+    p.add_argument("trace_file", metavar="TRACE", help="a saved megaloom trace (.mlt)")
+    p.add_argument("--profile", default=None, help="profile naming the run and filling missing unit counts (default: the trace's)")
+    add_common(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megaloom.scheduler.replay import compare, replay
+
+    recorded = Trace.load(args.trace_file)
+    policy, units = policy_and_units(args)
+    result = replay(recorded, args.profile, units, policy)
+    print(summary(result.trace))
+    print()
+    print(compare(recorded, result.trace))
+    write_outputs(result.trace, args)
+    return 0

@@ -1,0 +1,142 @@
+"""``megaloom simulate``: simulate a graph on a hardware profile; print the summary,
+write the trace (msgpack) and a Perfetto JSON.
+
+The graph comes from a file (``GRAPH_FILE`` or ``--graph PATH``) or from a named builder
+(``--graph NAME[:key=value,...]``). Builders are registered with
+:func:`register_graph_builder` or through the ``megaloom.graph_builders`` entry-point group
+(each entry point loads a ``builder(**options) -> TaskGraph``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.metrics import summary
+from megaloom.runtime.perfetto import write_chrome
+
+GraphBuilder = Callable[..., TaskGraph]
+_BUILDERS: dict[str, GraphBuilder] = {}
+
+
+def register_graph_builder(name: str, builder: GraphBuilder) -> None:
+    """Make ``--graph NAME[:k=v,...]`` call ``builder(**options)``."""
+    _BUILDERS[name] = builder
+
+
+def graph_builders() -> dict[str, GraphBuilder]:
+    """Every registered builder, entry-point plug-ins included."""
+    for ep in entry_points(group="megaloom.graph_builders"):
+        _BUILDERS.setdefault(ep.name, ep.load())
+    return dict(_BUILDERS)
+
+
+def _value(text: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"name:k=v,k2=v2"`` as ``("name", {"k": v, ...})``; numbers and booleans converted."""
+    name, _, rest = spec.partition(":")
+    opts: dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        k, sep, v = item.partition("=")
+        if not sep or not k.strip():
+            raise ConfigError(f"bad option {item!r} in {spec!r}: expected key=value")
+        opts[k.strip()] = _value(v.strip())
+    return name.strip(), opts
+
+
+def resolve_graph(spec: str) -> TaskGraph:
+    """A graph from a file path, or from a named builder with options."""
+    if os.path.exists(spec):
+        import megaloom.ops  # noqa: F401  (ops named by the file)
+
+        return TaskGraph.load(spec)
+    name, opts = parse_spec(spec)
+    builders = graph_builders()
+    if name not in builders:
+        known = ", ".join(sorted(builders)) or "none registered"
+        raise ConfigError(f"graph {spec!r} is neither a file nor a known graph builder (builders: {known})")
+    try:
+        return builders[name](**opts)
+    except TypeError as e:
+        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
+
+
+def progress_bar(stream=None, width: int = 30) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback drawing a one-line bar on ``stream`` (default: stderr)."""
+    stream = stream or sys.stderr
+
+    def draw(done: int, total: int) -> None:
+        frac = done / total if total else 1.0
+        fill = int(frac * width)
+        stream.write(f"\rsimulating [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {done}/{total} tasks")
+        if done >= total:
+            stream.write("\n")
+        stream.flush()
+    return draw
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``simulate`` and ``replay``."""
+    p.add_argument("--policy", default=None, help="ordering policy NAME[:key=value,...], e.g. expert_interleave:group_size=2")
+    p.add_argument("--units", default=None, help="unit counts overriding the profile, e.g. cube=24,vector=48,comm=4")
+    p.add_argument("--trace", default=None, metavar="OUT.mlt", help="write the simulated trace (msgpack)")
+    p.add_argument("--perfetto", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace JSON")
+
+
+def policy_and_units(args: argparse.Namespace):
+    from megaloom.scheduler import make_policy, parse_units
+
+    policy = None
+    if args.policy:
+        name, opts = parse_spec(args.policy)
+        policy = make_policy(name, **opts)
+    units = parse_units(args.units) if args.units else None
+    return policy, units
+
+
+def write_outputs(trace, args: argparse.Namespace) -> None:
+    if args.trace:
+        trace.save(args.trace)
+        print(f"wrote trace: {args.trace}")
+    if args.perfetto:
+        write_chrome(trace, args.perfetto)
+        print(f"wrote Perfetto trace: {args.perfetto}  (open in https://ui.perfetto.dev)")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("simulate", help="simulate a task graph on a hardware profile")
+    p.add_argument("graph_file", nargs="?", default=None, metavar="GRAPH_FILE", help="a saved graph (msgpack)")
+    p.add_argument("--graph", default=None, metavar="SPEC", help="a graph file, or a builder NAME[:key=value,...]")
+    p.add_argument("--profile", default="ascend-910b", help="hardware profile name or YAML path (default: ascend-910b)")
+    add_common(p)
+    bar = p.add_mutually_exclusive_group()
+    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
+    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from megaloom.scheduler import Simulator
+
+    if (args.graph_file is None) == (args.graph is None):
+        raise ConfigError("give exactly one graph: GRAPH_FILE or --graph SPEC")
+    graph = resolve_graph(args.graph_file or args.graph)
+    policy, units = policy_and_units(args)
+    show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(graph) >= 100_000)
+    sim = Simulator(args.profile, units, policy, progress=progress_bar() if show else None)
+    result = sim.run(graph)
+    print(summary(result.trace))
+    write_outputs(result.trace, args)
+    return 0

@@ -1,0 +1,124 @@
+"""Parallel set-up for the trainer: data parallel, FSDP (``megaloom.comm.fsdp``) and expert parallel.
+
+Ranks form ``world / ep_size`` data-parallel replicas of an expert-parallel group of
+``ep_size`` ranks. Each rank reads its own batch. Gradients:
+
+- with ``fsdp``, every module holding parameters (but not EP experts) is wrapped by
+  ``fully_shard`` (uneven dim-0 shards): gradients reduce-scattered (averaged) in backward;
+- expert weights owned by one EP rank (``megaloom_ep_sharded`` attribute, set by the
+  MoE swap): their gradients already sum every rank's tokens through the all-to-all;
+  they are averaged over the ``world / ep_size`` ranks holding the same experts;
+- every other parameter is replicated: its gradient is all-reduced and averaged.
+
+The global gradient norm sums the squares of sharded gradients over ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from megaloom.runtime.errors import ConfigError
+
+
+@dataclass(slots=True)
+class Parallel:
+    """The wrapped model and how to sync it; ``data_rank``/``data_world`` pick batches."""
+
+    model: nn.Module
+    comm: Any
+    data_rank: int
+    data_world: int
+    ep_size: int
+    sharded: set[int] = field(default_factory=set)   # id() of parameters that are rank-local shards
+
+    @property
+    def world(self) -> int:
+        return self.comm.world_size
+
+    def sync_grads(self) -> None:
+        if self.world == 1:
+            return
+        replicated = [p for p in self.model.parameters() if p.grad is not None and id(p) not in self.sharded]
+        _all_reduce_mean(self.comm, [p.grad for p in replicated], self.world)
+        experts = [p for p in self.model.parameters() if p.grad is not None and getattr(p, "megaloom_ep_sharded", False)]
+        if experts and self.world > self.ep_size:
+            # TODO(ep x dp): average over the replicas of the same expert shard only; needs sub-groups.
+            raise ConfigError("parallel: ep_size < world size (EP x DP replicas) is not supported yet; use ep_size = world size")
+        if experts:
+            for p in experts:  # summed over EP ranks' tokens; scale to the mean over data-parallel batches
+                p.grad.div_(self.ep_size)
+
+    def grad_norm(self, params: list[nn.Parameter]) -> float:
+        local = torch.zeros(2, dtype=torch.float64)
+        for p in params:
+            sq = p.grad.detach().double().pow(2).sum()
+            local[0 if id(p) in self.sharded else 1] += sq
+        if self.world > 1:
+            self.comm.all_reduce(local[:1], "sum")
+        return float(local.sum().sqrt())
+
+    def mean(self, value: torch.Tensor) -> float:
+        t = value.detach().double().reshape(1).clone()
+        if self.world > 1:
+            self.comm.all_reduce(t, "sum")
+        return float(t[0] / self.world)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ConfigError(f"checkpoint.resume: state does not fit the model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}); was it saved with another model or parallel config?")
+
+
+def _all_reduce_mean(comm: Any, grads: list[torch.Tensor], world: int) -> None:
+    """One flat all-reduce for all ``grads`` (in place), then divide by ``world``."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, "sum")
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def setup(model: nn.Module, par: dict, comm: Any) -> Parallel:
+    """Check ``parallel`` against the world and the model, then shard as asked (in place)."""
+    world, ep = comm.world_size, par["ep_size"]
+    if world % ep:
+        raise ConfigError(f"parallel.ep_size: {ep} does not divide the world size {world}")
+    experts = [p for p in model.parameters() if getattr(p, "megaloom_ep_sharded", False)]
+    if ep > 1 and not experts:
+        raise ConfigError(f"parallel.ep_size: {ep} needs MoE blocks swapped for MegaMoE with expert parallelism "
+                          "(a replace rule with 'with: mega_moe'); none were")
+    sharded = {id(p) for p in experts}
+    if par["fsdp"] and world > 1:
+        sharded |= fsdp_leaves(model, comm)
+    return Parallel(model, comm, comm.rank, world, ep, sharded)
+
+
+def fsdp_leaves(model: nn.Module, comm: Any) -> set[int]:
+    """``fully_shard`` every module holding parameters of its own, except EP expert holders.
+
+    Each such module is swapped for its ShardedModule (full weights gathered just before
+    its forward, gradients reduce-scattered in its backward); returns the shards' ids.
+    """
+    from megaloom.comm.fsdp import fully_shard
+
+    shards: set[int] = set()
+    targets = [(name, mod) for name, mod in model.named_modules()
+               if name and any(True for _ in mod.parameters(recurse=False))
+               and not any(getattr(p, "megaloom_ep_sharded", False) for p in mod.parameters(recurse=False))]
+    for name, mod in targets:
+        wrapped = fully_shard(mod, comm)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, wrapped)
+        shards |= {id(p) for p in wrapped.parameters()}
+    return shards

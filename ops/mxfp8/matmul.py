@@ -1,0 +1,114 @@
+"""Quantised matmuls: ``mx_matmul`` (layouts NT / NN / TN) and ``mx_grouped_matmul`` (experts).
+
+Layouts name whether each operand is used as stored (N) or transposed (T); each operand
+must be blocked along the contraction dim:
+
+| layout | a        | b        | result      | Linear use          |
+|--------|----------|----------|-------------|---------------------|
+| NT     | (M,K) rows | (N,K) rows | a @ b.T   | Y = X W^T (forward) |
+| NN     | (M,K) rows | (K,N) cols | a @ b     | dX = dY W           |
+| TN     | (K,M) cols | (K,N) cols | a.T @ b   | dW = dY^T X         |
+
+Emulation (CPU, and GPUs without MX block scaling): dequantise both operands to float32
+and multiply in float32. Products of two E4M3 values and of power-of-two scales are exact
+in float32, so this matches FP8 x FP8 -> FP32 accumulation up to summation order. On CUDA
+devices with MX block-scaled GEMMs (compute capability >= 10.0) ``torch._scaled_mm`` runs
+the product natively.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from megaloom.ops.mxfp8.format import MXTensor, dequantize
+from megaloom.ops.mxfp8.grouped import bounds, check_offsets, padded_offsets
+from megaloom.runtime.errors import GraphError
+
+LAYOUTS = {"NT": ("rows", "rows"), "NN": ("rows", "cols"), "TN": ("cols", "cols")}
+
+
+def layout_axes(layout: str) -> tuple[str, str]:
+    """The blocked axis each operand needs under ``layout``."""
+    if layout not in LAYOUTS:
+        raise GraphError(f"MXFP8 matmul layout must be one of {sorted(LAYOUTS)}, got {layout!r}")
+    return LAYOUTS[layout]
+
+
+def _check_axes(a: MXTensor, b: MXTensor, layout: str) -> None:
+    want = layout_axes(layout)
+    if (a.axis, b.axis) != want:
+        raise GraphError(f"MXFP8 matmul {layout} needs operands blocked by {want}, got ({a.axis!r}, {b.axis!r})")
+
+
+def _orient(x: torch.Tensor, transposed: bool) -> torch.Tensor:
+    return x.transpose(-1, -2) if transposed else x
+
+
+def native_available(device: torch.device) -> bool:
+    """True on CUDA devices whose ``torch._scaled_mm`` takes E8M0 block scales (sm100+)."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm")
+            and torch.cuda.get_device_capability(device) >= (10, 0))
+
+
+def to_blocked(scales: torch.Tensor) -> torch.Tensor:
+    """(rows, K/32) scales in cuBLAS's swizzled layout: 128x4 tiles, each stored as 32x16."""
+    rows, cols = scales.shape
+    rp, cp = -(-rows // 128), -(-cols // 4)
+    s = torch.nn.functional.pad(scales.view(torch.uint8), (0, cp * 4 - cols, 0, rp * 128 - rows))
+    s = s.view(rp, 128, cp, 4).permute(0, 2, 1, 3).reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)
+    return s.flatten().view(torch.float8_e8m0fnu)
+
+
+def _native(a: MXTensor, b: MXTensor, layout: str, out_dtype: torch.dtype) -> torch.Tensor:
+    # canonical form: A (M,K) and B (N,K), both row-major and blocked along K
+    ta, tb = layout[0] == "T", layout[1] == "N"
+    ad, asc = (a.data.t().contiguous(), a.scales.t().contiguous()) if ta else (a.data, a.scales)
+    bd, bsc = (b.data.t().contiguous(), b.scales.t().contiguous()) if tb else (b.data, b.scales)
+    return torch._scaled_mm(ad, bd.t(), to_blocked(asc), to_blocked(bsc), out_dtype=out_dtype)
+
+
+def mx_matmul(a: MXTensor, b: MXTensor, layout: str = "NT", out_dtype: torch.dtype = torch.float32,
+              native: bool | None = None) -> torch.Tensor:
+    """The product of two quantised 2-D operands under ``layout``, in ``out_dtype``.
+
+    ``native=None`` uses the device's block-scaled GEMM when available, else emulation.
+    """
+    _check_axes(a, b, layout)
+    if native is None:
+        native = native_available(a.data.device)
+    if native:
+        return _native(a, b, layout, out_dtype)
+    x = _orient(dequantize(a.data, a.scales, a.axis), layout[0] == "T")
+    y = _orient(dequantize(b.data, b.scales, b.axis), layout[1] == "T")
+    if x.shape[-1] != y.shape[-2]:
+        raise GraphError(f"MXFP8 matmul {layout}: inner dims differ, {tuple(a.data.shape)} x {tuple(b.data.shape)}")
+    return (x @ y).to(out_dtype)
+
+
+def mx_grouped_matmul(a: MXTensor, b: MXTensor, offsets: Sequence[int], layout: str = "NT",
+                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-group products over tokens sorted by group (emulated).
+
+    NT: a (T,K) rows, b (G,N,K) rows -> (T,N), rows of group g times b[g]^T.
+    NN: a (T,N) rows, b (G,N,K) cols -> (T,K), rows of group g times b[g].
+    TN: a (Tp,N), b (Tp,K), both grouped column-wise (padded) -> (G,N,K), a_g^T b_g.
+    """
+    _check_axes(a, b, layout)
+    offs = check_offsets(offsets)
+    x, y = dequantize(a.data, a.scales, a.axis), dequantize(b.data, b.scales, b.axis)
+    if layout == "TN":
+        if x.shape[0] != padded_offsets(offs)[-1] or y.shape[0] != x.shape[0]:
+            raise GraphError(f"MXFP8 grouped TN: operands {tuple(x.shape)}, {tuple(y.shape)} do not hold "
+                             f"{padded_offsets(offs)[-1]} padded rows for offsets {offs}")
+        out = x.new_empty((len(offs), x.shape[1], y.shape[1]))
+        for g, (s, e) in enumerate(bounds(padded_offsets(offs))):
+            torch.matmul(x[s:e].t(), y[s:e], out=out[g])
+        return out.to(out_dtype)
+    if y.dim() != 3 or y.shape[0] != len(offs) or x.shape[0] != offs[-1]:
+        raise GraphError(f"MXFP8 grouped {layout}: a {tuple(x.shape)}, b {tuple(y.shape)} do not fit offsets {offs}")
+    w = y.transpose(1, 2) if layout == "NT" else y
+    out = x.new_empty((x.shape[0], w.shape[2]))
+    for g, (s, e) in enumerate(bounds(offs)):
+        torch.matmul(x[s:e], w[g], out=out[s:e])
+    return out.to(out_dtype)

@@ -1,0 +1,98 @@
+"""Measure this machine and write the ``cpu`` hardware profile.
+
+Matmul flop/s per dtype (square torch matmuls on all intra-op threads), memory bandwidth
+(large tensor copies), shared-memory copy latency, and the ThreadExecutor's per-task
+dispatch overhead. Each figure's source says how it was measured; the inter-node link is
+an estimate (nothing to measure on one machine).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import yaml
+
+from megaloom.runtime.trace import atomic_write
+from megaloom.scheduler.profile import HardwareProfile, parse_profile, user_profile_dir
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _best(fn: Callable[[], object], seconds: float) -> float:
+    """The fastest of repeated calls of ``fn`` within about ``seconds`` (at least 3 calls)."""
+    fn()  # warm-up
+    best, t_end, n = float("inf"), time.perf_counter() + seconds, 0
+    while n < 3 or time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        n += 1
+    return best
+
+
+def matmul_flops(dtype: torch.dtype, n: int, seconds: float) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    return 2.0 * n ** 3 / _best(lambda: torch.matmul(a, b, out=out), seconds)
+
+
+def copy_bandwidth(nbytes: int, seconds: float) -> float:
+    src = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2.0 * src.numel() * 4 / _best(lambda: dst.copy_(src), seconds)
+
+
+def dispatch_overhead(tasks: int) -> float:
+    """Seconds per task of the ThreadExecutor on independent no-op tasks (null kernels)."""
+    from megaloom.runtime.executors.threaded import ThreadExecutor
+    from megaloom.runtime.graph import TaskGraph
+    from megaloom.runtime.registry import Cost
+
+    g = TaskGraph("calibrate-dispatch")
+    for _ in range(tasks):
+        g.task("noop", engine="vector", cost=Cost())
+    ex = ThreadExecutor({"vector": 1}, kernels="null")
+    return _best(lambda: ex.run(g), 0.0) / tasks
+
+
+def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float = 0.3, tasks: int = 500) -> HardwareProfile:
+    """Measure this machine; the ``cpu`` profile (not yet written)."""
+    threads = torch.get_num_threads()
+    peaks = {p: matmul_flops(dt, matmul_size, seconds) for p, dt in DTYPES.items()}
+    bw = copy_bandwidth(copy_bytes, seconds)
+    latency = _best(lambda: torch.empty(1).copy_(torch.zeros(1)), min(seconds, 0.05))
+    overhead = dispatch_overhead(tasks)
+    machine = f"{platform.machine()} {platform.processor() or ''}".strip()
+    how = f"measured by `megaloom calibrate` on {platform.node()} ({machine}, {threads} torch threads, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    data = {
+        "name": "cpu",
+        "description": f"this machine ({machine}, {os.cpu_count()} CPUs), calibrated",
+        "units": {"cube": threads, "vector": threads, "comm": 1},
+        "peak": {"cube": dict(peaks), "vector": dict(peaks)},
+        "mem_bw": bw,
+        "links": {"intra": {"alpha": latency, "beta": bw / 2}, "inter": {"alpha": 5.0e-5, "beta": 1.25e9}},
+        "task_overhead": overhead,
+        "sources": {
+            "units": f"torch.get_num_threads() = {threads}; one comm channel",
+            "peak.cube": f"{how}: best {matmul_size}x{matmul_size} torch.matmul per dtype",
+            "peak.vector": "same as peak.cube (the same CPU cores)",
+            "mem_bw": f"{how}: best copy of {copy_bytes >> 20} MiB (read + write bytes)",
+            "links.intra": f"{how}: alpha = 1-element copy time, beta = half the copy bandwidth (shared memory)",
+            "links.inter": "estimate: 10 GbE (1.25 GB/s), 50 us latency",
+            "task_overhead": f"{how}: ThreadExecutor null-kernel dispatch over {tasks} tasks",
+        },
+    }
+    return parse_profile(data, "<calibration>")
+
+
+def write_profile(profile: HardwareProfile, path: str | os.PathLike | None = None) -> Path:
+    """Write ``profile`` as YAML atomically (default: the user profile directory)."""
+    out = Path(path) if path is not None else user_profile_dir() / f"{profile.name}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = f"# written by `megaloom calibrate`\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False)
+    atomic_write(out, text.encode())
+    return out

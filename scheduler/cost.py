@@ -1,0 +1,96 @@
+"""Task durations: a roofline per compute task, alpha-beta per comm task.
+
+    compute: max(flops / unit_peak(engine, precision), bytes / unit_mem_bw(engine)) + task_overhead
+    comm:    alpha(link) + max(comm_bytes / (beta(link) / comm units), bytes / unit_mem_bw) + task_overhead
+
+A task that carries a measured duration (``attrs["duration"]`` in seconds, as trace
+replay builds them) takes exactly that. Coefficients per op class (the op name) can be
+overridden, which is the hook calibration fits: ``CostModel(p, overrides={"matmul":
+(throughput, overhead)})`` replaces the rate (flop/s; B/s for comm) and the fixed
+per-task time of that op.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.graph import Task, TaskGraph
+from megaloom.runtime.registry import Cost
+from megaloom.scheduler.profile import HardwareProfile, load_profile
+
+DURATION_ATTR = "duration"
+
+
+@dataclass(frozen=True, slots=True)
+class OpCoeffs:
+    """Per-op-class coefficients; ``None`` keeps the profile's figure.
+
+    ``throughput``: flop/s of one unit (B/s of one channel for comm ops); ``overhead``:
+    the fixed seconds of each task (replaces the profile's task overhead; for comm ops,
+    alpha plus task overhead); ``mem_bw``: B/s of one unit.
+    """
+
+    throughput: float | None = None
+    overhead: float | None = None
+    mem_bw: float | None = None
+
+
+def _coeffs(op: str, v: OpCoeffs | tuple | Mapping) -> OpCoeffs:
+    if isinstance(v, OpCoeffs):
+        c = v
+    elif isinstance(v, Mapping):
+        c = OpCoeffs(**v)
+    elif isinstance(v, (tuple, list)) and 1 <= len(v) <= 3:
+        c = OpCoeffs(*v)
+    else:
+        raise ConfigError(f"cost override for op {op!r} must be OpCoeffs, (throughput, overhead) or a mapping, got {v!r}")
+    for name in ("throughput", "overhead", "mem_bw"):
+        x = getattr(c, name)
+        if x is not None and (not isinstance(x, (int, float)) or x < 0 or (name != "overhead" and x == 0)):
+            raise ConfigError(f"cost override for op {op!r}: {name} must be a positive number, got {x!r}")
+    return c
+
+
+class CostModel:
+    """Durations of tasks on one hardware profile, with optional per-op overrides."""
+
+    def __init__(self, profile: HardwareProfile | str, overrides: Mapping[str, OpCoeffs | tuple | Mapping] | None = None):
+        self.profile = load_profile(profile)
+        self.overrides = {op: _coeffs(op, v) for op, v in (overrides or {}).items()}
+
+    def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None) -> float:
+        """Seconds one task of ``cost`` takes on one unit of ``engine`` (``op`` selects overrides)."""
+        p = self.profile
+        o = self.overrides.get(op) if op is not None else None
+        if engine == "comm":
+            alpha, beta = p.link(link)
+            rate = beta / p.units.get("comm", 1)
+            fixed = alpha + p.task_overhead
+            if o is not None:
+                rate = rate if o.throughput is None else o.throughput
+                fixed = fixed if o.overhead is None else o.overhead
+            wire = cost.comm_bytes / rate
+            memory = cost.bytes / p.unit_mem_bw(engine) if cost.bytes else 0.0
+            return (wire if wire > memory else memory) + fixed
+        compute = 0.0
+        if cost.flops:
+            rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision)
+            compute = cost.flops / rate
+        bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine)
+        memory = cost.bytes / bw
+        overhead = o.overhead if o is not None and o.overhead is not None else p.task_overhead
+        return (compute if compute > memory else memory) + overhead
+
+    def task_duration(self, graph: TaskGraph, task: Task) -> float:
+        """A task's duration: its measured ``attrs['duration']`` if it has one, else the model's."""
+        d = task.attrs.get(DURATION_ATTR) if task.attrs else None
+        if d is not None:
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0:
+                raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a non-negative number of seconds, got {d!r}")
+            return float(d)
+        return self.duration(graph.costs()[task.id], task.engine, task.tags.get("link", "intra"), op=task.op)
+
+    def durations(self, graph: TaskGraph) -> list[float]:
+        """Every task's duration, by task id."""
+        return [self.task_duration(graph, t) for t in graph.tasks]

@@ -1,0 +1,110 @@
+"""Calibration: fit the cost model's per-op coefficients to measured traces.
+
+For each op class (the op name) the model is the cost model's own roofline,
+``duration = overhead + max(flops / throughput, bytes / mem_bw)``. Three candidates are
+fitted by weighted least squares on relative error (durations span orders of
+magnitude): compute-bound (flops term only), memory-bound (bytes term only) and both
+(each slope from its single-term fit, overhead refitted). The candidate with the
+smallest residual wins; an unused term gets an unbounded rate, so the profile's own
+figure cannot take over. Ops with no flops and no bytes get the mean duration as
+overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.trace import Trace
+from megaloom.scheduler.cost import OpCoeffs
+
+UNBOUNDED = 1e30  # a rate so high its term never wins the roofline max
+
+
+@dataclass(frozen=True, slots=True)
+class OpFit:
+    """Fitted coefficients of one op class and how well they explain the samples."""
+
+    op: str
+    engine: str
+    coeffs: OpCoeffs
+    samples: int
+    median_rel_error: float
+    max_rel_error: float
+
+    def predict(self, flops: float, bytes_: float) -> float:
+        c = self.coeffs
+        return (c.overhead or 0.0) + max(flops / (c.throughput or UNBOUNDED), bytes_ / (c.mem_bw or UNBOUNDED))
+
+
+def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
+    """(overhead, slope) of d ~ o + s x, weighted by 1/d; None when the slope is not positive."""
+    w = 1.0 / np.maximum(d, 1e-12)
+    a = np.stack([np.ones_like(x), x], axis=1) * w[:, None]
+    (o, s), *_ = np.linalg.lstsq(a, d * w, rcond=None)
+    if o < 0:  # no negative fixed cost: refit through the origin
+        o, s = 0.0, float(np.sum(x * d * w * w) / max(np.sum(x * x * w * w), 1e-300))
+    return (float(o), float(s)) if s > 0 else None
+
+
+def _errors(pred: np.ndarray, d: np.ndarray) -> np.ndarray:
+    return np.abs(pred - d) / np.maximum(d, 1e-12)
+
+
+def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray) -> OpFit:
+    """Fit one op class from its samples (flops, bytes, measured seconds)."""
+    candidates: list[OpCoeffs] = []
+    fl, by = _line(flops, d) if flops.any() else None, _line(nbytes, d) if nbytes.any() else None
+    if fl:
+        candidates.append(OpCoeffs(1.0 / fl[1], fl[0], UNBOUNDED))
+    if by:
+        candidates.append(OpCoeffs(UNBOUNDED, by[0], 1.0 / by[1]))
+    if fl and by:
+        rest = d - np.maximum(flops * fl[1], nbytes * by[1])
+        candidates.append(OpCoeffs(1.0 / fl[1], max(0.0, float(np.median(rest))), 1.0 / by[1]))
+    if not candidates:
+        candidates.append(OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED))
+    best = None
+    for c in candidates:
+        pred = c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw)
+        err = _errors(pred, d)
+        score = float(np.mean(err ** 2))
+        if best is None or score < best[0]:
+            best = (score, c, err)
+    _, c, err = best
+    return OpFit(op, engine, c, len(d), float(np.median(err)), float(err.max()))
+
+
+def fit_traces(traces: Iterable[Trace], min_samples: int = 1) -> dict[str, OpFit]:
+    """Per-op fits over every event of ``traces`` (ops with fewer samples are left out)."""
+    rows: dict[str, list[tuple[float, float, float]]] = {}
+    engine: dict[str, str] = {}
+    for t in traces:
+        for e in t.events:
+            if e.end > e.start:
+                rows.setdefault(e.op, []).append((e.flops, e.bytes, e.end - e.start))
+                engine[e.op] = e.engine
+    if not rows:
+        raise ConfigError("calibration needs traces with timed events; none were given")
+    fits = {}
+    for op, r in sorted(rows.items()):
+        if len(r) >= min_samples:
+            a = np.asarray(r, dtype=np.float64)
+            fits[op] = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
+    return fits
+
+
+def fit_table(fits: dict[str, OpFit]) -> str:
+    """A text table of the fits and their residuals."""
+    def rate(x: float | None, unit: str) -> str:
+        return "-" if x is None or x >= UNBOUNDED else f"{x:.3g} {unit}"
+
+    lines = [f"{'op':<22}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
+             f"{'median err':>12}{'max err':>10}"]
+    for f in fits.values():
+        c = f.coeffs
+        lines.append(f"{f.op:<22}{f.engine:<8}{f.samples:>8}{rate(c.throughput, 'flop/s'):>16}{rate(c.mem_bw, 'B/s'):>14}"
+                     f"{(c.overhead or 0) * 1e6:>9.1f} us{f.median_rel_error * 100:>11.1f}%{f.max_rel_error * 100:>9.1f}%")
+    return "\n".join(lines)

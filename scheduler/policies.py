@@ -1,0 +1,266 @@
+"""Ordering policies: which ready task a free unit takes next.
+
+All subclass :class:`megaloom.runtime.core.Policy`, so the simulator and the real
+executors use them alike. Ties always break by task id, so one graph gives one trace.
+
+| name                | order among ready tasks of an engine kind                               |
+|---------------------|--------------------------------------------------------------------------|
+| fifo                | the order they became ready                                              |
+| priority            | ``task.priority``, higher first                                          |
+| critical_path       | upward rank (longest duration path to a sink), longest first             |
+| static              | per-unit queues fixed before the run; a unit runs its queue in order     |
+| expert_interleave   | round-robin across expert groups (tag ``group``, else ``expert // size``) |
+| rotated             | comm tasks by peer, starting at ``(rank + k) mod world`` (tags rank/peer) |
+"""
+from __future__ import annotations
+
+from collections import deque
+from heapq import heappop, heappush
+from typing import Any, Callable, Sequence
+
+from megaloom.runtime.core import FIFO, Policy
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.graph import TaskGraph
+
+
+class _Keyed(Policy):
+    """A heap per engine kind ordered by ``key(tid)`` (smaller first), ties by task id."""
+
+    def keys(self, graph: TaskGraph) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
+        self._engine = [t.engine for t in graph.tasks]
+        self._key = self.keys(graph)
+        self._heaps: dict[str, list] = {e: [] for e in units}
+
+    def push(self, tid: int) -> None:
+        heappush(self._heaps[self._engine[tid]], (self._key[tid], tid))
+
+    def pop(self, engine: str, unit: int) -> int:
+        h = self._heaps[engine]
+        return heappop(h)[1] if h else -1
+
+    def has_ready(self, engine: str) -> bool:
+        return bool(self._heaps[engine])
+
+
+class PriorityPolicy(_Keyed):
+    """Higher ``task.priority`` first; equal priorities by task id."""
+
+    name = "priority"
+
+    def keys(self, graph: TaskGraph) -> list[int]:
+        return [-t.priority for t in graph.tasks]
+
+
+class DurationAware:
+    """Mixin for policies that need task durations.
+
+    The simulator hands over its cost-model durations through :meth:`use_durations`
+    before a run; otherwise (e.g. under the ThreadExecutor) durations come from
+    ``cost_model``, or from the ``cpu`` profile when none is given.
+    """
+
+    cost_model: Any = None
+    _given: list[float] | None = None
+
+    def use_durations(self, durations: Sequence[float]) -> None:
+        self._given = list(durations)
+
+    def durations(self, graph: TaskGraph) -> list[float]:
+        given, self._given = self._given, None
+        if given is not None and len(given) == len(graph.tasks):
+            return given
+        if self.cost_model is None:
+            from megaloom.scheduler.cost import CostModel
+
+            self.cost_model = CostModel("cpu")
+        return self.cost_model.durations(graph)
+
+
+def upward_rank(graph: TaskGraph, durations: Sequence[float]) -> list[float]:
+    """Each task's duration plus the longest duration path from it to a sink (HEFT's rank_u)."""
+    rank = [0.0] * len(graph.tasks)
+    succ = graph.succ
+    for tid in reversed(graph.topological_order()):
+        rank[tid] = durations[tid] + max((rank[s] for s in succ[tid]), default=0.0)
+    return rank
+
+
+class CriticalPathPolicy(DurationAware, _Keyed):
+    """Largest upward rank first: tasks on the longest remaining path go before the rest."""
+
+    name = "critical_path"
+
+    def __init__(self, cost_model: Any = None):
+        self.cost_model = cost_model
+
+    def keys(self, graph: TaskGraph) -> list[float]:
+        return [-r for r in upward_rank(graph, self.durations(graph))]
+
+
+class StaticPolicy(DurationAware, Policy):
+    """Per-unit queues fixed before the run, as a MegaKernel's per-core instruction lists.
+
+    Tasks are assigned in topological order: to ``tags['unit'] % units`` when tagged,
+    else (``assign="round_robin"``) to the next unit in turn, or (``assign="balanced"``)
+    to the unit with the least assigned duration so far. A unit runs its queue strictly
+    in order and waits when its head is not ready, even if later tasks are.
+    """
+
+    name = "static"
+    per_unit = True
+    ASSIGN = ("round_robin", "balanced")
+
+    def __init__(self, assign: str = "round_robin", cost_model: Any = None):
+        if assign not in self.ASSIGN:
+            raise ConfigError(f"static policy: assign must be one of {self.ASSIGN}, got {assign!r}")
+        self.assign = assign
+        self.cost_model = cost_model
+
+    def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
+        self._queues: dict[str, list[deque[int]]] = {e: [deque() for _ in range(n)] for e, n in units.items()}
+        self._ready = bytearray(len(graph.tasks))
+        self._unit = [0] * len(graph.tasks)
+        durs = self.durations(graph) if self.assign == "balanced" else None
+        load = {e: [0.0] * n for e, n in units.items()}
+        turn = dict.fromkeys(units, 0)
+        for tid in graph.topological_order():
+            t = graph.tasks[tid]
+            n = units.get(t.engine, 0)
+            if n <= 0:
+                continue  # the core reports engines without units
+            if "unit" in t.tags:
+                u = int(t.tags["unit"]) % n
+            elif durs is not None:
+                ld = load[t.engine]
+                u = min(range(n), key=ld.__getitem__)
+                ld[u] += durs[tid]
+            else:
+                u = turn[t.engine] % n
+                turn[t.engine] += 1
+            self._unit[tid] = u
+            self._queues[t.engine][u].append(tid)
+
+    def push(self, tid: int) -> None:
+        self._ready[tid] = 1
+
+    def pop(self, engine: str, unit: int) -> int:
+        q = self._queues[engine][unit]
+        if q and self._ready[q[0]]:
+            return q.popleft()
+        return -1
+
+    def has_ready(self, engine: str) -> bool:
+        ready = self._ready
+        return any(q and ready[q[0]] for q in self._queues[engine])
+
+    def unit_of(self, tid: int) -> int:
+        """The unit a task was assigned to."""
+        return self._unit[tid]
+
+
+class ExpertInterleavePolicy(Policy):
+    """Round-robin across expert groups: after serving group g, the next pop serves the
+    next group (in ascending order, wrapping) that has a ready task.
+
+    A task's group is ``tags['group']`` when present, else ``tags['expert'] // group_size``;
+    untagged tasks form group -1. Within a group, tasks run in the order they became ready.
+    """
+
+    name = "expert_interleave"
+
+    def __init__(self, group_size: int = 1):
+        if not isinstance(group_size, int) or group_size <= 0:
+            raise ConfigError(f"expert_interleave: group_size must be a positive integer, got {group_size!r}")
+        self.group_size = group_size
+
+    def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
+        self._engine = [t.engine for t in graph.tasks]
+        self._group = [self._group_of(t.tags) for t in graph.tasks]
+        groups = {e: sorted({g for g, te in zip(self._group, self._engine) if te == e}) for e in units}
+        self._slot = {e: {g: i for i, g in enumerate(gs)} for e, gs in groups.items()}
+        self._queues = {e: [deque() for _ in gs] for e, gs in groups.items()}
+        self._count = dict.fromkeys(units, 0)
+        self._next = dict.fromkeys(units, 0)
+
+    def _group_of(self, tags: dict[str, Any]) -> int:
+        if "group" in tags:
+            return int(tags["group"])
+        if "expert" in tags:
+            return int(tags["expert"]) // self.group_size
+        return -1
+
+    def push(self, tid: int) -> None:
+        e = self._engine[tid]
+        self._queues[e][self._slot[e][self._group[tid]]].append(tid)
+        self._count[e] += 1
+
+    def pop(self, engine: str, unit: int) -> int:
+        if not self._count.get(engine):
+            return -1
+        qs = self._queues[engine]
+        n = len(qs)
+        start = self._next[engine]
+        for i in range(n):
+            k = (start + i) % n
+            if qs[k]:
+                self._next[engine] = (k + 1) % n
+                self._count[engine] -= 1
+                return qs[k].popleft()
+        return -1
+
+    def has_ready(self, engine: str) -> bool:
+        return bool(self._count.get(engine))
+
+
+class RotatedPolicy(_Keyed):
+    """All-to-all peer order rotated by rank: a comm task tagged ``rank`` r and ``peer`` p
+    gets distance ``(p - r - k) mod world``; rank r serves peer ``(r + k) mod world`` first.
+
+    ``world`` defaults to one more than the largest rank or peer tag in the graph.
+    Untagged tasks get distance 0; ties by task id.
+    """
+
+    name = "rotated"
+
+    def __init__(self, k: int = 1, world: int | None = None):
+        if not isinstance(k, int):
+            raise ConfigError(f"rotated: k must be an integer, got {k!r}")
+        if world is not None and (not isinstance(world, int) or world <= 0):
+            raise ConfigError(f"rotated: world must be a positive integer, got {world!r}")
+        self.k, self.world = k, world
+
+    def keys(self, graph: TaskGraph) -> list[int]:
+        tagged = [t.tags for t in graph.tasks if "rank" in t.tags and "peer" in t.tags]
+        world = self.world or 1 + max((max(int(g["rank"]), int(g["peer"])) for g in tagged), default=0)
+        return [(int(t.tags["peer"]) - int(t.tags["rank"]) - self.k) % world
+                if "rank" in t.tags and "peer" in t.tags else 0 for t in graph.tasks]
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "fifo": FIFO,
+    "priority": PriorityPolicy,
+    "critical_path": CriticalPathPolicy,
+    "static": StaticPolicy,
+    "expert_interleave": ExpertInterleavePolicy,
+    "rotated": RotatedPolicy,
+}
+
+
+def make_policy(name: str | Policy | None, **opts: Any) -> Policy:
+    """A policy by name (see :data:`POLICIES`) with its options; a Policy passes through."""
+    if name is None:
+        return FIFO()
+    if isinstance(name, Policy):
+        if opts:
+            raise ConfigError(f"policy options {sorted(opts)} given with a ready-made policy {name.name!r}")
+        return name
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    try:
+        return cls(**opts)
+    except TypeError as e:
+        raise ConfigError(f"policy {name!r}: bad options {opts}: {e}") from None

@@ -1,0 +1,128 @@
+"""MXFP8Linear and MXFP8GroupedExperts: accuracy against bf16, saved-tensor memory, a short training run."""
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from megaloom.ops.mxfp8 import GroupedExperts, MXFP8GroupedExperts, MXFP8Linear
+from megaloom.runtime.errors import ConfigError
+
+TOL = 0.08  # documented in docs/mxfp8.md: relative Frobenius error vs bf16 of outputs and grads, one GEMM
+TOL_MLP = 0.12  # two quantised GEMMs in a row (gate/up, then down)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves while ``fn`` runs."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_linear_matches_bf16_forward_and_backward(mode):
+    lin = nn.Linear(128, 96).bfloat16()
+    mx = MXFP8Linear.from_float(lin, scale_mode=mode)
+    x = torch.randn(3, 25, 128, dtype=torch.bfloat16, requires_grad=True)  # 75 tokens: padded to 96 inside
+    y, y0 = mx(x), lin(x)
+    assert y.shape == y0.shape and y.dtype == torch.bfloat16
+    dy = torch.randn_like(y)
+    got = torch.autograd.grad(y, (x, lin.weight, lin.bias), dy)
+    want = torch.autograd.grad(y0, (x, lin.weight, lin.bias), dy)
+    assert rel(y, y0) < TOL
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and rel(g, w) < TOL
+    assert rel(got[2], want[2]) < 1e-2  # the bias gradient is high precision
+
+
+def test_linear_saves_only_what_backward_needs():
+    m, k, n = 64, 256, 128
+    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+    lin = nn.Linear(k, n).bfloat16()
+    mx = MXFP8Linear.from_float(lin)
+    bf16 = saved_bytes(lambda: lin(x))
+    both = saved_bytes(lambda: mx(x))
+    assert bf16 == 2 * (m * k + n * k)
+    assert both == (m * k + n * k) * 33 // 32  # fp8 payload + one e8m0 scale per 32
+    assert both <= 0.55 * bf16
+    lin.weight.requires_grad_(False)
+    assert saved_bytes(lambda: mx(x)) == n * k * 33 // 32  # only column-wise W
+    lin.weight.requires_grad_(True)
+    assert saved_bytes(lambda: mx(x.detach())) == m * k * 33 // 32  # only column-wise X
+    with torch.no_grad():
+        assert saved_bytes(lambda: mx(x)) == 0
+
+
+def test_from_float_shares_parameters_and_checks_dims():
+    lin = nn.Linear(64, 32, bias=False)
+    mx = MXFP8Linear.from_float(lin)
+    assert mx.weight is lin.weight and mx.bias is None
+    assert list(mx.state_dict()) == list(lin.state_dict())
+    with pytest.raises(ConfigError, match="in_features=40"):
+        MXFP8Linear.from_float(nn.Linear(40, 32))
+    with pytest.raises(ConfigError, match="out_features=48"):
+        MXFP8Linear(64, 48)
+
+
+def test_grouped_experts_match_reference():
+    torch.manual_seed(1)
+    ref = GroupedExperts(4, 64, 96).bfloat16()
+    mx = MXFP8GroupedExperts.from_float(ref)
+    assert all(getattr(mx, n) is getattr(ref, n) for n in ("w_gate", "w_up", "w_down"))
+    offs = torch.tensor([21, 21, 80, 100])  # uneven groups, one empty
+    x = torch.randn(100, 64, dtype=torch.bfloat16, requires_grad=True)
+    y, y0 = mx(x, offs), ref(x, offs)
+    assert rel(y, y0) < TOL_MLP
+    dy = torch.randn_like(y)
+    params = (x, ref.w_gate, ref.w_up, ref.w_down)
+    got, want = torch.autograd.grad(y, params, dy), torch.autograd.grad(y0, params, dy)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel(g, w) < TOL_MLP
+    assert (got[1][1] == 0).all() and (got[3][1] == 0).all()  # empty expert: zero gradients
+    with pytest.raises(ConfigError, match="hidden=40"):
+        MXFP8GroupedExperts(2, 64, 40)
+
+
+def test_tiny_mlp_trains_like_bf16():
+    def run(mx: bool) -> float:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        if mx:
+            model[0], model[2] = MXFP8Linear.from_float(model[0]), MXFP8Linear.from_float(model[2])
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+        g = torch.Generator().manual_seed(1)
+        teacher = torch.randn(64, 64, generator=g) / 8
+        losses = []
+        for _ in range(150):
+            x = torch.randn(128, 64, generator=g)
+            target = torch.tanh(x @ teacher) * 2
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not mx):
+                y = model(x.bfloat16())
+            loss = (y.float() - target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return sum(losses[-10:]) / 10
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: one thread is fastest, and robust on a shared machine
+    try:
+        t0 = time.perf_counter()
+        bf16, mx = run(False), run(True)
+        elapsed = time.perf_counter() - t0
+    finally:
+        torch.set_num_threads(threads)
+    assert elapsed < 10
+    assert bf16 < 0.2  # it did learn
+    assert abs(mx - bf16) / bf16 < 0.05

@@ -1,0 +1,94 @@
+import json
+
+import pytest
+
+from megaloom.cli import main
+from megaloom.commands import simulate as simulate_cmd
+from megaloom.runtime import Trace
+from megaloom.scheduler import load_profile
+from sched_graphs import random_dag
+
+
+@pytest.fixture
+def graph_file(tmp_path):
+    path = tmp_path / "g.mlg"
+    random_dag(5, 30).save(str(path))
+    return str(path)
+
+
+def test_simulate_writes_trace_and_perfetto(tmp_path, graph_file, capsys):
+    out, pf = tmp_path / "s.mlt", tmp_path / "s.json"
+    rc = main(["simulate", graph_file, "--profile", "h100", "--policy", "expert_interleave:group_size=2",
+               "--units", "cube=2,vector=1", "--trace", str(out), "--perfetto", str(pf), "--progress"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "profile h100" in captured.out and "makespan" in captured.out
+    assert "100.0% 30/30 tasks" in captured.err
+    trace = Trace.load(out)
+    assert len(trace.events) == 30 and trace.meta["units"]["cube"] == 2 and trace.meta["policy"] == "expert_interleave"
+    assert any(e["ph"] == "X" for e in json.loads(pf.read_text())["traceEvents"])
+    assert main(["simulate", "--graph", graph_file, "--no-progress"]) == 0
+
+
+def test_simulate_named_graph_builder(capsys, monkeypatch):
+    monkeypatch.setattr(simulate_cmd, "_BUILDERS", {})
+    simulate_cmd.register_graph_builder("rand", lambda seed=0, n=5: random_dag(seed, n))
+    assert main(["simulate", "--graph", "rand:seed=3,n=12"]) == 0
+    assert "tasks               12" in capsys.readouterr().out
+    assert main(["simulate", "--graph", "rand:size=3"]) == 2
+    assert "graph builder 'rand': bad options" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "give exactly one graph"),
+    (["{g}", "--graph", "{g}"], "give exactly one graph"),
+    (["--graph", "nosuch"], "neither a file nor a known graph builder"),
+    (["{g}", "--profile", "tpu9"], "unknown hardware profile 'tpu9'"),
+    (["{g}", "--units", "cube"], "bad unit count 'cube'"),
+    (["{g}", "--policy", "lifo"], "unknown policy 'lifo'"),
+    (["{g}", "--policy", "expert_interleave:group_size"], "expected key=value"),
+    (["{bad}"], "not a valid msgpack file"),
+])
+def test_simulate_errors(tmp_path, graph_file, capsys, args, message):
+    bad = tmp_path / "bad.mlg"
+    bad.write_bytes(b"\xc1garbage")
+    rc = main(["simulate", *(a.format(g=graph_file, bad=bad) for a in args)])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replay_command(tmp_path, graph_file, capsys):
+    run = tmp_path / "run.mlt"
+    assert main(["simulate", graph_file, "--units", "cube=4,vector=4,comm=2", "--trace", str(run)]) == 0
+    capsys.readouterr()
+    again = tmp_path / "again.mlt"
+    assert main(["replay", str(run), "--units", "cube=1,vector=1,comm=1", "--policy", "critical_path",
+                 "--trace", str(again)]) == 0
+    out = capsys.readouterr().out
+    assert "recorded" in out and "replayed" in out and "busy cube" in out
+    assert Trace.load(again).makespan >= Trace.load(run).makespan
+    assert main(["replay", graph_file]) == 2
+    assert "not a megaloom-trace file" in capsys.readouterr().err
+
+
+def test_profiles_command(capsys):
+    assert main(["profiles"]) == 0
+    out = capsys.readouterr().out
+    for name in ("ascend-910b", "atlas-a3", "ascend-950", "h100", "h200", "cpu"):
+        assert name in out
+    assert main(["profiles", "ascend-950"]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp8 1000 TFLOP/s" in out and "sources:" in out and "Huawei Connect 2025" in out
+    assert main(["profiles", "tpu9"]) == 2
+
+
+def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
+    small = ["--matmul-size", "32", "--copy-mib", "1", "--seconds", "0"]
+    out = tmp_path / "mine.yaml"
+    assert main(["calibrate", "--out", str(out), *small]) == 0
+    p = load_profile(str(out))
+    assert p.name == "cpu" and p.peak("cube", "fp32") > 0 and p.mem_bw > 0
+    assert "measured by `megaloom calibrate`" in p.sources["peak.cube"]
+    assert main(["calibrate", *small]) == 0  # default: the user profile directory, which wins over the packaged cpu
+    assert "calibrated" in load_profile("cpu").description
+    assert main(["calibrate", "--matmul-size", "0"]) == 2

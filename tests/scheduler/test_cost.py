@@ -1,0 +1,74 @@
+import pytest
+
+from megaloom.runtime import Cost, TaskGraph
+from megaloom.runtime.errors import ConfigError
+from megaloom.scheduler import CostModel, OpCoeffs, load_profile
+
+
+@pytest.fixture
+def cm():
+    return CostModel("ascend-910b")
+
+
+def test_compute_bound_roofline(cm):
+    p = cm.profile
+    c = Cost(flops=2 * 1024 ** 3, bytes=3 * 1024 * 1024 * 2, precision="bf16")
+    expect = c.flops / (p.peak("cube", "bf16") / 24) + p.task_overhead
+    assert c.flops / (p.peak("cube", "bf16") / 24) > c.bytes / (p.mem_bw / 24)
+    assert cm.duration(c, "cube") == pytest.approx(expect, rel=1e-12)
+
+
+def test_memory_bound_roofline(cm):
+    p = cm.profile
+    c = Cost(flops=1e6, bytes=64e6, precision="fp32")
+    expect = 64e6 / (p.mem_bw / 48) + p.task_overhead
+    assert cm.duration(c, "vector") == pytest.approx(expect, rel=1e-12)
+
+
+def test_empty_task_costs_the_overhead(cm):
+    assert cm.duration(Cost(), "vector") == cm.profile.task_overhead
+
+
+def test_precision_picks_the_rate():
+    cm = CostModel("ascend-950")
+    fp8 = cm.duration(Cost(flops=1e12, precision="mxfp8"), "cube")
+    bf16 = cm.duration(Cost(flops=1e12, precision="bf16"), "cube")
+    assert bf16 - cm.profile.task_overhead == pytest.approx(2 * (fp8 - cm.profile.task_overhead))
+
+
+def test_comm_alpha_beta_per_link(cm):
+    p = cm.profile
+    for link in ("intra", "inter"):
+        a, b = p.link(link)
+        got = cm.duration(Cost(comm_bytes=8e6), "comm", link)
+        assert got == pytest.approx(a + 8e6 / (b / p.units["comm"]) + p.task_overhead, rel=1e-12)
+    assert cm.duration(Cost(comm_bytes=8e6), "comm", "inter") > cm.duration(Cost(comm_bytes=8e6), "comm", "intra")
+
+
+def test_comm_link_from_task_tags_and_measured_duration(cm):
+    g = TaskGraph("c")
+    intra = g.task("noop", engine="comm", cost=Cost(comm_bytes=1e6))
+    inter = g.task("noop", engine="comm", cost=Cost(comm_bytes=1e6), tags={"link": "inter"})
+    measured = g.task("noop", engine="cube", cost=Cost(flops=1e15), attrs={"duration": 0.125})
+    d = cm.durations(g)
+    assert d[0] == cm.duration(Cost(comm_bytes=1e6), "comm", "intra")
+    assert d[1] == cm.duration(Cost(comm_bytes=1e6), "comm", "inter") > d[0]
+    assert d[2] == 0.125
+    bad = g.task("noop", engine="cube", attrs={"duration": "slow"})
+    with pytest.raises(ConfigError, match=f"task {bad.name!r}"):
+        cm.task_duration(g, bad)
+
+
+def test_overrides_per_op_class():
+    p = load_profile("ascend-910b")
+    cm = CostModel(p, overrides={"matmul": (1e12, 5e-6), "all_to_all": OpCoeffs(throughput=1e9, overhead=0.0)})
+    c = Cost(flops=1e9, bytes=1.0, precision="bf16")
+    assert cm.duration(c, "cube", op="matmul") == pytest.approx(1e9 / 1e12 + 5e-6)
+    assert cm.duration(c, "cube", op="silu") == CostModel(p).duration(c, "cube")
+    assert cm.duration(Cost(comm_bytes=2e9), "comm", op="all_to_all") == pytest.approx(2.0)
+    assert CostModel(p, overrides={"x": {"mem_bw": 1e6}}).duration(Cost(bytes=1e6), "vector", op="x") == \
+        pytest.approx(1.0 + p.task_overhead)
+    with pytest.raises(ConfigError, match="op 'matmul'"):
+        CostModel(p, overrides={"matmul": (-1.0, 0.0)})
+    with pytest.raises(ConfigError, match="op 'matmul'"):
+        CostModel(p, overrides={"matmul": "fast"})

@@ -1,0 +1,82 @@
+"""Single-process training: loss falls, resume is exact, traces and metrics are written."""
+import json
+
+import pytest
+
+from megaloom.cli import main
+from megaloom.config import validate
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.trace import Trace
+from megaloom.trainer import Trainer, lr_factor
+
+from .tiny import tiny_config, tiny_raw
+
+
+def _losses(cfg):
+    return [r.loss for r in Trainer(cfg).fit()]
+
+
+def test_loss_decreases_and_metrics_are_logged(tmp_path):
+    cfg = tiny_config(tmp_path, steps=16, data={"batch_size": 8}, trace={"steps": [2]})
+    losses = _losses(cfg)
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == list(range(1, 17))
+    assert [r["loss"] for r in lines] == losses
+    assert all(r["tokens"] == 8 * 16 and r["tokens_per_s"] > 0 and r["mem_mib"] > 0 for r in lines)
+    trace = Trace.load(tmp_path / "traces" / "step2.rank0.trace")
+    names = {e.task for e in trace.events}
+    assert {"forward", "backward", "optimizer", "model.layers.1.mlp", "model.layers.1.mlp.bwd"} <= names
+    mlp = next(e for e in trace.events if e.task == "model.layers.0.mlp")
+    assert mlp.tags == {"direction": "fwd", "stage": "mlp", "layer": 0} and mlp.end >= mlp.start
+    chrome = json.loads((tmp_path / "traces" / "step2.rank0.json").read_text())
+    assert any(ev.get("name") == "model.layers.0.self_attn.bwd" for ev in chrome["traceEvents"])
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_resume_reproduces_uninterrupted_losses(tmp_path, kind):
+    full = _losses(tiny_config(tmp_path / "a", kind, steps=5, checkpoint={"interval": 2}))
+    part = tiny_config(tmp_path / "b", kind, steps=5, checkpoint={"interval": 2, "stop_after": 3})
+    first = _losses(part)
+    assert len(first) == 3
+    resumed = tiny_config(tmp_path / "b", kind, steps=5, checkpoint={"interval": 2, "resume": True})
+    trainer = Trainer(resumed)
+    assert trainer.step == 3
+    rest = [r.loss for r in trainer.fit()]
+    assert first + rest == full  # bit-exact
+    steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    kept = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert kept == ["step_00000004", "step_00000005"]  # checkpoint.keep = 2
+
+
+def test_resume_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+        Trainer(tiny_config(tmp_path, checkpoint={"resume": str(tmp_path / "none")}))
+    Trainer(tiny_config(tmp_path, steps=1)).fit()
+    step_dir = tmp_path / "checkpoints" / "step_00000001"
+    (step_dir / "rank0.pt").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="corrupt"):
+        Trainer(tiny_config(tmp_path, checkpoint={"resume": True}))
+    with pytest.raises(ConfigError, match="no state for rank 0"):
+        (step_dir / "rank0.pt").unlink()
+        Trainer(tiny_config(tmp_path, checkpoint={"resume": str(step_dir)}))
+
+
+def test_lr_schedule():
+    s = validate({"schedule": {"steps": 10, "warmup_steps": 2, "decay": "linear", "min_lr_ratio": 0.1}})["schedule"]
+    assert [lr_factor(i, s) for i in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_factor(10, s) == pytest.approx(0.1)
+    assert lr_factor(6, s) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_cli_train_and_errors(tmp_path, capsys):
+    import yaml
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump(tiny_raw(tmp_path / "out", steps=2)))
+    assert main(["train", str(f), "--optimizer.lr=0.01", "--run.log_interval=2"]) == 0
+    assert "trained steps 1..2" in capsys.readouterr().out
+    assert main(["train", str(f), "--optimizer.name=lamb", "--data.seq_len=0"]) == 2
+    err = capsys.readouterr().err
+    assert "optimizer.name: got 'lamb', expected one of 'adamw', 'sgd'" in err and "data.seq_len: got 0" in err

@@ -1,0 +1,38 @@
+"""Tiny model configs shared by the trainer tests (hidden 64, 2 layers, 8 experts, seq 16)."""
+from __future__ import annotations
+
+from typing import Any
+
+from megaloom.config import Config, merge, validate
+
+QWEN3_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                 num_experts_per_tok=2, max_position_embeddings=64)
+
+DEEPSEEK_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                   num_experts_per_tok=2, n_group=2, topk_group=2, first_k_dense_replace=1, q_lora_rank=None,
+                   kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                   max_position_embeddings=64)
+
+
+def max_rel_err(got, want) -> float:
+    """Largest absolute difference relative to the largest magnitude of ``want`` (the parity metric)."""
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def tiny_raw(out_dir: str, kind: str = "qwen3_moe", steps: int = 6, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A raw (unvalidated) config of a tiny run writing under ``out_dir``."""
+    raw = {
+        "run": {"seed": 0, "out_dir": str(out_dir), "progress": False},
+        "model": {"kind": kind, "config": QWEN3_MOE if kind == "qwen3_moe" else DEEPSEEK_V3},
+        "data": {"seq_len": 16, "batch_size": 4},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"steps": steps, "warmup_steps": 2, "decay": "cosine"},
+    }
+    return merge(raw, sections)
+
+
+def tiny_config(out_dir: str, kind: str = "qwen3_moe", steps: int = 6, **sections: dict[str, Any]) -> Config:
+    return validate(tiny_raw(out_dir, kind, steps, **sections))

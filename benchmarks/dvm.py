@@ -5,7 +5,9 @@ DVM fused (tiled backend, including output allocation, and kernel only into a
 preallocated output), torch.compile of the same function (steady state and compile
 time) and torch's built-in F.silu / F.gelu. Then compile latency of the tiled backend:
 a new signature and a cache hit. One JSON line per figure; ratios are against the
-unfused eager time measured in the same run.
+unfused eager time measured in the same run. Candidates are timed in interleaved
+rounds (each round runs every candidate once), so load from other jobs on a shared
+machine hits them alike; min and median are both reported.
 
     python benchmarks/dvm.py [--rows 8192 --cols 4096 --reps 5 --no-inductor]
 """
@@ -34,61 +36,58 @@ def gelu_prim(x):
     return 0.5 * x * (1 + torch.tanh(C * (x + 0.044715 * x * x * x)))
 
 
-def best(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
 def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
+def interleaved(cands: dict[str, object], reps: int) -> dict[str, list[float]]:
+    """Time every candidate once per round, rounds repeated: load spikes hit all alike."""
+    for fn in cands.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cands}
+    for _ in range(reps):
+        for k, fn in cands.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def bench_function(name: str, fn, builtin, x: torch.Tensor, reps: int, inductor: bool) -> None:
-    base = best(lambda: fn(x), reps)
-    emit(figure=f"{name}.unfused_eager", seconds=base, ratio=1.0)
     j = dvm.jit(fn)
     t0 = time.perf_counter()
-    j(x)
+    got = j(x)
     emit(figure=f"{name}.dvm_first_call", seconds=time.perf_counter() - t0,
          note="fx trace + fusion pass + compile + run")
     ref = fn(x)
-    got = j(x)
     emit(figure=f"{name}.dvm_max_abs_err", value=float((got - ref).abs().max()), bit_exact=bool(torch.equal(got, ref)))
-    t = best(lambda: j(x), reps)
-    emit(figure=f"{name}.dvm_fused", seconds=t, ratio=t / base, note="includes allocating the output")
     task = j.graph(x).tasks[0]
-    kern = dvm.compile_program(dvm.program_of(task.attrs))
+    prog = dvm.program_of(task.attrs)
     out = torch.empty_like(x)
-    t = best(lambda: kern([x], [out]), reps)
-    emit(figure=f"{name}.dvm_fused_kernel_only", seconds=t, ratio=t / base, ops=len(task.attrs["program"]["code"]))
-    for tile in (256 << 10, 1 << 20):
-        k = dvm.compile_program(dvm.program_of(task.attrs), dvm.Options(tile_bytes=tile))
-        t = best(lambda: k([x], [out]), reps)
-        emit(figure=f"{name}.dvm_fused_kernel_only.tile_{tile >> 10}KiB", seconds=t, ratio=t / base)
-    k = dvm.compile_program(dvm.program_of(task.attrs), dvm.Options(threads=2))
-    t = best(lambda: k([x], [out]), reps)
-    emit(figure=f"{name}.dvm_fused_kernel_only.threads_2", seconds=t, ratio=t / base)
-    t = best(lambda: builtin(x), reps)
-    emit(figure=f"{name}.torch_builtin", seconds=t, ratio=t / base)
+    cands = {"unfused_eager": lambda: fn(x), "dvm_fused": lambda: j(x)}
+    kern = dvm.compile_program(prog)
+    cands["dvm_fused_kernel_only"] = lambda: kern([x], [out])
+    for label, opts in (("tile_256KiB", dvm.Options(tile_bytes=256 << 10)), ("threads_1", dvm.Options(threads=1))):
+        k = dvm.compile_program(prog, opts)
+        cands[f"dvm_fused_kernel_only.{label}"] = (lambda k: lambda: k([x], [out]))(k)
+    cands["torch_builtin"] = lambda: builtin(x)
     if inductor:
         torch._dynamo.reset()
         cf = torch.compile(fn)
         t0 = time.perf_counter()
         cf(x)
         emit(figure=f"{name}.torch_compile_compile_time", seconds=time.perf_counter() - t0)
-        t = best(lambda: cf(x), reps)
-        emit(figure=f"{name}.torch_compile", seconds=t, ratio=t / base)
-        ik = dvm.compile_program(dvm.program_of(task.attrs), dvm.Options(backend="inductor"))
-        t0 = time.perf_counter()
+        cands["torch_compile"] = lambda: cf(x)
+        ik = dvm.compile_program(prog, dvm.Options(backend="inductor"))
         ik([x], [out])
-        emit(figure=f"{name}.dvm_inductor_backend_compile_time", seconds=time.perf_counter() - t0)
-        t = best(lambda: ik([x], [out]), reps)
-        emit(figure=f"{name}.dvm_inductor_backend_kernel_only", seconds=t, ratio=t / base)
+        emit(figure=f"{name}.dvm_inductor_backend_compile_time", seconds=ik.compile_seconds)
+        cands["dvm_inductor_backend_kernel_only"] = lambda: ik([x], [out])
+    times = interleaved(cands, reps)
+    base_min, base_med = min(times["unfused_eager"]), statistics.median(times["unfused_eager"])
+    for k, ts in times.items():
+        emit(figure=f"{name}.{k}", min_s=min(ts), median_s=statistics.median(ts),
+             ratio_min=min(ts) / base_min, ratio_median=statistics.median(ts) / base_med, reps=reps,
+             **({"ops": len(prog.code)} if k == "dvm_fused" else {}))
 
 
 def bench_compile(n: int) -> None:
@@ -123,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--cols", type=int, default=4096)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow to compile)")
     args = ap.parse_args()
     emit(figure="machine", torch=torch.__version__, threads=torch.get_num_threads(), l2_bytes=dvm.l2_cache_bytes(),

@@ -24,18 +24,19 @@ import os
 import shutil
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner, DefaultSavePlanner, create_default_local_save_plan,
 )
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.metadata import TensorProperties
 
-from megaloom.comm.communicator import Communicator
 from megaloom.comm.fsdp import ShardedModule
 from megaloom.comm.sharding import ShardLayout
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
@@ -119,12 +120,6 @@ def state_of(model: ShardedModule, optimizer: torch.optim.Optimizer | None = Non
     return state, layouts
 
 
-def _collective_ok(comm: Communicator, ok: bool, what: str) -> None:
-    """Raise CheckpointError on every rank when any rank failed ``what``."""
-    if not all(comm.exchange(ok)):
-        raise CheckpointError(what)
-
-
 def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None) -> None:
     """Save the shards of ``model`` (and ``optimizer`` state) atomically; a collective."""
     comm, path = model.comm, os.fspath(path)
@@ -142,9 +137,9 @@ def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
                        "dtype": dtype_name(t.dtype),
                        "shards": [s[k] for s in shards] if k in layouts else None} for k, t in state.items()}
         files = {n: _digest(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-        atomic_write(os.path.join(tmp, MANIFEST), _pack({"format": FORMAT, "version": VERSION,
+        atomic_write(os.path.join(tmp, MANIFEST), msgpack.packb({"format": FORMAT, "version": VERSION,
                                                          "world_size": comm.world_size, "tensors": tensors,
-                                                         "files": files}))
+                                                         "files": files}, use_bin_type=True))
         old = path + ".old"
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
@@ -152,12 +147,6 @@ def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     comm.barrier()
-
-
-def _pack(obj: Any) -> bytes:
-    import msgpack
-
-    return msgpack.packb(obj, use_bin_type=True)
 
 
 def _digest(path: str) -> list[Any]:
@@ -217,6 +206,10 @@ def load(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
     missing = sorted(k for k in state if k not in man["tensors"])
     if missing:
         raise CheckpointError(f"{man['path']}: checkpoint has no entry for {', '.join(missing[:5])}")
+    wrong = [f"{k!r} holds {tuple(man['tensors'][k]['shape'])}, the model expects {shape}" for k, t in state.items()
+             if tuple(man["tensors"][k]["shape"]) != (shape := layouts[k].shape if k in layouts else tuple(t.shape))]
+    if wrong:
+        raise CheckpointError(f"{man['path']}: " + "; ".join(wrong[:5]))
     dcp.load(state, storage_reader=dcp.FileSystemReader(man["path"]), planner=_LoadPlanner(layouts),
              process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
     return man

@@ -77,8 +77,10 @@ class Communicator:
     def barrier(self) -> None:
         raise NotImplementedError
 
-    def exchange(self, value: Any) -> list[Any]:
-        """Every rank's msgpack-encodable ``value``, in rank order (small metadata only)."""
+    def exchange(self, value: Any, what: str = "exchange") -> list[Any]:
+        """Every rank's msgpack-encodable ``value``, in rank order (small metadata only).
+
+        ``what`` names the calling operation in errors."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -99,7 +101,7 @@ class Communicator:
         if inp.dtype != out.dtype or inp.shape[1:] != out.shape[1:]:
             raise CommError(f"rank {self.rank}: all_to_all send is {inp.dtype} rows {tuple(inp.shape[1:])}, "
                             f"recv is {out.dtype} rows {tuple(out.shape[1:])}")
-        metas = self.exchange([send, recv, str(inp.dtype), list(inp.shape[1:])])
+        metas = self.exchange([send, recv, str(inp.dtype), list(inp.shape[1:])], "all_to_all metadata")
         problems = []
         dt0, row0 = metas[0][2], metas[0][3]
         for r, (s_r, _, dt, row) in enumerate(metas):
@@ -110,6 +112,15 @@ class Communicator:
                     problems.append(f"rank {r} sends {s_r[p]} rows to rank {p}, which expects {r_p[r]}")
         if problems:
             raise CommError("all_to_all split sizes or dtypes disagree across ranks: " + "; ".join(problems[:8]))
+
+
+    def check_same(self, what: str, t: torch.Tensor) -> None:
+        """Every rank passes a tensor of the same dtype and shape to ``what`` (one metadata exchange)."""
+        metas = self.exchange([str(t.dtype), list(t.shape)], f"{what} metadata")
+        bad = [f"rank {r} has {dt} {tuple(shape)}" for r, (dt, shape) in enumerate(metas) if [dt, shape] != metas[0]]
+        if bad:
+            raise CommError(f"{what}: ranks disagree on dtype or shape: rank 0 has {metas[0][0]} "
+                            f"{tuple(metas[0][1])}, " + ", ".join(bad[:8]))
 
 
 def check_reduce_op(op: str) -> str:
@@ -168,6 +179,6 @@ class LocalCommunicator(Communicator):
     def barrier(self) -> None:
         return None
 
-    def exchange(self, value: Any) -> list[Any]:
+    def exchange(self, value: Any, what: str = "exchange") -> list[Any]:
         pack(value)
         return [value]

@@ -8,6 +8,7 @@ starts in about a second. Each rank's return value travels back msgpack-encoded
 from __future__ import annotations
 
 import multiprocessing as mp
+from multiprocessing.connection import wait as mp_wait
 import socket
 import time
 import traceback
@@ -27,11 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context():
+def _context(module: str):
+    """The forkserver context; its server preloads torch and the first caller's module."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "megaloom.comm"])
+        # torch._dynamo: imported by the first optimizer step, seconds per rank otherwise
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megaloom.comm", module])
     return _CTX
 
 
@@ -63,7 +66,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ``allow_fail``, where the list holds ``{"error": ...}`` (or ``None`` for a rank that
     exited without a result) in its place.
     """
-    ctx = _context()
+    ctx = _context(fn.__module__)
     port = free_port()
     procs, pipes = [], []
     for rank in range(world_size):
@@ -77,13 +80,18 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     deadline = time.monotonic() + timeout
     results: list[Any] = [None] * world_size
     answered = [False] * world_size
-    for rank, conn in enumerate(pipes):
-        if conn.poll(max(0.0, deadline - time.monotonic())):
-            answered[rank] = True
-            try:
-                results[rank] = msgpack.unpackb(conn.recv_bytes(), raw=False)
-            except EOFError:  # the rank exited without a result
-                results[rank] = None
+    while not all(answered) and time.monotonic() < deadline:
+        waiting = [r for r, a in enumerate(answered) if not a]
+        mp_wait([pipes[r] for r in waiting] + [procs[r].sentinel for r in waiting], timeout=0.5)
+        for r in waiting:
+            if pipes[r].poll(0):
+                answered[r] = True
+                try:
+                    results[r] = msgpack.unpackb(pipes[r].recv_bytes(), raw=False)
+                except EOFError:  # the rank exited without a result
+                    results[r] = None
+            elif not procs[r].is_alive():
+                answered[r] = True  # died without a word
     for p in procs:
         p.join(max(0.0, min(2.0, deadline - time.monotonic())))
         if p.is_alive():

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, fields
+import os
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import msgpack
@@ -78,6 +79,12 @@ class TraceStreamer(Observer):
             self._flush()
             self._sock.close()
             self._ctx.term()  # waits at most ``linger`` for queued messages
+
+
+def streamer_from_env(rank: int, **kw: Any) -> TraceStreamer | None:
+    """A streamer to ``$MEGALOOM_TRACE`` (set by ``megaloom launch --trace``), or None when unset."""
+    endpoint = os.environ.get("MEGALOOM_TRACE")
+    return TraceStreamer(endpoint, rank, **kw) if endpoint else None
 
 
 def _plain(v: Any) -> bool:
@@ -168,16 +175,9 @@ class Collector:
 
     def trace(self) -> Trace:
         """The events so far, one clock (seconds since the earliest event), sorted by start."""
-        events = []
-        for rank, evs in self._events.items():
-            off = self._offset[rank]
-            for e in evs:
-                e.start, e.end, e.rank = e.start + off, e.end + off, rank
-                events.append(e)
-        self._events = {r: [] for r in self._events}
-        t0 = min((e.start for e in events), default=0.0)
-        for e in events:
-            e.start, e.end = e.start - t0, e.end - t0
+        t0 = min((e.start + self._offset[r] for r, evs in self._events.items() for e in evs), default=0.0)
+        events = [replace(e, rank=r, start=e.start + self._offset[r] - t0, end=e.end + self._offset[r] - t0)
+                  for r, evs in self._events.items() for e in evs]
         events.sort(key=lambda e: (e.start, e.rank, e.tid))
         meta = dict(next(iter(self._meta.values()), {}))
         meta.update(mode="execute", clock="wall", world_size=len(self.stats.ranks), ranks=sorted(self.stats.ranks),

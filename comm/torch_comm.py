@@ -61,12 +61,15 @@ class TorchCommunicator(Communicator):
     With ``group=None`` the default group is used, initialised here when needed
     (``backend`` defaults to NCCL when CUDA is available, else gloo). ``timeout`` bounds
     initialisation (a rank that never arrives) and every wait (a rank that died).
+    ``check``: exchange dtype and shape before every all_gather, reduce_scatter and
+    all_reduce (all_to_all always checks unless called with ``check=False``), so a
+    mismatch is a CommError on every rank before data moves; costs two tiny collectives.
     """
 
     def __init__(self, group: Any = None, *, backend: str | None = None, init_method: str | None = None,
                  rank: int | None = None, world_size: int | None = None, timeout: float = 60.0,
-                 device: torch.device | None = None):
-        self.timeout = float(timeout)
+                 device: torch.device | None = None, check: bool = True):
+        self.timeout, self.check = float(timeout), check
         self._owns_group = False
         if group is None and not dist.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -97,14 +100,17 @@ class TorchCommunicator(Communicator):
         return h
 
     def all_to_all(self, out, inp, send_splits, recv_splits, *, async_op=False, check=True) -> Handle:
-        if check:
+        if check and self.check:
             self.check_all_to_all(out, inp, send_splits, recv_splits)
+        dst, then = _contiguous_target(out)
         return self._run("all_to_all", lambda: dist.all_to_all_single(
-            out, inp.contiguous(), [int(s) for s in recv_splits], [int(s) for s in send_splits],
-            group=self.group, async_op=True), async_op)
+            dst, inp.contiguous(), [int(s) for s in recv_splits], [int(s) for s in send_splits],
+            group=self.group, async_op=True), async_op, then)
 
     def all_gather(self, out, inp, *, async_op=False) -> Handle:
         check_rows("all_gather", out, inp, self.world_size * inp.shape[0])
+        if self.check:
+            self.check_same("all_gather", inp)
         dst, then = _contiguous_target(out)
         return self._run("all_gather", lambda: _GATHER(
             dst, inp.contiguous(), group=self.group, async_op=True), async_op, then)
@@ -114,12 +120,16 @@ class TorchCommunicator(Communicator):
         if inp.shape[0] % self.world_size:
             raise CommError(f"reduce_scatter: {inp.shape[0]} input rows do not split over {self.world_size} ranks")
         check_rows("reduce_scatter", out, inp, inp.shape[0] // self.world_size)
+        if self.check:
+            self.check_same("reduce_scatter", inp)
         dst, then = _contiguous_target(out)
         return self._run("reduce_scatter", lambda: _SCATTER(
             dst, inp.contiguous(), op=_OPS[op], group=self.group, async_op=True), async_op, then)
 
     def all_reduce(self, tensor, op="sum", *, async_op=False) -> Handle:
         check_reduce_op(op)
+        if self.check:
+            self.check_same("all_reduce", tensor)
         dst, then = _contiguous_target(tensor, copy_in=True)
         return self._run("all_reduce", lambda: dist.all_reduce(
             dst, op=_OPS[op], group=self.group, async_op=True), async_op, then)
@@ -138,16 +148,16 @@ class TorchCommunicator(Communicator):
     def barrier(self) -> None:
         self._run("barrier", lambda: dist.barrier(group=self.group, async_op=True), False)
 
-    def exchange(self, value: Any) -> list[Any]:
+    def exchange(self, value: Any, what: str = "exchange") -> list[Any]:
         data = torch.frombuffer(bytearray(pack(value)), dtype=torch.uint8)
         sizes = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-        self._run("exchange (sizes)", lambda: _GATHER(sizes, mine, group=self.group, async_op=True), False)
+        self._run(what, lambda: _GATHER(sizes, mine, group=self.group, async_op=True), False)
         n = int(sizes.max())
         buf = torch.zeros(n, dtype=torch.uint8, device=self.device)
         buf[: data.numel()] = data.to(self.device)
         everyone = torch.empty(self.world_size * n, dtype=torch.uint8, device=self.device)
-        self._run("exchange (data)", lambda: _GATHER(everyone, buf, group=self.group, async_op=True), False)
+        self._run(what, lambda: _GATHER(everyone, buf, group=self.group, async_op=True), False)
         raw = everyone.cpu().numpy().tobytes()
         return [msgpack.unpackb(raw[r * n: r * n + int(sizes[r])], raw=False) for r in range(self.world_size)]
 

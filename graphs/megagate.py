@@ -47,11 +47,12 @@ class GateSpec:
     renorm: bool = True
     dtype: str = "float32"
     tile_tokens: int = 128
-    weight_cols: int = 1024
+    weight_cols: int = 256
+    weight_rows: int = 1024
 
     def __post_init__(self) -> None:
         what = "GateSpec"
-        for name in ("tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols"):
+        for name in ("tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols", "weight_rows"):
             require(getattr(self, name) > 0, what, f"{name} must be positive, got {getattr(self, name)}")
         require(self.top_k <= self.experts, what, f"top_k={self.top_k} exceeds experts={self.experts}")
         require(self.score in SCORES, what, f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
@@ -107,7 +108,7 @@ def build_megagate_backward(spec: GateSpec) -> TaskGraph:
                name=f"topk_bwd.{i}", attrs=spec.attrs, tags=_tags("topk", "bwd", i))
         g.task("proj_grad_input", [d_logits[a:b], w], [g_x[a:b]], name=f"dx.{i}",
                attrs={"out_dtype": spec.dtype}, tags=_tags("proj_dx", "bwd", i))
-    weight_grad_chains(g, d_logits, x, g_w, tiles, spec.weight_cols, spec.acc, "dw")
+    weight_grad_chains(g, d_logits, x, g_w, tiles, spec.weight_cols, spec.weight_rows, spec.acc, "dw")
     return g
 
 
@@ -116,7 +117,6 @@ def build_megagate(spec: GateSpec, direction: str = "fwd") -> TaskGraph:
     builders = {"fwd": build_megagate_forward, "bwd": build_megagate_backward}
     require(direction in builders, "build_megagate", f"direction must be 'fwd' or 'bwd', got {direction!r}")
     return builders[direction](spec)
-
 
 
 def build_graph(spec: str | None = None, direction: str = "fwd", **options) -> TaskGraph:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
-from megaloom.runtime.errors import ConfigError, GraphError
+from megaloom.runtime.errors import ConfigError, ExecutionError, GraphError
 from megaloom.runtime.executors import ExecContext, Executor, ThreadExecutor
 from megaloom.runtime.graph import Buffer, TaskGraph
 
@@ -22,13 +22,17 @@ def token_tiles(tokens: int, tile: int) -> list[tuple[int, int]]:
 
 
 def weight_grad_chains(g: TaskGraph, grad: Buffer, act: Buffer, out: Buffer, tiles: list[tuple[int, int]],
-                       cols: int, acc: str, stage: str = "proj_dw") -> None:
-    """``out = sum_i grad[i]^T flat(act[i])`` as cube chains over the token tiles ``i``.
+                       cols: int, rows: int, acc: str, stage: str) -> None:
+    """``out = sum_i grad[i]^T flat(act[i])`` as cube chains over the token tiles.
 
     The columns of ``out`` are split in blocks of at most ``cols`` (a block never spans two
     rows of act's trailing dims), one chain per block, so the chains run on different cube
-    units. Each chain accumulates in its own ``acc`` buffer; its last link writes ``out`` in out's dtype.
+    units. Each link of a chain covers ``rows`` tokens (rounded up to whole tiles), so a link
+    waits for the vector work of its tiles only. Each chain accumulates in its own ``acc``
+    buffer; its last link writes ``out`` in out's dtype.
     """
+    per = -(-rows // (tiles[0][1] - tiles[0][0]))
+    tiles = [(tiles[i][0], tiles[min(i + per, len(tiles)) - 1][1]) for i in range(0, len(tiles), per)]
     last, lead = act.shape[-1], act.shape[1:-1]
     blocks = [(idx, c0, min(c0 + cols, last)) for idx in itertools.product(*map(range, lead))
               for c0 in range(0, last, cols)]
@@ -107,7 +111,8 @@ def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> di
 class GraphRunner:
     """Builds each (builder, spec) graph once and runs it on an executor.
 
-    ``executor=None`` runs on a one-unit-per-engine :class:`ThreadExecutor` on the inputs' device.
+    ``executor=None`` runs on a one-unit-per-engine :class:`ThreadExecutor` on the inputs' device;
+    a given executor must run on the inputs' device (ExecutionError otherwise).
     """
 
     def __init__(self, executor: Executor | None = None, cache_size: int = 16):
@@ -127,14 +132,17 @@ class GraphRunner:
             self._graphs.move_to_end(key)
         return g
 
-    def run(self, builder: Callable[[Any], TaskGraph], spec: Any, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run(self, builder: Callable[[Any], TaskGraph], spec: Any,
+            inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The output buffers of the graph ``builder(spec)`` run on ``inputs`` (detached, contiguous)."""
         graph = self.graph(builder, spec)
         inputs = {k: v.detach().contiguous() for k, v in inputs.items()}
-        ex = self.executor
-        if ex is None:
-            device = next(iter(inputs.values())).device
-            ex = ThreadExecutor(ctx=ExecContext(device=device))
+        device = next(iter(inputs.values())).device
+        ex = self.executor or ThreadExecutor(ctx=ExecContext(device=device))
+        ctx = getattr(ex, "ctx", None)
+        if ctx is not None and torch.device(ctx.device).type != device.type:
+            raise ExecutionError(f"graph {graph.name!r}: inputs are on {device}, but executor {ex.name!r} runs on "
+                                 f"{ctx.device}; give it ExecContext(device=...) of the inputs' device")
         return ex.run(graph, inputs).outputs
 
 

@@ -45,17 +45,17 @@ class MegaGateFunction(torch.autograd.Function):
         return out["grad_x"], out["grad_weight"], None, None, None
 
 
-def megagate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, top_k: int,
-             score: str = "softmax", scale: float = 1.0, renorm: bool = True, tile_tokens: int = 128,
-             weight_cols: int = 1024, runner: GraphRunner | None = None) -> GateOutput:
+def run_megagate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, top_k: int,
+                 runner: GraphRunner | None = None, **options) -> GateOutput:
     """Route ``x`` [..., H] with ``weight`` [E, H]; ``bias`` [E] moves the selection only.
 
-    The weight is used in x's dtype; gradients flow to x and weight through the graphs.
+    ``options``: the other :class:`GateSpec` fields (score, scale, renorm, tile_tokens,
+    weight_cols, weight_rows). The weight is used in x's dtype; gradients flow to x and weight.
     """
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
-    spec = GateSpec(x2.shape[0], hidden, weight.shape[0], top_k, score, float(scale), renorm,
-                    dtype_name(x.dtype), tile_tokens, weight_cols)
+    spec = GateSpec.from_dict({"tokens": x2.shape[0], "hidden": hidden, "experts": weight.shape[0], "top_k": top_k,
+                               "dtype": dtype_name(x.dtype), **options})
     acc = torch_dtype(acc_dtype(spec.dtype))
     if bias is None:
         bias = torch.zeros(weight.shape[0], dtype=acc, device=x.device)
@@ -69,17 +69,16 @@ class MegaGate(nn.Module):
     """MoE router: ``weight`` [E, H] is an ``nn.Parameter``; ``bias`` [E] (the per-expert
     correction bias, updated outside autograd) is a float32 buffer.
 
-    ``executor``: the megaloom executor that runs the graphs (default: a ThreadExecutor).
+    ``options``: the other :class:`GateSpec` fields (score, scale, renorm, tile_tokens,
+    weight_cols, weight_rows); ``executor``: the megaloom executor that runs the graphs
+    (default: a ThreadExecutor with one unit per engine kind).
     """
 
-    def __init__(self, hidden: int, experts: int, top_k: int, *, score: str = "softmax", scale: float = 1.0,
-                 renorm: bool = True, tile_tokens: int = 128, weight_cols: int = 1024, executor: Executor | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, hidden: int, experts: int, top_k: int, *, executor: Executor | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
-        self.hidden, self.experts, self.top_k = hidden, experts, top_k
-        self.score, self.scale, self.renorm = score, scale, renorm
-        self.tile_tokens, self.weight_cols = tile_tokens, weight_cols
-        GateSpec(1, hidden, experts, top_k, score, float(scale), renorm, "float32", tile_tokens, weight_cols)  # check
+        self.hidden, self.experts, self.top_k, self.options = hidden, experts, top_k, dict(options)
+        GateSpec.from_dict({"tokens": 1, "hidden": hidden, "experts": experts, "top_k": top_k, **options})  # check
         self.weight = nn.Parameter(torch.empty(experts, hidden, device=device, dtype=dtype))
         self.register_buffer("bias", torch.zeros(experts, device=device, dtype=torch.float32))
         self.runner = GraphRunner(executor)
@@ -89,9 +88,8 @@ class MegaGate(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
 
     def forward(self, x: torch.Tensor) -> GateOutput:
-        return megagate(x, self.weight, self.bias, top_k=self.top_k, score=self.score, scale=self.scale,
-                        renorm=self.renorm, tile_tokens=self.tile_tokens, weight_cols=self.weight_cols, runner=self.runner)
+        return run_megagate(x, self.weight, self.bias, top_k=self.top_k, runner=self.runner, **self.options)
 
     def extra_repr(self) -> str:
-        return (f"hidden={self.hidden}, experts={self.experts}, top_k={self.top_k}, score={self.score!r}, "
-                f"scale={self.scale}, renorm={self.renorm}, tile_tokens={self.tile_tokens}")
+        opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"hidden={self.hidden}, experts={self.experts}, top_k={self.top_k}{opts}"

@@ -13,16 +13,15 @@ Per token, with streams ``h`` [n, H], previous block output ``y`` [H], previous 
 
 Forward, per tile ``i`` (vector stages around the cube projection)::
 
-    mix[i] (V) --new[i], inv_rms[i]--> proj[i] (C) --raw[i]--> coeff[i] (V) --> next pre/post/R
-          \\--new[i]--> norm[i] (V) --> block_in[i]
+    mix_norm[i] (V) --new[i], inv_rms[i]--> proj[i] (C) --raw[i]--> coeff[i] (V) --> next pre/post/R
+                \\--> block_in[i]
 
-While the cube projects tile i, the vector units mix tile i+1 and normalise / Sinkhorn tile i-1.
+While the cube projects tile i, the vector units mix tile i+1 and run Sinkhorn on tile i-1.
+The block-input norm is fused into the mix: it reads the new residual while it is at hand.
 Backward, per tile::
 
-    coeff_bwd[i] (V) --g_raw--> dnew_proj[i] (C: g_raw @ phi) ---------------\\
-                     \\--g_raw--> dphi chains (C: += g_raw^T flat(new), one per column block)
-                                                                               mix_bwd[i] (V) --> g_y, g_h, g_post, g_R
-    norm_bwd[i] (V, needs no projection: fills the vector units) ---------/
+    coeff_bwd[i] (V) --g_raw--> dnew_proj[i] (C: g_raw @ phi) --> mix_norm_bwd[i] (V) --> g_y, g_h, g_pre, g_post, g_R
+                    \\--g_raw--> dphi chains (C: += g_raw^T flat(new), one per column block)
     per-tile alpha / bias / norm_w partials --sum_partials (V)--> grad_alpha, grad_bias, grad_norm_w
 
 pre / post / R, their gradients, alpha and bias are float32 (float64 for float64 runs);
@@ -51,15 +50,16 @@ class MHCSpec:
     hidden: int
     streams: int = 4
     dtype: str = "float32"
-    tile_tokens: int = 64
+    tile_tokens: int = 32
     iters: int = 20
     rms_eps: float = 1e-6
     pre_eps: float = 1e-6
     weight_cols: int = 1024
+    weight_rows: int = 1024
 
     def __post_init__(self) -> None:
         what = "MHCSpec"
-        for name in ("tokens", "hidden", "streams", "tile_tokens", "weight_cols"):
+        for name in ("tokens", "hidden", "streams", "tile_tokens", "weight_cols", "weight_rows"):
             require(getattr(self, name) > 0, what, f"{name} must be positive, got {getattr(self, name)}")
         require(self.iters >= 0, what, f"iters must be >= 0, got {self.iters}")
         require(self.rms_eps > 0, what, f"rms_eps must be positive, got {self.rms_eps}")
@@ -107,11 +107,9 @@ def build_megamhc_forward(spec: MHCSpec) -> TaskGraph:
     raw, inv = g.output("raw", (T, spec.logits), acc), g.output("inv_rms", (T, 1), acc)
     eps = {"rms_eps": spec.rms_eps}
     for i, (a, b) in enumerate(token_tiles(T, spec.tile_tokens)):
-        g.task("mhc_mix", [x["y"][a:b], x["h"][a:b], x["post"][a:b], x["res"][a:b]], [new[a:b], inv[a:b]],
-               name=f"mix.{i}", attrs=eps, tags=_tags("mix", "fwd", i))
+        g.task("mhc_mix_norm", [x[k][a:b] for k in ("y", "h", "pre", "post", "res")] + [x["norm_w"]],
+               [new[a:b], inv[a:b], block[a:b]], name=f"mix_norm.{i}", attrs=eps, tags=_tags("mix_norm", "fwd", i))
         g.task("proj", [new[a:b], x["phi"]], [raw[a:b]], name=f"proj.{i}", tags=_tags("proj", "fwd", i))
-        g.task("mhc_norm", [new[a:b], x["pre"][a:b], x["norm_w"]], [block[a:b]], name=f"norm.{i}", attrs=eps,
-               tags=_tags("norm", "fwd", i))
         g.task("mhc_coeff", [raw[a:b], inv[a:b], x["alpha"], x["bias"]], [nxt_pre[a:b], nxt_post[a:b], nxt_res[a:b]],
                name=f"coeff.{i}", attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps},
                tags=_tags("coeff", "fwd", i))
@@ -135,7 +133,7 @@ def build_megamhc_backward(spec: MHCSpec) -> TaskGraph:
     out = {k: g.output(f"grad_{k}", b.shape, b.dtype) for k, b in x.items()}
     tiles = token_tiles(T, spec.tile_tokens)
     g_raw, g_inv = g.buffer("g_raw", (T, m), acc), g.buffer("g_inv_rms", (T, 1), acc)
-    g_proj, g_norm = g.buffer("g_new_proj", (T, n, H), acc), g.buffer("g_new_norm", (T, n, H), acc)
+    g_proj = g.buffer("g_new_proj", (T, n, H), acc)
     p_alpha, p_bias = g.buffer("part_alpha", (len(tiles), 3), acc), g.buffer("part_bias", (len(tiles), m), acc)
     p_norm_w = g.buffer("part_norm_w", (len(tiles), H), acc)
     eps = {"rms_eps": spec.rms_eps}
@@ -146,14 +144,11 @@ def build_megamhc_backward(spec: MHCSpec) -> TaskGraph:
                attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps}, tags=_tags("coeff", "bwd", i))
         g.task("proj_grad_input", [g_raw[a:b], x["phi"]], [g_proj[a:b]], name=f"dnew_proj.{i}",
                attrs={"cols": [n, H], "out_dtype": acc}, tags=_tags("proj_dx", "bwd", i))
-        g.task("mhc_norm_bwd", [new[a:b], x["pre"][a:b], x["norm_w"], gin["block_in"][a:b]],
-               [g_norm[a:b], out["pre"][a:b], p_norm_w[i:i + 1]], name=f"norm_bwd.{i}", attrs=eps,
-               tags=_tags("norm", "bwd", i))
-        g.task("mhc_mix_bwd", [x["y"][a:b], x["h"][a:b], x["post"][a:b], x["res"][a:b], new[a:b], inv[a:b],
-                               gin["new_res"][a:b], g_proj[a:b], g_norm[a:b], g_inv[a:b]],
-               [out["y"][a:b], out["h"][a:b], out["post"][a:b], out["res"][a:b]], name=f"mix_bwd.{i}", attrs=eps,
-               tags=_tags("mix", "bwd", i))
-    weight_grad_chains(g, g_raw, new, out["phi"], tiles, spec.weight_cols, acc, "dphi")
+        fwd_in = [x[k][a:b] for k in ("y", "h", "pre", "post", "res")] + [x["norm_w"], new[a:b], inv[a:b]]
+        g.task("mhc_mix_norm_bwd", fwd_in + [gin["new_res"][a:b], g_proj[a:b], gin["block_in"][a:b], g_inv[a:b]],
+               [out[k][a:b] for k in ("y", "h", "pre", "post", "res")] + [p_norm_w[i:i + 1]],
+               name=f"mix_norm_bwd.{i}", attrs=eps, tags=_tags("mix_norm", "bwd", i))
+    weight_grad_chains(g, g_raw, new, out["phi"], tiles, spec.weight_cols, spec.weight_rows, acc, "dphi")
     for name, part in (("alpha", p_alpha), ("bias", p_bias), ("norm_w", p_norm_w)):
         g.task("sum_partials", [part], [out[name]], name=f"sum_{name}", attrs={"out_dtype": out[name].dtype},
                tags={"stage": "reduce", "direction": "bwd"})
@@ -165,7 +160,6 @@ def build_megamhc(spec: MHCSpec, direction: str = "fwd") -> TaskGraph:
     builders = {"fwd": build_megamhc_forward, "bwd": build_megamhc_backward}
     require(direction in builders, "build_megamhc", f"direction must be 'fwd' or 'bwd', got {direction!r}")
     return builders[direction](spec)
-
 
 
 def build_graph(spec: str | None = None, direction: str = "fwd", **options) -> TaskGraph:

@@ -45,15 +45,16 @@ class MegaMHCFunction(torch.autograd.Function):
         return tuple(out[f"grad_{k}"] for k in GRAD_INPUTS) + (None, None)
 
 
-def megamhc(y, h, pre, post, res, phi, alpha, bias, norm_w, *, iters: int = 20, rms_eps: float = 1e-6,
-            pre_eps: float = 1e-6, tile_tokens: int = 64, weight_cols: int = 1024, runner: GraphRunner | None = None) -> MHCOutput:
+def run_megamhc(y, h, pre, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunner | None = None,
+                **options) -> MHCOutput:
     """One hyper-connection step on token rows (see :mod:`megaloom.graphs.megamhc` for the maths).
 
     ``y`` [T, H] and ``h`` [T, n, H] set the dtype; phi and norm_w are used in it, and
-    pre / post / res / alpha / bias in float32 (float64 for float64 inputs).
+    pre / post / res / alpha / bias in float32 (float64 for float64 inputs). ``options``:
+    the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows).
     """
     T, n, H = h.shape
-    spec = MHCSpec(T, H, n, dtype_name(h.dtype), tile_tokens, iters, float(rms_eps), float(pre_eps), weight_cols)
+    spec = MHCSpec.from_dict({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(h.dtype), **options})
     acc = torch_dtype(acc_dtype(spec.dtype))
     out = MegaMHCFunction.apply(y.to(h.dtype), h, pre.to(acc), post.to(acc), res.to(acc), phi.to(h.dtype),
                                 alpha.to(acc), bias.to(acc), norm_w.to(h.dtype), spec, runner or GraphRunner())
@@ -65,16 +66,15 @@ class MegaMHC(nn.Module):
 
     Parameters (``nn.Parameter``): ``phi`` [m, n*H], ``alpha`` [3], ``bias`` [m], ``norm_w`` [H],
     with ``m = n*n + 2n`` (24 for n = 4). ``forward(y, h, pre, post, res)`` takes token rows or
-    [B, S, ...] batches and returns :class:`MHCOutput` with the same leading dims.
+    [B, S, ...] batches and returns :class:`MHCOutput` with the same leading dims. ``options``:
+    the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows).
     """
 
-    def __init__(self, hidden: int, streams: int = 4, *, iters: int = 20, rms_eps: float = 1e-6,
-                 pre_eps: float = 1e-6, tile_tokens: int = 64, weight_cols: int = 1024, executor: Executor | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    def __init__(self, hidden: int, streams: int = 4, *, executor: Executor | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
-        self.hidden, self.streams, self.iters = hidden, streams, iters
-        self.rms_eps, self.pre_eps, self.tile_tokens, self.weight_cols = rms_eps, pre_eps, tile_tokens, weight_cols
-        MHCSpec(1, hidden, streams, "float32", tile_tokens, iters, float(rms_eps), float(pre_eps), weight_cols)  # check
+        self.hidden, self.streams, self.options = hidden, streams, dict(options)
+        MHCSpec.from_dict({"tokens": 1, "hidden": hidden, "streams": streams, **options})  # check the options
         m = streams * (streams + 2)
         self.phi = nn.Parameter(torch.empty(m, streams * hidden, device=device, dtype=dtype))
         self.alpha = nn.Parameter(torch.empty(3, device=device, dtype=torch.float32))
@@ -84,7 +84,7 @@ class MegaMHC(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Small projection, unit gates, identity-leaning mix bias, unit norm weight."""
+        """Small projection, small alphas, a mix bias leaning to identity, unit norm weight."""
         nn.init.normal_(self.phi, std=0.02 / self.streams)
         nn.init.constant_(self.alpha, 0.01)
         with torch.no_grad():
@@ -96,11 +96,11 @@ class MegaMHC(nn.Module):
     def forward(self, y: torch.Tensor, h: torch.Tensor, pre: torch.Tensor, post: torch.Tensor,
                 res: torch.Tensor) -> MHCOutput:
         lead, n, H = h.shape[:-2], self.streams, self.hidden
-        out = megamhc(y.reshape(-1, H), h.reshape(-1, n, H), pre.reshape(-1, n), post.reshape(-1, n),
-                      res.reshape(-1, n, n), self.phi, self.alpha, self.bias, self.norm_w, iters=self.iters,
-                      rms_eps=self.rms_eps, pre_eps=self.pre_eps, tile_tokens=self.tile_tokens,
-                      weight_cols=self.weight_cols, runner=self.runner)
+        out = run_megamhc(y.reshape(-1, H), h.reshape(-1, n, H), pre.reshape(-1, n), post.reshape(-1, n),
+                          res.reshape(-1, n, n), self.phi, self.alpha, self.bias, self.norm_w, runner=self.runner,
+                          **self.options)
         return MHCOutput(*(t.reshape(*lead, *t.shape[1:]) for t in out))
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, streams={self.streams}, iters={self.iters}, tile_tokens={self.tile_tokens}"
+        opts = "".join(f", {k}={v!r}" for k, v in self.options.items())
+        return f"hidden={self.hidden}, streams={self.streams}{opts}"

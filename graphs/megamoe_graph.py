@@ -20,8 +20,9 @@ round 0, its own rows, is a local copy). Every rank issues the same collectives 
 same order (a chain of control edges, ``ordered_comm``), so real execution never
 mismatches collectives; a round no rank has rows for is skipped on every rank. Without
 the chain (``ordered_comm=False``: simulation of one-sided puts, as MegaKernels issue
-them) comm tasks of different peers and experts may run at once on several channels. Tasks carry the tags ``stage``,
-``expert``, ``group``, ``rank``, ``peer``, ``direction`` (and ``round`` for comm).
+them) comm tasks of different peers and experts may run at once on several channels.
+Tasks carry the tags ``stage``, ``expert``, ``group``, ``rank``, ``peer``, ``direction``
+(and ``round`` and ``link`` for comm).
 
 Schedules: ``sequential`` puts a barrier between stages (the no-overlap baseline);
 ``interleaved`` keeps only data dependencies, gives expert group ``g`` priority
@@ -36,7 +37,7 @@ from megaloom.graphs.megamoe_spec import Counts, MegaMoESpec
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
 
 FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
-BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute")
+BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
 
 
 def _ranges(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
@@ -63,15 +64,16 @@ class _Builder:
 
     # -- bookkeeping ---------------------------------------------------------------
     def stage(self, name: str) -> None:
-        """Start stage ``name``; under ``sequential`` it waits for every earlier task."""
+        """Start stage ``name``; under ``sequential`` it waits for every earlier task.
+        A task's ``stage`` tag is the current stage unless it passes its own."""
         if self.sequential and self._stage_tasks:
             self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine="vector",
                                         after=self._stage_tasks, tags=self.tags(name))
             self._stage_tasks = []
         self._stage = name
 
-    def tags(self, stage: str, expert: int | None = None, peer: int | None = None, **more: Any) -> dict:
-        t = {"stage": stage, "rank": self.rank, "direction": self.direction, **more}
+    def tags(self, stage: str, expert: int | None = None, peer: int | None = None) -> dict:
+        t = {"stage": stage, "rank": self.rank, "direction": self.direction}
         if expert is not None:
             t.update(expert=expert, group=self.spec.group_of(expert))
         if peer is not None:
@@ -82,7 +84,7 @@ class _Builder:
              engine: str | None = None, attrs: dict | None = None, **more: Any) -> Task:
         prio = 0 if expert is None or self.sequential else -self.spec.group_of(expert)
         t = self.g.task(op, ins, outs, name=f"{self.direction}.{name}", engine=engine, attrs=attrs,
-                        priority=prio, tags=self.tags(self._stage, expert, peer, **more),
+                        priority=prio, tags={**self.tags(self._stage, expert, peer), **more},
                         after=(self._barrier,) if self._barrier is not None else ())
         self._stage_tasks.append(t)
         return t
@@ -121,7 +123,7 @@ class _Builder:
             t = self.task("all_to_all", [src_reg], [dst_reg], f"{self._stage}.e{e}.j{j}", expert=e, peer=to,
                           engine="comm", attrs={"send_splits": splits_s, "recv_splits": splits_r},
                           round=j, link="intra")
-            self._comm.append(((self._chain_slot(e, combine)), t))
+            self._comm.append((self._chain_slot(e, combine), t))
         if combine and W > 1:  # own rows
             lo, hi = c.recv_block(e, r)
             if hi > lo:
@@ -133,7 +135,7 @@ class _Builder:
         grp = self.spec.group_of(e)
         if self.sequential:
             return (int(combine), grp, e)
-        return (2 * grp + 3 if combine else 2 * grp, grp, e)  # D0 D1 C0 D2 C1 ... : dispatch a group ahead
+        return (2 * grp + 3 if combine else 2 * grp, grp, e)  # D0 D1 C0 D2 C1 ...: dispatch a group ahead
 
     def chain_comm(self) -> None:
         """Issue the collectives in one order on every rank (control edges; ``ordered_comm``)."""
@@ -185,7 +187,6 @@ def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, c: Counts, names: tuple[str
         one = make(names[0] if keep[0] else names[1], c.recv_rows, any(keep))
         return one, one
     return make(names[0], c.send_rows, keep[0]), make(names[1], c.recv_rows, keep[1])
-    return send, recv
 
 
 def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> TaskGraph:
@@ -270,4 +271,4 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
 
 def _topk_grad(b: _Builder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
     for lo, hi in _ranges(0, b.spec.tokens, b.spec.tile_m):
-        b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}")
+        b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}", stage="topk_grad")

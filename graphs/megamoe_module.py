@@ -36,8 +36,8 @@ class MegaMoERunner:
     ``"reference"``, or a callable ``ctx -> Executor``. ``cache_size`` bounds the graph cache.
     """
 
-    def __init__(self, spec: MegaMoESpec, comm: Any = None, *, executor: str | Callable[[ExecContext], Executor] = "thread",
-                 units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
+    def __init__(self, spec: MegaMoESpec, comm: Any = None, *,
+                 executor: str | Callable[[ExecContext], Executor] = "thread", units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
         world = getattr(comm, "world_size", 1)
         if spec.ep != world:
             raise ConfigError(f"MegaMoE spec has ep={spec.ep} but the communicator has {world} ranks")

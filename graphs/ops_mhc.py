@@ -1,13 +1,12 @@
 """Vector tile ops of MegaMHC (manifold-constrained hyper-connections, ``n`` residual streams).
 
-| op             | engine | what it computes (one token tile)                                            |
-|----------------|--------|------------------------------------------------------------------------------|
-| mhc_mix        | vector | new residual ``R^T h + post (x) y`` and the inverse RMS of its flattening      |
-| mhc_norm       | vector | block input ``RMSNorm(sum_j pre_j new_j) * norm_w``                            |
-| mhc_coeff      | vector | next pre / post / residual mix from the projected logits (Sinkhorn on the mix) |
-| mhc_coeff_bwd  | vector | gradient of mhc_coeff: logits, inverse RMS, and per-tile alpha / bias partials |
-| mhc_norm_bwd   | vector | gradient of mhc_norm: new residual, pre, and per-tile norm-weight partials     |
-| mhc_mix_bwd    | vector | gradient of mhc_mix given the new residual's summed gradient                   |
+| op                | engine | what it computes (one token tile)                                          |
+|-------------------|--------|----------------------------------------------------------------------------|
+| mhc_mix_norm      | vector | new residual ``R^T h + post (x) y``, the inverse RMS of its flattening, and  |
+|                   |        | the block input ``RMSNorm(sum_j pre_j new_j) * norm_w``                     |
+| mhc_coeff         | vector | next pre / post / residual mix from the projected logits (Sinkhorn on the mix) |
+| mhc_coeff_bwd     | vector | gradient of mhc_coeff: logits, inverse RMS, and per-tile alpha / bias partials |
+| mhc_mix_norm_bwd  | vector | gradient of mhc_mix_norm, plus per-tile norm-weight partials                  |
 
 Logit layout (``m = n*n + 2n``; 24 for n = 4): ``l[:, 0:n]`` pre, ``l[:, n:2n]`` post,
 ``l[:, 2n:]`` the mix, row-major ``[n, n]`` (entry ``4*i + j`` is row i, column j). The bias
@@ -46,17 +45,15 @@ def _cost(flops_per_elem: float, elem_operand: int = 0):
 
 
 # -- forward references ------------------------------------------------------------------
-def mix_ref(y, h, post, res, rms_eps: float = 1e-6):
-    """``new_i = sum_j res[j, i] h_j + post_i y`` (stored in h's dtype) and its inverse RMS."""
+def mix_norm_ref(y, h, pre, post, res, norm_w, rms_eps: float = 1e-6):
+    """(new, inv_rms, block): ``new_i = sum_j res[j, i] h_j + post_i y`` stored in h's dtype,
+    the inverse RMS of flat(new), and ``RMSNorm(sum_j pre_j new_j) * norm_w`` (from the stored new)."""
     new = (torch.einsum("tji,tjh->tih", res, up(h)) + post.unsqueeze(-1) * up(y).unsqueeze(1)).to(h.dtype)
-    flat = up(new).flatten(1)
-    return new, torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + rms_eps)
-
-
-def norm_ref(new, pre, norm_w, rms_eps: float = 1e-6):
-    """``RMSNorm(sum_j pre_j new_j) * norm_w`` in new's dtype."""
-    z = (pre.unsqueeze(-1) * up(new)).sum(1)
-    return (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + rms_eps) * up(norm_w)).to(new.dtype)
+    nw = up(new)
+    inv = torch.rsqrt(nw.flatten(1).pow(2).mean(-1, keepdim=True) + rms_eps)
+    z = (pre.unsqueeze(-1) * nw).sum(1)
+    block = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + rms_eps) * up(norm_w)).to(h.dtype)
+    return new, inv, block
 
 
 def sinkhorn(m: torch.Tensor, iters: int) -> torch.Tensor:
@@ -82,19 +79,14 @@ def coeff_ref(raw, inv_rms, alpha, bias, n: int = 4, iters: int = 20, pre_eps: f
 
 
 # -- forward kernels ---------------------------------------------------------------------
-def _mix_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
-    y, h, post, res = ins
-    new, inv = outs
-    acc = torch.baddbmm(up(y).unsqueeze(1) * post.unsqueeze(-1), res.transpose(1, 2), up(h))
-    new.copy_(acc)
-    flat = up(new).flatten(1)
-    torch.rsqrt(flat.square().mean(-1, keepdim=True).add_(rms_eps), out=inv)
-
-
-def _norm_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
-    new, pre, w = ins
-    z = torch.bmm(pre.unsqueeze(1), up(new)).squeeze(1)
-    outs[0].copy_(F.rms_norm(z, (z.shape[-1],), up(w), rms_eps))
+def _mix_norm_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, pre, post, res, w = ins
+    new, inv, block = outs
+    new.copy_(torch.matmul(res.transpose(1, 2), up(h)).addcmul_(post.unsqueeze(-1), up(y).unsqueeze(1)))
+    nw = up(new)  # the stored (rounded) values, as a later reader sees them
+    torch.rsqrt(nw.flatten(1).square().mean(-1, keepdim=True).add_(rms_eps), out=inv)
+    z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
+    block.copy_(F.rms_norm(z, (z.shape[-1],), up(w), rms_eps))
 
 
 def _coeff_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
@@ -119,21 +111,14 @@ def _coeff_bwd_ref(raw, inv_rms, alpha, bias, g_pre, g_post, g_res, n: int = 4, 
     return gr, gi, ga.unsqueeze(0), gb.unsqueeze(0)
 
 
-def _norm_bwd_ref(new, pre, norm_w, g_block, rms_eps: float = 1e-6):
-    def f(nw, p, w):
-        return norm_ref(nw, p, w, rms_eps)
+def _mix_norm_bwd_ref(y, h, pre, post, res, norm_w, new, inv_rms, g_new, g_flat, g_block, g_inv,
+                      rms_eps: float = 1e-6):
+    def f(y_, h_, pre_, post_, res_, w_):
+        return mix_norm_ref(y_, h_, pre_, post_, res_, w_, rms_eps)
 
-    _, (gn, gp, gw) = torch.autograd.functional.vjp(f, (up(new), pre, up(norm_w)), up(g_block))
-    return gn, gp, gw.unsqueeze(0)
-
-
-def _mix_bwd_ref(y, h, post, res, new, inv_rms, g_new, g_flat, g_norm, g_inv, rms_eps: float = 1e-6):
-    def f(y_, h_, p_, r_):
-        return mix_ref(y_, h_, p_, r_, rms_eps)
-
-    g = up(g_new) + g_flat + g_norm
-    _, (gy, gh, gp, gr) = torch.autograd.functional.vjp(f, (up(y), up(h), post, res), (g, g_inv))
-    return gy.to(y.dtype), gh.to(h.dtype), gp, gr
+    x = (up(y), up(h), pre, post, res, up(norm_w))
+    _, (gy, gh, gpre, gpost, gres, gw) = torch.autograd.functional.vjp(f, x, (up(g_new) + g_flat, g_inv, up(g_block)))
+    return gy.to(y.dtype), gh.to(h.dtype), gpre, gpost, gres, gw.unsqueeze(0)
 
 
 # -- backward kernels: analytic gradients ------------------------------------------------
@@ -169,43 +154,38 @@ def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1
     torch.sum(g_z, 0, keepdim=True, out=g_bias)
 
 
-def _norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
-    new, pre, w, g_block = ins
-    g_new, g_pre, g_w = outs
-    nw, g = up(new), up(g_block)
+def _mix_norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, pre, post, res, w, new, inv, g_new, g_flat, g_block, g_inv = ins
+    g_y, g_h, g_pre, g_post, g_res, g_w = outs
+    nw, gb = up(new), up(g_block)
+    # block input: z = sum_j pre_j new_j, out = z r w with r = (mean z^2 + eps)^-1/2
     z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
     r = torch.rsqrt(z.square().mean(-1, keepdim=True) + rms_eps)
-    torch.sum(g * z * r, 0, keepdim=True, out=g_w)
-    u = g * up(w)
+    torch.sum(gb * z * r, 0, keepdim=True, out=g_w)
+    u = gb * up(w)
     g_z = r * u - z * r.pow(3) * (u * z).mean(-1, keepdim=True)
-    torch.mul(pre.unsqueeze(-1), g_z.unsqueeze(1), out=g_new)
-    torch.bmm(nw, g_z.unsqueeze(-1), out=g_pre.unsqueeze(-1))
-
-
-def _mix_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
-    y, h, post, res, new, inv, g_new, g_flat, g_norm, g_inv = ins
-    g_y, g_h, g_post, g_res = outs
-    nw = up(new)
-    k = nw.shape[1] * nw.shape[2]
-    g = up(g_new) + g_flat + g_norm
-    g.addcmul_(nw, (g_inv * inv.pow(3) / -k).unsqueeze(-1))
+    torch.sum(nw * g_z.unsqueeze(1), -1, out=g_pre)
+    # total gradient of new: its own, the projection's, the block input's, the inverse RMS's
+    g = up(g_new) + g_flat
+    g.addcmul_(pre.unsqueeze(-1), g_z.unsqueeze(1))
+    g.addcmul_(nw, (g_inv * inv.pow(3) / -(nw.shape[1] * nw.shape[2])).unsqueeze(-1))
+    # new_i = sum_j res[j, i] h_j + post_i y
     g_h.copy_(torch.bmm(res, g))
     torch.bmm(up(h), g.transpose(1, 2), out=g_res)
-    torch.bmm(g, up(y).unsqueeze(-1), out=g_post.unsqueeze(-1))
+    torch.sum(g * up(y).unsqueeze(1), -1, out=g_post)
     g_y.copy_(torch.bmm(post.unsqueeze(1), g).squeeze(1))
 
 
 # -- shape rules -------------------------------------------------------------------------
-def _mix_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
-    _check("mhc_mix", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n)])
-    return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype))]
+def _dims(ins: list[TensorSpec]) -> tuple[int, int, int]:
+    """(t, n, H) from the streams operand h (the second)."""
+    return (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
 
 
-def _norm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = (ins[0].shape + (0, 0, 0))[:3] if ins else (0, 0, 0)
-    _check("mhc_norm", ins, [(t, n, hd), (t, n), (hd,)])
-    return [TensorSpec((t, hd), ins[0].dtype)]
+def _mix_norm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = _dims(ins)
+    _check("mhc_mix_norm", ins, [(t, hd), (t, n, hd), (t, n), (t, n), (t, n, n), (hd,)])
+    return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype)), ins[0]]
 
 
 def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -226,33 +206,22 @@ def _coeff_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     return [TensorSpec((t, m), dt), TensorSpec((t, 1), dt), TensorSpec((1, 3), dt), TensorSpec((1, m), dt)]
 
 
-def _norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = (ins[0].shape + (0, 0, 0))[:3] if ins else (0, 0, 0)
-    _check("mhc_norm_bwd", ins, [(t, n, hd), (t, n), (hd,), (t, hd)])
-    acc = acc_dtype(ins[0].dtype)
-    return [TensorSpec((t, n, hd), acc), TensorSpec((t, n), ins[1].dtype), TensorSpec((1, hd), acc)]
-
-
-def _mix_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
-    _check("mhc_mix_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n), (t, n, hd), (t, 1),
-                                (t, n, hd), (t, n, hd), (t, n, hd), (t, 1)])
-    return [ins[0], ins[1], ins[2], ins[3]]
+def _mix_norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = _dims(ins)
+    _check("mhc_mix_norm_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n), (t, n, n), (hd,), (t, n, hd), (t, 1),
+                                     (t, n, hd), (t, n, hd), (t, hd), (t, 1)])
+    return [ins[0], ins[1], ins[2], ins[3], ins[4], TensorSpec((1, hd), acc_dtype(ins[1].dtype))]
 
 
 SINKHORN_FLOPS = 4.0  # per matrix entry and round: a sum and a divide, rows then columns
 
-register(OpDef("mhc_mix", ("vector",), mix_ref, _mix_shape, _cost(12.0, 1), _mix_kernel,
-               doc="new residual R^T h + post (x) y, and the inverse RMS of its flattening"))
-register(OpDef("mhc_norm", ("vector",), norm_ref, _norm_shape, _cost(4.0, 0), _norm_kernel,
-               doc="RMSNorm(sum_j pre_j new_j) * norm_w"))
+register(OpDef("mhc_mix_norm", ("vector",), mix_norm_ref, _mix_norm_shape, _cost(16.0, 1), _mix_norm_kernel,
+               doc="new residual R^T h + post (x) y, the inverse RMS of its flattening, and the block input"))
 register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
                lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
                _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
 register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
                lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
                _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)"))
-register(OpDef("mhc_norm_bwd", ("vector",), _norm_bwd_ref, _norm_bwd_shape, _cost(10.0, 0), _norm_bwd_kernel,
-               doc="gradient of mhc_norm: new residual, pre, per-tile norm-weight partial"))
-register(OpDef("mhc_mix_bwd", ("vector",), _mix_bwd_ref, _mix_bwd_shape, _cost(20.0, 1), _mix_bwd_kernel,
-               doc="gradient of mhc_mix from the new residual's summed gradient and the inverse RMS gradient"))
+register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(30.0, 1),
+               _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm, plus the per-tile norm-weight partial"))

@@ -49,7 +49,8 @@ def _proj_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) != 2 or len(ins[1].shape) != 2 or len(ins[0].shape) < 2:
         raise GraphError(f"proj takes a [m, ...] and w [n, k], got {[s.shape for s in ins]}")
     if _cols(ins[0]) != ins[1].shape[1]:
-        raise GraphError(f"proj: a {ins[0].shape} flattens to {_cols(ins[0])} columns, w {ins[1].shape} has {ins[1].shape[1]}")
+        raise GraphError(f"proj: a {ins[0].shape} flattens to {_cols(ins[0])} columns, "
+                         f"w {ins[1].shape} has {ins[1].shape[1]}")
     return [TensorSpec((ins[0].shape[0], ins[1].shape[0]), acc_dtype(ins[0].dtype))]
 
 
@@ -98,7 +99,8 @@ def _grad_input_kernel(ins, outs, cols=None, out_dtype: str | None = None) -> No
 # -- proj_grad_weight: dW = [acc +] g^T @ a.flat --------------------------------------------
 def _grad_weight_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) not in (2, 3) or len(ins[0].shape) != 2 or ins[0].shape[0] != ins[1].shape[0]:
-        raise GraphError(f"proj_grad_weight takes g [m, n], a [m, ...] and an optional acc [n, k], got {[s.shape for s in ins]}")
+        raise GraphError("proj_grad_weight takes g [m, n], a [m, ...] and an optional acc [n, k], "
+                         f"got {[s.shape for s in ins]}")
     shape, acc = (ins[0].shape[1], _cols(ins[1])), acc_dtype(ins[1].dtype)
     if len(ins) == 3 and (ins[2].shape != shape or ins[2].dtype != acc):
         raise GraphError(f"proj_grad_weight: acc is {ins[2].shape} {ins[2].dtype}, expected {shape} {acc}")
@@ -162,6 +164,7 @@ register(OpDef("proj", ("cube",), _proj_ref, _proj_shape, _proj_cost, _proj_kern
 register(OpDef("proj_grad_input", ("cube",), _grad_input_ref, _grad_input_shape, _grad_input_cost, _grad_input_kernel,
                doc="g [m, n] @ w [n, k], reshaped to [m, *cols], cast to out_dtype"))
 register(OpDef("proj_grad_weight", ("cube",), _grad_weight_ref, _grad_weight_shape, _grad_weight_cost,
-               _grad_weight_kernel, doc="[acc +] g^T @ a.flat accumulated in float32, cast to out_dtype; chains over token tiles"))
+               _grad_weight_kernel,
+               doc="[acc +] g^T @ a.flat accumulated in float32, cast to out_dtype; chains over token tiles"))
 register(OpDef("sum_partials", ("vector",), _sum_ref, _sum_shape, _sum_cost, _sum_kernel,
                doc="sum of per-tile partials over dim 0, accumulated, cast to out_dtype"))

@@ -11,7 +11,7 @@ import sys
 
 from megaloom.runtime.errors import MegaloomError
 
-COMMANDS = ["demo", "launch", "collect", "train", "simulate", "replay", "profiles", "calibrate"]
+COMMANDS = ["demo", "launch", "collect", "train", "simulate", "replay", "profiles", "calibrate", "trace"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -129,7 +129,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "dir": Key(None, _OPT_STR, doc="checkpoint directory (default: <run.out_dir>/checkpoints)"),
         "resume": Key(False, (bool, str), doc="true: resume from the latest checkpoint in dir; a path: from that one"),
         "keep": Key(2, (int,), check=_positive, doc="checkpoints kept on disk"),
-        "stop_after": Key(None, (int, type(None)), doc="stop (after saving) once this step is done; for tests and preemption"),
+        "stop_after": Key(None, (int, type(None)), check=_positive, doc="stop (after saving) once this step is done; for tests and preemption"),
     },
     "trace": {
         "steps": Key([], (list,), check=_int_list, doc="steps (1-based) whose forward/backward are recorded"),

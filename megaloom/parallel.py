@@ -43,12 +43,8 @@ class Parallel:
             return
         replicated = [p for p in self.model.parameters() if p.grad is not None and id(p) not in self.sharded]
         _all_reduce_mean(self.comm, [p.grad for p in replicated], self.world)
-        experts = [p for p in self.model.parameters() if p.grad is not None and getattr(p, "megaloom_ep_sharded", False)]
-        if experts and self.world > self.ep_size:
-            # TODO(ep x dp): average over the replicas of the same expert shard only; needs sub-groups.
-            raise ConfigError("parallel: ep_size < world size (EP x DP replicas) is not supported yet; use ep_size = world size")
-        if experts:
-            for p in experts:  # summed over EP ranks' tokens; scale to the mean over data-parallel batches
+        for p in self.model.parameters():  # EP experts: summed over every rank's tokens -> mean over batches
+            if p.grad is not None and getattr(p, "megaloom_ep_sharded", False):
                 p.grad.div_(self.ep_size)
 
     def grad_norm(self, params: list[nn.Parameter]) -> float:
@@ -67,6 +63,7 @@ class Parallel:
         return float(t[0] / self.world)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        # clones: torch.save of a view (EP expert slices) would write its whole storage
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -105,17 +102,28 @@ def setup(model: nn.Module, par: dict, comm: Any) -> Parallel:
 
 
 def fsdp_leaves(model: nn.Module, comm: Any) -> set[int]:
-    """``fully_shard`` every module holding parameters of its own, except EP expert holders.
+    """``fully_shard`` every module that holds parameters of its own; returns the shards' ids.
 
-    Each such module is swapped for its ShardedModule (full weights gathered just before
-    its forward, gradients reduce-scattered in its backward); returns the shards' ids.
+    Each is swapped in place for its ShardedModule (full weights gathered just before its
+    forward, gradients reduce-scattered in its backward). Left alone: expert weights of a
+    MegaMoE block (EP-sharded, or replicated when ``ep_size`` is 1, since MegaMoE reads them
+    directly) and modules without parameters of their own.
     """
     from megaloom.comm.fsdp import fully_shard
+    from megaloom.swaps import MegaMoEBlock
 
+    keep = {id(m.experts) for m in model.modules() if isinstance(m, MegaMoEBlock)}
+    targets, problems = [], []
+    for name, mod in model.named_modules():
+        own = list(mod.parameters(recurse=False))
+        if not name or not own or id(mod) in keep:
+            continue
+        if len(own) != len(list(mod.parameters())):
+            problems.append(f"{name} ({type(mod).__name__}) holds parameters itself and in submodules")
+        targets.append((name, mod))
+    if problems:
+        raise ConfigError("parallel.fsdp: cannot shard module by module: " + "; ".join(problems))
     shards: set[int] = set()
-    targets = [(name, mod) for name, mod in model.named_modules()
-               if name and any(True for _ in mod.parameters(recurse=False))
-               and not any(getattr(p, "megaloom_ep_sharded", False) for p in mod.parameters(recurse=False))]
     for name, mod in targets:
         wrapped = fully_shard(mod, comm)
         parent, _, child = name.rpartition(".")

@@ -28,8 +28,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 class StepTracer:
     """Hooks on ``model``; events are collected only while :meth:`active` is on."""
 
-    def __init__(self, model: nn.Module, rank: int = 0):
-        self.rank, self.events, self.on = rank, [], False
+    def __init__(self, model: nn.Module, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size, self.events, self.on = rank, world_size, [], False
         self._handles = []
         for name, mod in model.named_modules():
             if name and _WATCH.search(name):
@@ -58,16 +58,18 @@ class StepTracer:
             if self.on:
                 self._event(name, "phase", 0, t0, time.perf_counter(), {"stage": name})
 
-    def add_events(self, events: list[TraceEvent]) -> None:
-        """Events of graphs run during the step (their task ids are renumbered after ours)."""
+    def add_events(self, events: list[TraceEvent], module: str, direction: str) -> None:
+        """Events of a graph ``module`` ran during the step: names prefixed ``<module>/``, layer and
+        direction tagged (task ids renumbered, deps dropped)."""
         if self.on:
+            tags = self._tags(module, direction)
             for e in events:
-                self._event(e.task, e.op, e.unit, e.start, e.end, dict(e.tags), engine=e.engine,
+                self._event(f"{module}/{e.task}", e.op, e.unit, e.start, e.end, {**tags, **e.tags}, engine=e.engine,
                             flops=e.flops, bytes_=e.bytes, comm_bytes=e.comm_bytes)
 
     def trace(self, step: int) -> Trace:
         return Trace(list(self.events), {"graph": f"train-step-{step}", "mode": "execute", "clock": "wall",
-                                         "world_size": 1, "step": step})
+                                         "world_size": self.world_size, "step": step})
 
     def _event(self, task: str, op: str, unit: int, start: float, end: float, tags: dict[str, Any], *,
                engine: str = "host", flops: float = 0.0, bytes_: float = 0.0, comm_bytes: float = 0.0) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from megaloom.progress import MetricsLog, Progress, memory_mib
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.step_trace import StepTracer
+from megaloom.swaps import MegaMoEBlock
 
 
 @dataclass(slots=True)
@@ -90,7 +92,7 @@ class Trainer:
         self.vocab = int(self.base_model.config.vocab_size)
         self.swaps = self._apply_plan()
         self.parallel = _setup_parallel(self.base_model, cfg["parallel"], self.comm)
-        self.model = self.parallel.model  # the base model, or its FSDP wrapper
+        self.model = self.parallel.model  # the base model (FSDP wraps its modules in place)
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg["optimizer"])
         self.data = make_stream(cfg["data"], self.vocab, self.seed)
         self.ckpt_dir = cfg["checkpoint"]["dir"] or os.path.join(run["out_dir"], "checkpoints")
@@ -99,7 +101,7 @@ class Trainer:
         resume_from = ckpt.find(cfg["checkpoint"]["resume"], self.ckpt_dir)
         if resume_from is not None:
             self._load(resume_from)
-        self.tracer = StepTracer(self.base_model, self.rank) if cfg["trace"]["steps"] else None
+        self.tracer = StepTracer(self.base_model, self.rank, self.world) if cfg["trace"]["steps"] else None
         self.metrics = MetricsLog(os.path.join(run["out_dir"], "metrics.jsonl"), fresh=self.step == 0) if self.rank == 0 else None
 
     # -- set-up -------------------------------------------------------------------
@@ -116,8 +118,10 @@ class Trainer:
         """Run optimizer step ``self.step + 1`` (1-based in records, 0-based for data and lr)."""
         t0 = time.perf_counter()
         tracing = self.tracer is not None and self.step + 1 in self.cfg["trace"]["steps"]
-        tracer_ctx = self.tracer.active() if tracing else _null()
-        with tracer_ctx:
+        with self.tracer.active() if tracing else nullcontext():
+            runners = self._graph_runners() if tracing else []
+            for _, runner in runners:
+                runner.last_trace.clear()
             batch = self.data.batch(self.step, self.parallel.data_rank, self.parallel.data_world)
             with self._phase(tracing, "forward"):
                 loss = causal_lm_loss(self.model, batch)
@@ -132,6 +136,9 @@ class Trainer:
                     group["lr"] = lr
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
+            for name, runner in runners:  # the MegaMoE graphs' own task events, on cube/vector/comm tracks
+                for direction, trace in runner.last_trace.items():
+                    self.tracer.add_events(trace.events, name, direction)
         self.step += 1
         if tracing:
             self._write_trace()
@@ -140,8 +147,12 @@ class Trainer:
         tokens = batch[:, 1:].numel() * self.parallel.data_world
         return StepRecord(self.step, mean_loss, lr, norm, tokens, tokens / max(dt, 1e-9), memory_mib(), dt)
 
+    def _graph_runners(self) -> list[tuple[str, Any]]:
+        """(module name, MegaMoE runner) of every swapped MoE block; their graphs' traces join the step's."""
+        return [(name, m.runner) for name, m in self.base_model.named_modules() if isinstance(m, MegaMoEBlock)]
+
     def _phase(self, tracing: bool, name: str):
-        return self.tracer.phase(name) if tracing else _null()
+        return self.tracer.phase(name) if tracing else nullcontext()
 
     def _clip(self) -> float:
         clip = self.cfg["optimizer"]["grad_clip"]
@@ -208,14 +219,6 @@ class Trainer:
         if self.cfg["trace"]["perfetto"]:
             write_chrome(trace, base + ".json")
         self.log(f"trace of step {self.step}: {base}.trace")
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _default_comm(par: dict) -> Any:

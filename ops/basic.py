@@ -117,16 +117,18 @@ def _noop_kernel(ins, outs, **attrs) -> None:
         o.zero_()
 
 
+_IN_PLACE = {"in_place": True}  # element-wise: an output may be the very region an input is
+
 register(OpDef("matmul", ("cube",), _matmul_ref, _matmul_shape, _matmul_cost, _matmul_kernel,
                doc="a @ b, b transposed when trans_b; out_dtype casts the result"))
 register(OpDef("add", ("vector",), torch.add, binary_shape, elementwise_cost, _binary_kernel(torch.add),
-               doc="a + b with broadcasting"))
+               doc="a + b with broadcasting", extra=_IN_PLACE))
 register(OpDef("mul", ("vector",), torch.mul, binary_shape, elementwise_cost, _binary_kernel(torch.mul),
-               doc="a * b with broadcasting"))
+               doc="a * b with broadcasting", extra=_IN_PLACE))
 register(OpDef("silu", ("vector",), F.silu, same_shape, lambda i, o, a: elementwise_cost(i, o, a, 4.0),
-               _silu_kernel, doc="x * sigmoid(x)"))
+               _silu_kernel, doc="x * sigmoid(x)", extra=_IN_PLACE))
 register(OpDef("copy", ("vector", "comm"), lambda x: x.clone(), same_shape,
                lambda i, o, a: Cost(bytes=2 * i[0].nbytes, precision=precision(i[0].dtype)), _copy_kernel,
-               doc="copy a region into another"))
+               doc="copy a region into another", extra=_IN_PLACE))
 register(OpDef("noop", ("vector", "cube", "comm"), _noop_ref, _noop_shape, lambda i, o, a: Cost(),
                _noop_kernel, doc="does nothing; attrs['out_specs'] declares (zeroed) outputs"))

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 
 from megaloom.runtime.dtypes import dtype_name, itemsize
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.region import Box, box_shape, box_size, contains, full_box, overlaps
+from megaloom.runtime.region import Box, BoxIndex, box_shape, box_size, full_box, in_bounds
 from megaloom.runtime.registry import Cost
 
 
@@ -169,7 +169,7 @@ class TaskGraph:
         self.succ: list[list[int]] = []
         self.pred: list[list[int]] = []
         self._by_name: dict[str, Task] = {}
-        self._accesses: dict[str, list[tuple[Box, int, bool]]] = {}
+        self._accesses: dict[str, tuple[BoxIndex, BoxIndex]] = {}  # buffer -> (reads, writes)
         self._forward_only = True
         self._version = 0  # bumped by every change; keys the caches below
         self._cache: dict[str, tuple[int, object]] = {}
@@ -191,7 +191,7 @@ class TaskGraph:
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
         buf = Buffer(name, shape, dtype_name(dtype), inp, out)
         self.buffers[name] = buf
-        self._accesses[name] = []
+        self._accesses[name] = (BoxIndex(), BoxIndex())
         self._version += 1
         return buf
 
@@ -248,8 +248,7 @@ class TaskGraph:
         for r in ins + outs:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
-            if len(r.box) != len(r.buffer.shape) or any(a > b for a, b in r.box) \
-                    or not contains(full_box(r.buffer.shape), r.box):
+            if not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
         if engine is None:
             from megaloom.runtime.registry import get_op
@@ -270,22 +269,23 @@ class TaskGraph:
         return t
 
     def _derive(self, t: Task) -> None:
+        acc = self._accesses
         for r in t.inputs:
-            for box, other, is_write in self._accesses[r.buffer.name]:
-                if is_write and other != t.id and overlaps(box, r.box):  # RAW
-                    self._link(other, t.id)
+            for _, other in acc[r.buffer.name][1].overlapping(r.box):  # RAW: after earlier writes
+                self._link(other, t.id)
         for r in t.outputs:
-            acc = self._accesses[r.buffer.name]
-            for box, other, _ in acc:
-                if other != t.id and overlaps(box, r.box):  # WAR (reader) or WAW (writer)
+            reads, writes = acc[r.buffer.name]
+            for _, other in reads.overlapping(r.box) + writes.overlapping(r.box):  # WAR and WAW
+                if other != t.id:
                     self._link(other, t.id)
         for r in t.inputs:
-            self._accesses[r.buffer.name].append((r.box, t.id, False))
+            acc[r.buffer.name][0].add(r.box, t.id)
         for r in t.outputs:
-            acc = self._accesses[r.buffer.name]
+            reads, writes = acc[r.buffer.name]
             # earlier accesses inside this write are ordered before it, so it stands for them
-            acc[:] = [a for a in acc if not contains(r.box, a[0]) or a[1] == t.id]
-            acc.append((r.box, t.id, True))
+            reads.drop_inside(r.box, t.id)
+            writes.drop_inside(r.box, t.id)
+            writes.add(r.box, t.id)
 
     def _link(self, a: int, b: int) -> None:
         if a not in self.pred[b]:
@@ -383,6 +383,15 @@ class TaskGraph:
         lines += [f"  engine {k:<8} {v:>8} tasks" for k, v in sorted(by_engine.items())]
         lines += [f"  op     {k:<20} {v:>8}" for k, v in sorted(by_op.items())]
         return "\n".join(lines)
+
+    def compose(self, sub: TaskGraph, prefix: str = "", bind: dict | None = None):
+        """Add the sub-graph ``sub`` as one unit; ``bind`` maps its buffers (by name) to
+        regions of this graph, the rest are added as ``prefix + name``. Returns a
+        :class:`~megaloom.runtime.compose.Composed` (its tasks, ``precede``/``succeed``,
+        and ``unit["buf"]``: the region standing for a sub-graph buffer)."""
+        from megaloom.runtime.compose import compose
+
+        return compose(self, sub, prefix, bind)
 
     def save(self, path: str) -> None:
         from megaloom.runtime.serialize import save_graph

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import Trace, TraceEvent
 
 COMPUTE = ("cube", "vector")
@@ -43,11 +44,31 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
 def critical_path(events: list[TraceEvent]) -> float:
     """Longest chain of task durations along recorded dependencies (per rank)."""
     by_key = {(e.rank, e.tid): e for e in events}
+
+    def deps(k: tuple[int, int]) -> list[tuple[int, int]]:
+        return [(k[0], d) for d in by_key[k].deps if (k[0], d) in by_key]
+
     finish: dict[tuple[int, int], float] = {}
-    for e in sorted(events, key=lambda e: e.start):
-        k = (e.rank, e.tid)
-        base = max((finish.get((e.rank, d), 0.0) for d in e.deps if (e.rank, d) in by_key), default=0.0)
-        finish[k] = base + e.duration
+    for root in by_key:  # iterative depth-first search: dependencies finish first
+        if root in finish:
+            continue
+        stack = [(root, deps(root), 0)]
+        open_ = {root}
+        while stack:
+            k, ds, i = stack[-1]
+            while i < len(ds) and ds[i] in finish:
+                i += 1
+            if i < len(ds):
+                d = ds[i]
+                if d in open_:
+                    raise TraceFormatError(f"trace dependencies form a cycle through task {by_key[d].task!r}")
+                stack[-1] = (k, ds, i + 1)
+                open_.add(d)
+                stack.append((d, deps(d), 0))
+                continue
+            stack.pop()
+            open_.discard(k)
+            finish[k] = max((finish[d] for d in ds), default=0.0) + by_key[k].duration
     return max(finish.values(), default=0.0)
 
 

@@ -12,23 +12,28 @@ from typing import Any
 
 from megaloom.runtime.trace import Trace, atomic_write
 
-_ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}
+_ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}  # other engine kinds follow, by name
+_US = 1e6
 
 
-def _track(engine: str, unit: int) -> int:
-    return (_ENGINE_ORDER.get(engine, 3 + (sum(map(ord, engine)) % 97))) * 10000 + unit
+def _track_ids(tracks: list[tuple[int, str, int]]) -> dict[tuple[str, int], int]:
+    """A distinct thread id per (engine kind, unit), grouped by engine kind."""
+    kinds = sorted({e for _, e, _ in tracks}, key=lambda e: (_ENGINE_ORDER.get(e, len(_ENGINE_ORDER)), e))
+    width = 1 + max((u for _, _, u in tracks), default=0)
+    return {(e, u): 1 + kinds.index(e) * width + u for _, e, u in tracks}
 
 
 def to_chrome(trace: Trace) -> dict[str, Any]:
-    """The trace as a Chrome Trace Event JSON object (timestamps in microseconds)."""
+    """The trace as a Chrome Trace Event JSON object (timestamps in microseconds, to 1 ns)."""
     t0 = min((e.start for e in trace.events), default=0.0)
     out: list[dict[str, Any]] = []
     tracks = sorted({(e.rank, e.engine, e.unit) for e in trace.events})
+    tid_of = _track_ids(tracks)
     for rank in sorted({r for r, _, _ in tracks}):
         out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
         out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
     for rank, engine, unit in tracks:
-        tid = _track(engine, unit)
+        tid = tid_of[engine, unit]
         out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": f"{engine}.{unit}"}})
         out.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
     for e in trace.events:
@@ -36,10 +41,10 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         for k in ("flops", "bytes", "comm_bytes"):
             if getattr(e, k):
                 args[k] = getattr(e, k)
-        out.append({
-            "ph": "X", "name": e.task, "cat": e.op, "pid": e.rank, "tid": _track(e.engine, e.unit),
-            "ts": (e.start - t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args,
-        })
+        # start and end are rounded alike, so back-to-back tasks share a boundary exactly
+        ts, end = round((e.start - t0) * _US, 3), round((e.end - t0) * _US, 3)
+        out.append({"ph": "X", "name": e.task, "cat": e.op, "pid": e.rank, "tid": tid_of[e.engine, e.unit],
+                    "ts": ts, "dur": max(0.0, round(end - ts, 3)), "args": args})
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {k: str(v) for k, v in trace.meta.items()}}
 
 

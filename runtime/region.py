@@ -1,6 +1,8 @@
 """Boxes: rectangular regions of a buffer, as one (start, stop) pair per dim."""
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -25,6 +27,11 @@ def overlaps(a: Box, b: Box) -> bool:
         if a1 <= b0 or b1 <= a0 or a0 == a1 or b0 == b1:
             return False
     return True
+
+
+def in_bounds(box: Box, shape: tuple[int, ...]) -> bool:
+    """True when ``box`` is a well-formed box (start <= stop) of a tensor of ``shape``."""
+    return len(box) == len(shape) and all(0 <= a <= b <= n for (a, b), n in zip(box, shape))
 
 
 def contains(outer: Box, inner: Box) -> bool:
@@ -59,3 +66,50 @@ def uncovered(box: Box, covers: list[Box]) -> list[Box]:
 
 def to_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
+
+
+class BoxIndex:
+    """Boxes of one buffer, each with a task id, found by overlap in O(log n + hits).
+
+    Entries are kept sorted by their start along dim 0; a query for ``[a, b)`` looks only
+    at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the longest
+    dim-0 extent ever added. Tiles along dim 0, the common case, stay cheap however many
+    there are; a box spanning dim 0 (a whole-buffer access) widens every later query of
+    this index, which is why readers and writers are indexed apart.
+    """
+
+    __slots__ = ("starts", "entries", "longest")
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.entries: list[tuple[Box, int]] = []
+        self.longest = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, box: Box, tid: int) -> None:
+        s, e = box[0] if box else (0, 1)
+        i = bisect_right(self.starts, s)
+        self.starts.insert(i, s)
+        self.entries.insert(i, (box, tid))
+        self.longest = max(self.longest, e - s)
+
+    def _span(self, box: Box, upto=bisect_left) -> range:
+        if not box:
+            return range(len(self.entries))
+        a, b = box[0]
+        return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), upto(self.starts, b))
+
+    def overlapping(self, box: Box) -> list[tuple[Box, int]]:
+        """Entries whose box shares at least one element with ``box``."""
+        entries = self.entries
+        return [entries[i] for i in self._span(box) if overlaps(entries[i][0], box)]
+
+    def drop_inside(self, box: Box, keep: int) -> None:
+        """Remove entries whose box lies inside ``box``, except those of task ``keep``."""
+        span = self._span(box, bisect_right)  # an empty entry may start at the stop of ``box``
+        gone = [i for i in span if self.entries[i][1] != keep and contains(box, self.entries[i][0])]
+        for i in reversed(gone):
+            del self.starts[i]
+            del self.entries[i]

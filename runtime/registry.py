@@ -65,6 +65,9 @@ class OpDef:
     ``kernel(inputs, outputs, **attrs)`` writes the outputs in place (they are views of the
     buffers a task writes); when absent, the reference result is copied into them.
     With ``context=True`` both also receive ``ctx=`` (rank, communicator, device).
+    ``extra["in_place"] = True`` says the kernel may write an output over an input equal to
+    it (element-wise ops); the thread executor otherwise hands the kernel a copy of any
+    input that a task's outputs overlap.
     """
 
     name: str

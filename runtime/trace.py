@@ -128,7 +128,8 @@ def read_msgpack(path: str | os.PathLike, fmt: str, version: int) -> dict[str, A
     try:
         data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on bad input
-        raise TraceFormatError(f"{path}: not a valid msgpack file ({type(e).__name__}: {e})") from None
+        hint = " (it looks like JSON; megaloom writes its own files as msgpack)" if raw[:1] in (b"{", b"[") else ""
+        raise TraceFormatError(f"{path}: not a valid msgpack file ({type(e).__name__}: {e}){hint}") from None
     if not isinstance(data, dict) or data.get("format") != fmt:
         raise TraceFormatError(f"{path}: not a {fmt} file")
     v = data.get("version")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Region
-from megaloom.runtime.region import overlaps, uncovered
+from megaloom.runtime.region import BoxIndex, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
 
 if TYPE_CHECKING:
@@ -61,11 +61,11 @@ def _cycles(g: TaskGraph) -> Iterator[Problem]:
             yield name, str(e)
 
 
-def _writers(g: TaskGraph) -> dict[str, list[tuple[int, tuple]]]:
-    out: dict[str, list[tuple[int, tuple]]] = {}
+def _writers(g: TaskGraph) -> dict[str, BoxIndex]:
+    out: dict[str, BoxIndex] = {}
     for t in g.tasks:
         for r in t.outputs:
-            out.setdefault(r.buffer.name, []).append((t.id, r.box))
+            out.setdefault(r.buffer.name, BoxIndex()).add(r.box, t.id)
     return out
 
 
@@ -75,12 +75,13 @@ def _ordered_before(g: TaskGraph, a: int, b: int) -> bool:
 
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
     writers = _writers(g)
+    none = BoxIndex()
     for t in g.tasks:
         for r in t.inputs:
             if r.buffer.is_input:
                 continue
-            covers = [box for w, box in writers.get(r.buffer.name, ()) if w != t.id and overlaps(box, r.box)
-                      and _ordered_before(g, w, t.id)]
+            covers = [box for box, w in writers.get(r.buffer.name, none).overlapping(r.box)
+                      if w != t.id and _ordered_before(g, w, t.id)]
             gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
             if gaps:
                 gap = Region(r.buffer, gaps[0])
@@ -89,10 +90,10 @@ def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
-    for name, ws in _writers(g).items():
-        for i, (a, abox) in enumerate(ws):
-            for b, bbox in ws[i + 1:]:
-                if a != b and overlaps(abox, bbox) and not (_ordered_before(g, a, b) or _ordered_before(g, b, a)):
+    for name, index in _writers(g).items():
+        for abox, a in list(index.entries):
+            for _, b in index.overlapping(abox):
+                if a < b and not (_ordered_before(g, a, b) or _ordered_before(g, b, a)):
                     ta, tb = g.tasks[a].name, g.tasks[b].name
                     yield ta, f"tasks {ta!r} and {tb!r} both write buffer {name!r} with no order between them"
 

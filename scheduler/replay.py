@@ -33,7 +33,8 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay") -> TaskGra
     made = {}
     for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way
         e = by_tid[tid]
-        made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=int(e.tags.get("priority", 0)),
+        prio = e.tags.get("priority", 0)
+        made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
                            attrs={DURATION_ATTR: max(e.end - e.start, 0.0)},
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes))
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them

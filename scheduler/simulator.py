@@ -13,9 +13,10 @@ garbage collector is paused for the run, since it allocates no cycles.
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
 from heapq import heappop, heappush
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 from megaloom.runtime.core import Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
@@ -42,6 +43,19 @@ class Schedule:
     @property
     def makespan(self) -> float:
         return max((s + d for s, d in zip(self.start, self.duration)), default=0.0)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (the loop allocates no cycles; collections of
+    millions of live objects would dominate it)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def parse_units(text: str) -> dict[str, int]:
@@ -96,13 +110,8 @@ class Simulator:
         if isinstance(self.policy, DurationAware):
             self.policy.use_durations(dur)
         core = Core(graph, self.units, self.policy)
-        gc_was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with gc_paused():
             start, unit, order = self._loop(core, graph, dur)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         if core.remaining:
             blocked = core.blocked()
             lines = [f"{t} waits for {', '.join(w)}" for t, w in list(blocked.items())[:20]]
@@ -119,18 +128,20 @@ class Simulator:
         heap: list[tuple[float, int]] = []
         engines = list(self.units)
         free = {e: list(range(self.units[e] - 1, -1, -1)) for e in engines}  # unit 0 on top
-        per_unit = getattr(self.policy, "per_unit", False)
-        pop, done, append = core.pop, core.done, order.append
+        lanes = [(e, free[e]) for e in engines]
+        free_of = [free[e] for e in engine]  # the free-unit stack of each task's engine kind
+        policy = self.policy
+        per_unit = getattr(policy, "per_unit", False)
+        pop, done, append, has_ready = core.pop, core.done, order.append, policy.has_ready
         progress, every = self.progress, self.progress_every
         mark = every if progress is not None else n + 1
         now = 0.0
         while True:
             # hand every free unit a ready task, in engine order then unit order
-            for e in engines:
-                f = free[e]
+            for e, f in lanes:
                 if not f:
                     continue
-                if per_unit:
+                if per_unit:  # each unit has its own queue: ask every free one
                     for u in f[::-1]:
                         tid = pop(e, u)
                         if tid >= 0:
@@ -140,7 +151,7 @@ class Simulator:
                             heappush(heap, (now + dur[tid], len(order)))
                             append(tid)
                     continue
-                while f:
+                while f and has_ready(e):  # cheaper than a pop that comes back empty
                     tid = pop(e, f[-1])
                     if tid < 0:
                         break
@@ -157,11 +168,11 @@ class Simulator:
             now, seq = heappop(heap)
             tid = order[seq]
             done(tid)
-            free[engine[tid]].append(unit_of[tid])
+            free_of[tid].append(unit_of[tid])
             while heap and heap[0][0] == now:
                 tid = order[heappop(heap)[1]]
                 done(tid)
-                free[engine[tid]].append(unit_of[tid])
+                free_of[tid].append(unit_of[tid])
         if progress is not None:
             progress(n - core.remaining, n)
         return start, unit_of, order
@@ -178,15 +189,10 @@ class Simulator:
                 "units": dict(self.units), "policy": self.policy.name, "rank": 0, "world_size": 1}
         for o in self.observers:
             o.on_run_start(graph, meta)
-        gc_was_enabled = gc.isenabled()
         sched = self.schedule(graph, durations)
-        gc.disable()
-        try:
-            start, dur, unit = sched.start, sched.duration, sched.unit
+        start, dur, unit = sched.start, sched.duration, sched.unit
+        with gc_paused():
             events = events_of(graph, [(tid, unit[tid], start[tid], start[tid] + dur[tid]) for tid in sched.order], 0)
-        finally:
-            if gc_was_enabled:
-                gc.enable()
         trace = Trace(events, meta)
         if self.observers:
             for i in sorted(range(len(events)), key=lambda i: (events[i].end, i)):  # completion order

@@ -59,8 +59,6 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 def resolve_graph(spec: str) -> TaskGraph:
     """A graph from a file path, or from a named builder with options."""
     if os.path.exists(spec):
-        import megaloom.ops  # noqa: F401  (ops named by the file)
-
         return TaskGraph.load(spec)
     name, opts = parse_spec(spec)
     builders = graph_builders()

@@ -1,7 +1,11 @@
 """Kernels for fused programs: the tiled in-cache backend, options, and the signature cache.
 
 The tiled backend runs a program over tiles of its domain sized so that a tile of every
-value it keeps live fits in the CPU's L2 cache. Per tile, external inputs and outputs
+value it keeps live fits in one core's L2 cache. Tiles are spread over worker threads
+(contiguous runs of tiles per worker) that run torch single-threaded, and a tile stays
+below torch's parallel grain (32768 elements), so each torch call on a tile runs serially
+on its worker, with no OpenMP fork/join per call per tile (which stalls badly on a
+shared machine). Per tile, external inputs and outputs
 are views of the caller's tensors; intermediates go to small scratch tiles, reused as
 soon as a value dies (in place when possible), written with torch's ``out=`` calls.
 Only the external inputs and outputs touch main memory. Values that do not vary along
@@ -17,34 +21,35 @@ import os
 import re
 import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Sequence
 
 import torch
 
-from megaloom.ops.dvm.primitives import bind
+from megaloom.ops.dvm.primitives import bind, broadcast
 from megaloom.ops.dvm.program import Program, pattern
 from megaloom.runtime.dtypes import itemsize, torch_dtype
 from megaloom.runtime.errors import ConfigError, ExecutionError
 
 BACKENDS = ("tiled", "inductor")
 _DEFAULT_L2 = 1 << 20
+GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs ops on fewer elements than this serially
 
 
 @dataclass(frozen=True, slots=True)
 class Options:
     """Backend settings. ``l2_bytes``/``tile_bytes`` ``None``: derived from the detected L2.
 
-    ``tile_bytes`` caps one value's tile; ``threads`` > 1 spreads tiles over worker threads
-    (each with its own scratch); ``backend`` is ``"tiled"`` or ``"inductor"``.
+    ``tile_bytes`` sets one value's tile; ``threads`` workers share the tiles, each with its
+    own scratch (``None``: torch's intra-op thread count); ``backend`` is ``"tiled"`` or
+    ``"inductor"``.
     """
 
     backend: str = "tiled"
     l2_bytes: int | None = None
     tile_bytes: int | None = None
-    threads: int = 1
+    threads: int | None = None
 
 
 _options = Options()
@@ -75,7 +80,7 @@ def check_options(o: Options) -> None:
         v = getattr(o, name)
         if v is not None and (not isinstance(v, int) or v <= 0):
             raise ConfigError(f"DVM option {name} must be a positive int, got {v!r}")
-    if not isinstance(o.threads, int) or o.threads < 1:
+    if o.threads is not None and (not isinstance(o.threads, int) or o.threads < 1):
         raise ConfigError(f"DVM option threads must be an int >= 1, got {o.threads!r}")
 
 
@@ -232,15 +237,10 @@ class TiledKernel:
 
     # run
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
-        dom = tuple(torch.broadcast_shapes(*(x.shape for x in inputs)))
+        dom = broadcast([x.shape for x in inputs], "fused kernel inputs")
         if len(dom) != self._rank:
             raise ExecutionError(f"fused kernel for domain rank {self._rank} got inputs of shapes "
                                  f"{[tuple(x.shape) for x in inputs]}")
-        numel = 1
-        for d in dom:
-            numel *= d
-        if numel == 0:
-            return
         tiled = self._tiling(dom)
         plan = self._plan(tiled)
         tile_elems = self._tile_elems(plan)
@@ -251,13 +251,13 @@ class TiledKernel:
         for step, s, args in plan.pre:
             j = plan.inv_out.get(s)
             slots[s] = step(outputs[j] if j is not None else None, *(slots[a] for a in args))
-        if not plan.steps:
+        if not plan.steps or 0 in dom:  # invariant values may be non-empty in an empty domain
             return
         tiles = _tiles(dom, tiled, blocks)
-        threads = min(self.opts.threads, len(tiles))
-        if threads <= 1:
+        if len(tiles) == 1:
             self._run_tiles(plan, dom, tiled, blocks, tiles, slots, inputs, outputs)
             return
+        threads = min(self.opts.threads or torch.get_num_threads(), len(tiles))
         per = -(-len(tiles) // threads)
         pool = _pool(threads)
         futs = [pool.submit(self._run_tiles, plan, dom, tiled, blocks, tiles[i:i + per], list(slots), inputs, outputs)
@@ -278,12 +278,12 @@ class TiledKernel:
         o = self.opts
         if o.tile_bytes is not None:
             return max(1, o.tile_bytes // max(itemsize(d) for d in self._dtypes))
-        cores = torch.get_num_threads() if o.threads == 1 else 1
         l2 = o.l2_bytes or l2_cache_bytes()
-        return max(1024, l2 * cores // plan.bytes_per_elem)
+        return max(1024, min(GRAIN - 1, l2 // plan.bytes_per_elem))
 
-    def _scratch(self, plan: _Plan, dom: tuple[int, ...], tiled: tuple[int, ...], blocks: tuple[int, ...]) -> list[torch.Tensor]:
-        key = (id(plan), dom, blocks)
+    def _scratch(self, plan: _Plan, dom: tuple[int, ...], tiled: tuple[int, ...], blocks: tuple[int, ...],
+                 device: torch.device) -> list[torch.Tensor]:
+        key = (id(plan), dom, blocks, device)
         cache = getattr(self._local, "scratch", None)
         if cache is None or cache[0] != key:
             regs = []
@@ -293,12 +293,12 @@ class TiledKernel:
                 for t, b in zip(tiled, blocks):
                     if pat[t] == "f":
                         shape[t - lead] = b
-                regs.append(torch.empty(shape, dtype=torch_dtype(dt)))
+                regs.append(torch.empty(shape, dtype=torch_dtype(dt), device=device))
             cache = self._local.scratch = (key, regs)
         return cache[1]
 
     def _run_tiles(self, plan: _Plan, dom, tiled, blocks, tiles, slots, inputs, outputs) -> None:
-        regs = self._scratch(plan, dom, tiled, blocks)
+        regs = self._scratch(plan, dom, tiled, blocks, outputs[0].device)
         base = plan.reg_slot0
         reg_pats = [(pat.count("-"), [t for t in tiled if pat[t] == "f"]) for _, pat in plan.regs]
         full = tuple(blocks)
@@ -355,10 +355,25 @@ _pool_lock = threading.Lock()
 
 
 def _pool(n: int) -> ThreadPoolExecutor:
+    """``n`` tile workers whose torch calls never fork OpenMP/MKL teams of their own.
+
+    Some element-wise ops (exp, tanh, ... through MKL VML) parallelise from 2048 elements,
+    far below a tile, and a fork/join per call per tile stalls on a busy machine. Each
+    worker sets torch's intra-op threads to 1 for itself; ``torch.set_num_threads`` also
+    stores the count new threads start with, so the caller's count is put back once every
+    worker has started.
+    """
     with _pool_lock:
         p = _pools.get(n)
         if p is None:
-            p = _pools[n] = ThreadPoolExecutor(n, thread_name_prefix="megaloom-dvm")
+            saved = torch.get_num_threads()
+            started = threading.Barrier(n + 1)
+            p = ThreadPoolExecutor(n, thread_name_prefix="megaloom-dvm", initializer=torch.set_num_threads, initargs=(1,))
+            for _ in range(n):  # blocked workers are never idle, so each submit starts a new one
+                p.submit(started.wait, 10.0)
+            started.wait(10.0)
+            torch.set_num_threads(saved)
+            _pools[n] = p
         return p
 
 
@@ -366,7 +381,6 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 _cache: dict[tuple, Any] = {}
 _cache_lock = threading.Lock()
-compile_times: dict[str, list[float]] = {"tiled": [], "inductor": []}
 
 
 def compile_program(program: Program, opts: Options | None = None) -> Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]:
@@ -376,14 +390,12 @@ def compile_program(program: Program, opts: Options | None = None) -> Callable[[
     k = _cache.get(key)
     if k is not None:
         return k
-    t0 = time.perf_counter()
     if opts.backend == "inductor":
         from megaloom.ops.dvm.inductor import InductorKernel
 
         k = InductorKernel(program)
     else:
         k = TiledKernel(program, opts)
-    compile_times[opts.backend].append(time.perf_counter() - t0)
     with _cache_lock:
         return _cache.setdefault(key, k)
 

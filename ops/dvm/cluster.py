@@ -58,11 +58,14 @@ def _key(r: Region) -> Key:
 
 @dataclass(slots=True)
 class _State:
+    """Union-find over tasks; per cluster root: members (topological order), writes, domain."""
+
     graph: TaskGraph
     pos: list[int]
-    prim: dict[int, str]
     root: list[int]
     members: dict[int, list[int]]
+    writes: dict[int, dict[str, list[tuple[tuple, int]]]]
+    domain: dict[int, tuple[int, ...]]
 
     def find(self, t: int) -> int:
         r = t
@@ -105,7 +108,9 @@ def find_clusters(graph: TaskGraph) -> list[list[int]]:
     for i, t in enumerate(order):
         pos[t] = i
     prim = {t.id: p for t in graph.tasks if (p := primitive_of(t)) is not None}
-    st = _State(graph, pos, prim, list(range(len(graph.tasks))), {t: [t] for t in prim})
+    st = _State(graph, pos, list(range(len(graph.tasks))), {t: [t] for t in prim},
+                {t: {graph.tasks[t].outputs[0].buffer.name: [(graph.tasks[t].outputs[0].box, t)]} for t in prim},
+                {t: broadcast([r.shape for r in (*graph.tasks[t].inputs, *graph.tasks[t].outputs)]) for t in prim})
     for v in order:
         if v not in prim:
             continue
@@ -116,33 +121,37 @@ def find_clusters(graph: TaskGraph) -> list[list[int]]:
             a, b = st.find(p), st.find(v)
             if a == b:
                 continue
-            merged = st.members[a] + st.members[b]
-            if _compatible(graph, merged) and not _closes_cycle(st, a, b, pos[v]):
+            dom = _compatible(st, a, b)
+            if dom is not None and not _closes_cycle(st, a, b, pos[v]):
                 st.root[b] = a
-                st.members[a] = sorted(merged, key=pos.__getitem__)
-                del st.members[b]
+                st.members[a] = sorted(st.members[a] + st.members.pop(b), key=pos.__getitem__)
+                for buf, ws in st.writes.pop(b).items():
+                    st.writes[a].setdefault(buf, []).extend(ws)
+                st.domain[a] = dom
+                del st.domain[b]
     return sorted((m for m in st.members.values() if len(m) > 1), key=lambda m: pos[m[0]])
 
 
-def _compatible(graph: TaskGraph, members: list[int]) -> bool:
-    tasks = [graph.tasks[m] for m in members]
-    writes: dict[str, list[tuple[tuple, int]]] = {}
-    for t in tasks:
-        r = t.outputs[0]
-        for box, _ in writes.get(r.buffer.name, ()):
-            if overlaps(box, r.box):
-                return False
-        writes.setdefault(r.buffer.name, []).append((r.box, t.id))
-    for t in tasks:
-        for r in t.inputs:
-            for box, w in writes.get(r.buffer.name, ()):
-                if overlaps(box, r.box) and (box != r.box or w not in graph.pred[t.id]):
-                    return False
+def _compatible(st: _State, a: int, b: int) -> tuple[int, ...] | None:
+    """The merged domain when clusters ``a`` and ``b`` may merge by the region rules, else None.
+
+    Each cluster already satisfies the rules alone, so only pairs across them are checked."""
+    g = st.graph
     try:
-        broadcast([r.shape for t in tasks for r in (*t.inputs, *t.outputs)])
+        dom = broadcast([st.domain[a], st.domain[b]])
     except GraphError:
-        return False
-    return True
+        return None
+    for x, y in ((a, b), (b, a)):
+        wy = st.writes[y]
+        for buf, ws in st.writes[x].items():  # writes never overlap
+            if any(overlaps(box, ybox) for box, _ in ws for ybox, _ in wy.get(buf, ())):
+                return None
+        for m in st.members[x]:  # reads of the other side's writes: exactly, from a direct producer
+            for r in g.tasks[m].inputs:
+                for box, w in wy.get(r.buffer.name, ()):
+                    if overlaps(box, r.box) and (box != r.box or w not in g.pred[m]):
+                        return None
+    return dom
 
 
 def _closes_cycle(st: _State, a: int, b: int, limit: int) -> bool:

@@ -44,7 +44,7 @@ _METHODS["maximum"], _METHODS["minimum"] = "maximum", "minimum"
 def trace(fn: Callable[..., Any], *examples: torch.Tensor, name: str | None = None) -> TaskGraph:
     """A TaskGraph computing ``fn`` on tensors shaped like ``examples``."""
     gm = fn if isinstance(fn, GraphModule) else symbolic_trace(fn)
-    ShapeProp(gm).propagate(*examples)
+    ShapeProp(gm).propagate(*(torch.empty_like(x, device="meta") for x in examples))  # shapes only
     g = TaskGraph(name or getattr(fn, "__name__", "fx"))
     buf: dict[Node, Any] = {}
     out_nodes = set(output_nodes(gm))

@@ -24,7 +24,7 @@ program runs the very torch calls of the unfused chain (same rounding).
 | div        | 2     | float | ``a / b``                    |
 | maximum    | 2     | num   | elementwise max (NaN wins)   |
 | minimum    | 2     | num   | elementwise min (NaN wins)   |
-| pow        | 2     | float | ``a ** b``, one side scalar  |
+| pow        | 2     | float | ``a ** b`` (often a scalar)  |
 | eq ne lt le gt ge | 2 | cmp | comparison, bool result    |
 | where      | 3     | where | ``a if cond else b``         |
 | cast       | 1     | cast  | ``x.to(dtype)``              |

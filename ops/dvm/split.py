@@ -40,12 +40,19 @@ class SegStats:
     crossings: int
 
 
-def segment_stats(nodes: Sequence[SegNode], i: int, j: int) -> SegStats:
-    """Stats of segment ``nodes[i:j]``: its inputs and outputs counted once each."""
+def last_reads(nodes: Sequence[SegNode]) -> dict[Hashable, int]:
+    """Index of the last node reading each value."""
+    return {r: k for k, n in enumerate(nodes) for r in n.reads}
+
+
+def segment_stats(nodes: Sequence[SegNode], i: int, j: int, last: dict[Hashable, int] | None = None) -> SegStats:
+    """Stats of segment ``nodes[i:j]``: its inputs and outputs counted once each.
+
+    ``last``: :func:`last_reads` of ``nodes`` (computed when not given)."""
+    last = last_reads(nodes) if last is None else last
     made = {n.writes for n in nodes[i:j]}
     reads = {r for n in nodes[i:j] for r in n.reads if r not in made}
-    later = {r for n in nodes[j:] for r in n.reads}
-    crossing = made & later
+    crossing = {w for w in made if last.get(w, -1) >= j}
     outs = {n.writes for n in nodes[i:j] if n.external} | crossing
     return SegStats(j - i, len(reads) + len(outs), sum(n.cost for n in nodes[i:j]), len(crossing))
 
@@ -68,9 +75,10 @@ def split(nodes: Sequence[SegNode], limits: Limits = Limits()) -> list[tuple[int
     if n == 0:
         return []
     seg: dict[tuple[int, int], SegStats] = {}
+    last = last_reads(nodes)
     for i in range(n):
         for j in range(i + 1, n + 1):
-            s = segment_stats(nodes, i, j)
+            s = segment_stats(nodes, i, j, last)
             if not fits(s, limits):
                 if s.ops > limits.max_ops:
                     break

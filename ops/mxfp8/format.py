@@ -19,11 +19,13 @@ and zero data. NaN/Inf choice: a block holding any NaN or +-Inf gets the NaN sca
 block decode to NaN, which is what dequantisation returns. The sign of zero is kept.
 
 All arithmetic is exact: exponents come from ``frexp`` (integers), scaling multiplies by
-exact powers of two in float32, and torch's float32 -> E4M3 cast rounds to nearest even.
+exact powers of two, and torch's cast to E4M3 rounds to nearest even. float32 and bfloat16
+inputs are scaled in their own dtype (bfloat16 has float32's exponent range, so the product
+is exact wherever it can round to a non-zero E4M3 value); float16 is scaled in float32.
 """
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -39,8 +41,6 @@ AXES = ("rows", "cols")
 SCALE_MODES = ("floor", "rceil")
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
-Axis = Literal["rows", "cols"]
-
 # 2**(127 - code) for every scale code 0..254 (the multiplier that maps x to the element grid)
 _INV_SCALE = torch.tensor([2.0 ** (E8M0_BIAS - c) for c in range(255)] + [float("nan")], dtype=torch.float32)
 
@@ -51,10 +51,6 @@ class MXTensor(NamedTuple):
     data: torch.Tensor
     scales: torch.Tensor
     axis: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()
 
 
 def block_dim(axis: str) -> int:
@@ -82,6 +78,17 @@ def check_mode(scale_mode: str) -> str:
     return scale_mode
 
 
+def _work(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in a dtype where scaling by any power of two in [2**-127, 2**127] is exact."""
+    return x if x.dtype in (torch.float32, torch.bfloat16) else x.float()
+
+
+def _amax(xb: torch.Tensor, keep: int) -> torch.Tensor:
+    """Absolute maximum per block as float32 (NaN if the block holds one), without an ``abs`` copy."""
+    lo, hi = torch.aminmax(xb, dim=keep)
+    return torch.maximum(hi, -lo).float()
+
+
 def _blocked(x: torch.Tensor, axis: str) -> torch.Tensor:
     """View with the blocked dim split into (n_blocks, 32); the 32 is at index -1 (rows) or -2 (cols)."""
     *lead, r, c = x.shape
@@ -100,8 +107,9 @@ def scale_codes(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
 
 
 def _encode(xb: torch.Tensor, codes: torch.Tensor, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Payload and scales of blocked float32 ``xb`` given per-block codes (unsqueezed at ``keep``)."""
-    inv = _INV_SCALE.to(xb.device)[codes.long()].unsqueeze(keep)
+    """Payload and scales of blocked ``xb`` (float32 or bfloat16) from per-block codes; ``keep`` is
+    the dim of the 32 elements of a block, where the codes are broadcast."""
+    inv = _INV_SCALE.to(xb.device, xb.dtype)[codes.long()].unsqueeze(keep)
     data = (xb * inv).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
     bad = codes == E8M0_NAN
     if bool(bad.any()):
@@ -119,24 +127,24 @@ def quantize(x: torch.Tensor, axis: str = "rows", scale_mode: str = "floor") -> 
     _check_input(x)
     scale_shape(tuple(x.shape), axis)
     check_mode(scale_mode)
-    xb = _blocked(x.float(), axis)
+    xb = _blocked(_work(x), axis)
     keep = -1 if axis == "rows" else -2
-    codes = scale_codes(xb.abs().amax(keep), scale_mode)
+    codes = scale_codes(_amax(xb, keep), scale_mode)
     data, scales = _encode(xb, codes, keep)
     return MXTensor(data.reshape(x.shape), scales, axis)
 
 
 def quantize_dual(x: torch.Tensor, scale_mode: str = "floor") -> tuple[MXTensor, MXTensor]:
-    """Row-wise and column-wise quantisation sharing one float32 conversion and one ``abs``."""
+    """Row-wise and column-wise quantisation of one working copy of ``x``."""
     _check_input(x)
-    scale_shape(tuple(x.shape), "rows"), scale_shape(tuple(x.shape), "cols")
+    for axis in AXES:
+        scale_shape(tuple(x.shape), axis)
     check_mode(scale_mode)
-    xf = x.float()
-    ax = xf.abs()
+    xw = _work(x)
     out = []
     for axis, keep in (("rows", -1), ("cols", -2)):
-        codes = scale_codes(_blocked(ax, axis).amax(keep), scale_mode)
-        data, scales = _encode(_blocked(xf, axis), codes, keep)
+        xb = _blocked(xw, axis)
+        data, scales = _encode(xb, scale_codes(_amax(xb, keep), scale_mode), keep)
         out.append(MXTensor(data.reshape(x.shape), scales, axis))
     return out[0], out[1]
 

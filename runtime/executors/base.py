@@ -10,7 +10,7 @@ import torch
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.errors import ExecutionError
 from megaloom.runtime.graph import Task, TaskGraph
-from megaloom.runtime.region import to_slices
+from megaloom.runtime.region import overlaps, to_slices
 from megaloom.runtime.trace import Trace, TraceEvent
 
 
@@ -80,6 +80,20 @@ def views(task: Task, bufs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor]
     ins = [bufs[r.buffer.name][to_slices(r.box)] for r in task.inputs]
     outs = [bufs[r.buffer.name][to_slices(r.box)] for r in task.outputs]
     return ins, outs
+
+
+def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
+    """Indices of the task's inputs that overlap a region it writes, so that a kernel
+    writing its outputs in place would read clobbered data. With ``in_place_ok`` (the op
+    reads each element before it writes it, as element-wise ops do) an input exactly
+    equal to an output is fine; partial overlaps never are."""
+    out = []
+    for i, r in enumerate(task.inputs):
+        for o in task.outputs:
+            if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box):
+                out.append(i)
+                break
+    return tuple(out)
 
 
 def _task_rows(graph: TaskGraph) -> list[tuple]:

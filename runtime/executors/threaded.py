@@ -27,7 +27,7 @@ import torch
 from megaloom.runtime.core import FIFO, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, ScheduleError
 from megaloom.runtime.executors.base import (
-    ExecContext, Executor, Observer, RunResult, allocate, check_results, event_of, events_of, fail, views,
+    ExecContext, Executor, Observer, RunResult, aliased_inputs, allocate, check_results, event_of, events_of, fail, views,
 )
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import get_op, run_reference
@@ -43,10 +43,11 @@ class ThreadExecutor(Executor):
     ``kernels``: ``"kernel"`` (each op's kernel), ``"reference"`` (its torch reference)
     or ``"null"`` (run nothing: measures dispatch alone). ``stall_timeout``: seconds
     without any task finishing before the run fails with :class:`DeadlockError`.
-    ``intra_op_threads``: torch threads per kernel during the run (``None`` leaves it;
-    torch's setting is process-wide). ``pause_gc``: keep Python's cyclic garbage
-    collector off during the run (it is turned back on after), which removes the
-    collector's pauses from dispatch; reference counting still frees memory.
+    ``intra_op_threads``: torch threads per kernel during the run (``None``: the caller's
+    setting; every worker thread takes it, since OpenMP counts are per thread).
+    ``pause_gc``: keep Python's cyclic garbage collector off during the run (it is turned
+    back on after), which removes the collector's pauses from dispatch; reference
+    counting still frees memory.
     """
 
     name = "threaded"
@@ -155,7 +156,12 @@ class _Run:
         self.finished = threading.Event()
         self.last_progress = time.perf_counter()
         self.ops = [get_op(t.op) for t in graph.tasks] if ex.kernels != "null" else []
+        # inputs a kernel must see copied, since the task writes over them (by task id)
+        self.copy_in = [aliased_inputs(t, op.extra.get("in_place", False)) for t, op in zip(graph.tasks, self.ops)] \
+            if ex.kernels == "kernel" else []
         self.per_unit = getattr(core.policy, "per_unit", False)
+        # OpenMP thread counts are per thread: workers take the caller's (set by intra_op_threads)
+        self.threads = torch.get_num_threads()
 
     def execute(self) -> list[tuple[int, int, float, float]]:
         """Run every task; return ``(task id, unit, start, end)`` records, unordered."""
@@ -232,6 +238,7 @@ class _Run:
         append = rec.append
         observers = self.ex.observers
         me = _Parker()
+        torch.set_num_threads(self.threads)
         lock.acquire()
         try:
             while self.error is None and core.remaining:
@@ -288,6 +295,8 @@ class _Run:
         task, op = self.graph.tasks[tid], self.ops[tid]
         ins, outs = views(task, self.bufs)
         if self.ex.kernels == "kernel" and op.kernel is not None:
+            for i in self.copy_in[tid]:
+                ins[i] = ins[i].clone()
             if op.context:
                 op.kernel(ins, outs, **task.attrs, ctx=self.ex.ctx)
             else:

@@ -90,3 +90,29 @@ def test_comm_task_without_communicator_in_a_bigger_world_fails_by_name():
     with pytest.raises(Exception, match="all_to_all.*ExecContext.comm"):
         ReferenceExecutor(ExecContext(rank=0, world_size=2)).run(
             _comm_graph(), {"x": torch.zeros(8, 4), "w": torch.zeros(4, 4)})
+
+
+def test_world_of_one_fully_shard_and_checkpoint_round_trip(tmp_path):
+    from torch import nn
+
+    from megaloom.comm import fully_shard
+    from megaloom.comm.checkpoint import CheckpointError, load, save
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(3, 4), LocalCommunicator())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    save(tmp_path / "ck", model, opt)
+    torch.manual_seed(1)
+    other = fully_shard(nn.Linear(3, 4), LocalCommunicator())
+    opt2 = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    assert load(tmp_path / "ck", other, opt2)["world_size"] == 1
+    for fqn in ("weight", "bias"):
+        assert torch.equal(other.shard(fqn), model.shard(fqn))
+        assert torch.equal(opt2.state[other.shard(fqn)]["momentum_buffer"], opt.state[model.shard(fqn)]["momentum_buffer"])
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        load(tmp_path / "missing", other)
+    wrong = fully_shard(nn.Linear(3, 5), LocalCommunicator())
+    with pytest.raises(CheckpointError, match=r"'model.weight' holds \(4, 3\), the model expects \(5, 3\)"):
+        load(tmp_path / "ck", wrong)

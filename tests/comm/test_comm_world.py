@@ -5,7 +5,6 @@ Expected values are computed in plain torch from the same seeded data on each ra
 """
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import threading
@@ -95,6 +94,10 @@ def _check_mismatch(comm) -> list[str]:
     dt = torch.float64 if r == w - 1 else torch.float32
     try:
         comm.all_to_all(torch.empty(w, 3, dtype=dt), torch.zeros(w, 3, dtype=dt), [1] * w, [1] * w)
+    except CommError as e:
+        errors.append(str(e))
+    try:
+        comm.all_gather(torch.empty(w * (2 + (r == 2)), 3), torch.zeros(2 + (r == 2), 3))
     except CommError as e:
         errors.append(str(e))
     t = torch.ones(1)
@@ -229,6 +232,7 @@ def world_reload(comm, ckpt: str, endpoint: str | None, bad: str | None):
 def world_dead_peer(comm):
     if comm.rank == comm.world_size - 1:
         os._exit(0)  # dies without a word
+    comm.check = False  # fail in the data collective itself, not the metadata exchange
     t = torch.ones(3)
     t0 = time.monotonic()
     try:
@@ -266,9 +270,10 @@ def _tensor(v) -> torch.Tensor:
 def test_four_ranks_collectives_mismatch_sharding_training(saved):
     _, results = saved
     for res in results:
-        split_err, dtype_err = res["errors"]
+        split_err, dtype_err, gather_err = res["errors"]
         assert "rank 0 sends 1 rows to rank 1, which expects 2" in split_err
         assert "rank 3 sends torch.float64" in dtype_err
+        assert "all_gather: ranks disagree" in gather_err and "rank 2 has torch.float32 (3, 3)" in gather_err
 
 
 def test_checkpoint_is_readable_by_dcp_to_torch_save(saved, tmp_path):

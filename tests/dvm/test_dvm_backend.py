@@ -84,10 +84,15 @@ def test_non_contiguous_inputs_and_outputs():
     torch.testing.assert_close(out_store.t(), prog.run_reference([x])[0], rtol=0, atol=1e-6)
 
 
-def test_empty_tensors_do_nothing():
+def test_empty_domains():
     prog = silu((0, 8))
     (got,) = run(prog, [torch.empty(0, 8)])
     assert got.shape == (0, 8)
+    # exp(row) is (1, 4) and an output even though the domain (0, 4) is empty
+    prog = Program((((0, 4), "float32"), ((1, 4), "float32")), (instr("exp", [1]), instr("add", [0, 2])), (2, 3))
+    row = torch.randn(1, 4)
+    e, s = run(prog, [torch.empty(0, 4), row])
+    assert torch.equal(e, torch.exp(row)) and s.shape == (0, 4)
 
 
 def test_threads_over_tiles_match():

@@ -189,3 +189,26 @@ def test_fx_front_end():
 
     with pytest.raises(GraphError, match="no DVM primitive"):
         dvm.jit(lambda t: t.sum())(x)
+
+
+def test_simulator_sees_the_saved_traffic():
+    sched = pytest.importorskip("megaloom.scheduler")
+    g = TaskGraph("silu-big")
+    x, y = g.input("x", (4096, 1024)), g.output("y", (4096, 1024))
+    silu_graph(g, x, y)
+    prof = sched.load_profile("ascend-910b")
+    before = sched.Simulator(prof).run(g).trace
+    after = sched.Simulator(prof).run(dvm.fuse(g)).trace
+    span = lambda tr: max(e.end for e in tr.events) - min(e.start for e in tr.events)  # noqa: E731
+    assert span(after) < 0.5 * span(before)
+
+
+def test_partial_read_of_a_member_write_is_not_fused():
+    g = TaskGraph("partial")
+    x, y = g.input("x", (8, 8)), g.output("y", (4, 8))
+    a = g.buffer("a", (8, 8))
+    g.task("dvm.exp", [x], [a])
+    g.task("dvm.neg", [a[0:4, :]], [y])  # reads half of what exp wrote: stays a boundary
+    f = dvm.fuse(g)
+    assert ops(f) == ["dvm.exp", "dvm.neg"]
+    run_both(g, f, {"x": torch.randn(8, 8)})

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from megaloom.graphs import GateSpec, MegaGate, build_megagate, megagate, megagate_reference
+from megaloom.graphs import GateSpec, MegaGate, build_megagate, megagate_reference, run_megagate
 from megaloom.graphs.megagate_mhc_common import GraphRunner, rel_l2
-from megaloom.runtime import ReferenceExecutor, ThreadExecutor
-from megaloom.runtime.errors import ConfigError
+from megaloom.runtime import ExecContext, ReferenceExecutor, ThreadExecutor
+from megaloom.runtime.errors import ConfigError, ExecutionError
 
 EXECUTORS = {"reference": ReferenceExecutor, "threaded": lambda: ThreadExecutor({"cube": 2, "vector": 2})}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -28,7 +28,8 @@ def test_matches_golden(executor, dtype, score):
     g_w, g_l = torch.randn(T, k), torch.randn(T, E)
     logits, weights, idx, gx, gw = _golden(x, w, bias, g_w, g_l, **opts)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = megagate(xr, wr, bias, tile_tokens=16, weight_cols=10, runner=GraphRunner(EXECUTORS[executor]()), **opts)
+    runner = GraphRunner(EXECUTORS[executor]())
+    out = run_megagate(xr, wr, bias, tile_tokens=16, weight_cols=10, weight_rows=32, runner=runner, **opts)
     ((out.weights * g_w).sum() + (out.logits * g_l).sum()).backward()
     assert torch.equal(out.indices, idx)
     assert out.logits.dtype == out.weights.dtype == torch.float32
@@ -40,7 +41,7 @@ def test_matches_golden(executor, dtype, score):
 
 def test_single_expert_no_renorm_and_weights_only_gradient():
     x, w = torch.randn(10, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
-    out = megagate(x, w, top_k=1, score="sigmoid", scale=1.0, renorm=True, tile_tokens=4)
+    out = run_megagate(x, w, top_k=1, score="sigmoid", scale=1.0, renorm=True, tile_tokens=4)
     ref = megagate_reference(x, w, torch.zeros(4), top_k=1, score="sigmoid")
     assert rel_l2(out.weights, ref[1]) < 1e-6  # k = 1: no renormalisation despite renorm=True
     out.weights.sum().backward()  # logits get no gradient: the graph takes zeros for them
@@ -54,7 +55,8 @@ def test_gradcheck_float64():
     bias = 0.1 * torch.randn(6, dtype=torch.float64)
     for score in ("softmax", "sigmoid", "sqrtsoftplus"):
         def f(x_, w_):
-            out = megagate(x_, w_, bias, top_k=2, score=score, scale=1.7, tile_tokens=4, weight_cols=3)
+            out = run_megagate(x_, w_, bias, top_k=2, score=score, scale=1.7, tile_tokens=4, weight_cols=3,
+                               weight_rows=4)
             return out.weights, out.logits
         assert torch.autograd.gradcheck(f, (x, w), eps=1e-6, atol=1e-6)
 
@@ -76,13 +78,17 @@ def test_module_parameters_and_batches():
 
 
 def test_graph_structure():
-    spec = GateSpec(tokens=40, hidden=24, experts=8, top_k=2, tile_tokens=16, weight_cols=10)
+    spec = GateSpec(tokens=40, hidden=24, experts=8, top_k=2, tile_tokens=16, weight_cols=10, weight_rows=16)
     fwd = build_megagate(spec, "fwd").validate()
     assert [t.name for t in fwd] == ["proj.0", "topk.0", "proj.1", "topk.1", "proj.2", "topk.2"]
     assert [p.name for p in fwd["topk.1"].predecessors] == ["proj.1"]  # shards are independent
     assert {t.engine for t in fwd if t.op == "proj"} == {"cube"} and fwd["topk.0"].engine == "vector"
     bwd = build_megagate(spec, "bwd").validate()
     assert sum(t.op == "proj_grad_weight" for t in bwd) == 3 * 3  # 3 shards x 3 column blocks
+    coarse = build_megagate(GateSpec(40, 24, 8, 2, tile_tokens=16, weight_cols=10, weight_rows=32), "bwd")
+    links = [t for t in coarse if t.name.endswith(".0") and t.op == "proj_grad_weight"]  # column block 0
+    assert [t.inputs[0].shape[0] for t in links] == [32, 8]  # links of 2 shards, then the ragged rest
+    assert {p.name for p in links[0].predecessors} == {"topk_bwd.0", "topk_bwd.1"}
     assert all(t.tags["direction"] == "bwd" for t in bwd)
 
 
@@ -98,3 +104,19 @@ def test_spec_errors():
     assert GateSpec.from_dict({"tokens": 4, "hidden": 8, "experts": 4, "top_k": 1, "scale": 2}).scale == 2.0
     with pytest.raises(ConfigError, match="direction"):
         build_megagate(GateSpec(4, 8, 4, 1), "sideways")
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_golden():
+    x, w, bias = torch.randn(300, 64), torch.randn(32, 64), 0.1 * torch.randn(32)
+    runner = GraphRunner(ThreadExecutor({"cube": 2, "vector": 2}, ctx=ExecContext(device=torch.device("cuda"))))
+    out = run_megagate(x.cuda().requires_grad_(), w.cuda(), bias.cuda(), top_k=4, score="sigmoid", runner=runner)
+    ref = megagate_reference(x, w, bias, top_k=4, score="sigmoid")
+    assert out.weights.is_cuda and torch.equal(out.indices.cpu(), ref[2])
+    assert rel_l2(out.weights.cpu(), ref[1]) < 1e-5
+
+
+def test_executor_on_another_device_is_refused():
+    ex = ThreadExecutor(ctx=ExecContext(device=torch.device("meta")))
+    with pytest.raises(ExecutionError, match="executor 'threaded' runs on meta"):
+        run_megagate(torch.randn(4, 8), torch.randn(4, 8), top_k=1, runner=GraphRunner(ex))

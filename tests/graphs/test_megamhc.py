@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from megaloom.graphs import MegaMHC, MHCSpec, build_megamhc, megamhc, megamhc_reference
+from megaloom.graphs import MegaMHC, MHCSpec, build_megamhc, megamhc_reference, run_megamhc
 from megaloom.graphs.megagate_mhc_common import GraphRunner, rel_l2
-from megaloom.runtime import ReferenceExecutor, ThreadExecutor
+from megaloom.runtime import ExecContext, ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError
 
 EXECUTORS = {"reference": ReferenceExecutor, "threaded": lambda: ThreadExecutor({"cube": 2, "vector": 3})}
@@ -33,7 +33,7 @@ def test_matches_golden(executor, dtype):
     ref = megamhc_reference(*x)
     cot = [torch.randn(r.shape) for r in ref]
     want = torch.autograd.grad(_loss(ref, cot), x)
-    out = megamhc(*x, tile_tokens=8, weight_cols=5, runner=GraphRunner(EXECUTORS[executor]()))
+    out = run_megamhc(*x, tile_tokens=8, weight_cols=5, weight_rows=16, runner=GraphRunner(EXECUTORS[executor]()))
     got = torch.autograd.grad(_loss(out, cot), x)
     for name, o, r in zip(("new_res", "block_in", "pre", "post", "res"), out, ref):
         assert o.dtype == r.dtype and rel_l2(o, r) <= TOL[dtype], name
@@ -44,7 +44,7 @@ def test_matches_golden(executor, dtype):
 def test_streams_other_than_four():
     x = _inputs(10, 6, n=2)
     ref = megamhc_reference(*x, iters=5)
-    out = megamhc(*x, iters=5, tile_tokens=4)
+    out = run_megamhc(*x, iters=5, tile_tokens=4)
     assert all(rel_l2(o, r) < 1e-5 for o, r in zip(out, ref))
 
 
@@ -52,7 +52,7 @@ def test_gradcheck_float64():
     x = _inputs(6, 3, dtype=torch.float64)
 
     def f(*args):
-        return tuple(megamhc(*args, iters=4, tile_tokens=4, weight_cols=2))
+        return tuple(run_megamhc(*args, iters=4, tile_tokens=4, weight_cols=2, weight_rows=4))
 
     assert torch.autograd.gradcheck(f, tuple(x), eps=1e-6, atol=1e-6)
 
@@ -78,13 +78,13 @@ def test_module():
 
 
 def test_graph_structure():
-    spec = MHCSpec(tokens=20, hidden=6, tile_tokens=8, weight_cols=4)
+    spec = MHCSpec(tokens=20, hidden=6, tile_tokens=8, weight_cols=4, weight_rows=8)
     fwd = build_megamhc(spec, "fwd").validate()
-    assert [t.name for t in fwd][:4] == ["mix.0", "proj.0", "norm.0", "coeff.0"]
-    assert fwd["proj.1"].engine == "cube" and {p.name for p in fwd["coeff.1"].predecessors} == {"mix.1", "proj.1"}
-    assert [p.name for p in fwd["norm.2"].predecessors] == ["mix.2"]  # the norm need not wait for the cube
+    assert [t.name for t in fwd][:3] == ["mix_norm.0", "proj.0", "coeff.0"]
+    assert fwd["proj.1"].engine == "cube" and [p.name for p in fwd["proj.1"].predecessors] == ["mix_norm.1"]
+    assert {p.name for p in fwd["coeff.1"].predecessors} == {"mix_norm.1", "proj.1"}
     bwd = build_megamhc(spec, "bwd").validate()
-    assert not bwd["norm_bwd.0"].predecessors  # vector work ready at once, to fill the cube's gaps
+    assert {p.name for p in bwd["mix_norm_bwd.1"].predecessors} == {"coeff_bwd.1", "dnew_proj.1"}
     assert sum(t.op == "proj_grad_weight" for t in bwd) == 3 * 4 * 2  # 3 tiles x (4 streams x 2 column blocks)
 
 
@@ -96,3 +96,12 @@ def test_spec_errors():
     with pytest.raises(ConfigError, match="missing option.*hidden"):
         MHCSpec.from_dict({"tokens": 4})
     assert MHCSpec.from_dict({"tokens": 4, "hidden": 8, "dtype": "bfloat16"}).logits == 24
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_golden():
+    x = [t.detach() for t in _inputs(100, 32)]
+    runner = GraphRunner(ThreadExecutor({"cube": 1, "vector": 2}, ctx=ExecContext(device=torch.device("cuda"))))
+    out = run_megamhc(*(t.cuda() for t in x), runner=runner)
+    for o, r in zip(out, megamhc_reference(*x)):
+        assert o.is_cuda and rel_l2(o.cpu(), r) < 1e-5

@@ -13,19 +13,22 @@ M = N * N + 2 * N
 
 def _fwd_inputs(dtype=torch.float32):
     return dict(y=torch.randn(T, H).to(dtype), h=torch.randn(T, N, H).to(dtype), pre=torch.rand(T, N),
-                post=2 * torch.rand(T, N), res=torch.softmax(torch.randn(T, N, N), -1), phi=0.3 * torch.randn(M, N * H),
-                alpha=torch.tensor([0.8, 1.2, 0.9]), bias=0.5 * torch.randn(M), norm_w=(1 + 0.1 * torch.randn(H)).to(dtype))
+                post=2 * torch.rand(T, N), res=torch.softmax(torch.randn(T, N, N), -1),
+                phi=0.3 * torch.randn(M, N * H), alpha=torch.tensor([0.8, 1.2, 0.9]), bias=0.5 * torch.randn(M),
+                norm_w=(1 + 0.1 * torch.randn(H)).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_forward_ops(dtype):
     x = _fwd_inputs(dtype)
     eps = {"rms_eps": 1e-6}
-    new, inv = check_op("mhc_mix", [x["y"], x["h"], x["post"], x["res"]], eps)
-    assert new.dtype == dtype and inv.dtype == torch.float32
+    new, inv, block = check_op("mhc_mix_norm", [x[k] for k in ("y", "h", "pre", "post", "res", "norm_w")], eps)
+    assert new.dtype == block.dtype == dtype and inv.dtype == torch.float32
     want = torch.einsum("tji,tjh->tih", x["res"], x["h"].float()) + x["post"][..., None] * x["y"].float()[:, None]
     assert rel_l2(new, want) < (1e-6 if dtype == torch.float32 else 1e-2)
-    check_op("mhc_norm", [new, x["pre"], x["norm_w"]], eps)
+    z = (x["pre"][..., None] * new.float()).sum(1)
+    want = z / z.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * x["norm_w"].float()
+    assert rel_l2(block, want) < (1e-6 if dtype == torch.float32 else 1e-2)
     raw = torch.randn(T, M)
     pre, post, res = check_op("mhc_coeff", [raw, inv, x["alpha"], x["bias"]], {"n": N, "iters": 20, "pre_eps": 1e-6})
     assert (pre > 0).all() and (post > 0).all() and (post < 2).all()
@@ -50,13 +53,14 @@ def test_coeff_bwd(iters):
     assert g_a.shape == (1, 3) and g_b.shape == (1, M)
 
 
-def test_norm_and_mix_bwd():
+def test_mix_norm_bwd():
     x = _fwd_inputs()
     eps = {"rms_eps": 1e-6}
-    new, inv = get_op("mhc_mix").reference(x["y"], x["h"], x["post"], x["res"])
-    check_op("mhc_norm_bwd", [new, x["pre"], x["norm_w"], torch.randn(T, H)], eps)
-    g = [torch.randn(T, N, H) for _ in range(3)]
-    check_op("mhc_mix_bwd", [x["y"], x["h"], x["post"], x["res"], new, inv, *g, torch.randn(T, 1)], eps)
+    fwd_in = [x[k] for k in ("y", "h", "pre", "post", "res", "norm_w")]
+    new, inv, _ = get_op("mhc_mix_norm").reference(*fwd_in)
+    grads = [torch.randn(T, N, H), torch.randn(T, N, H), torch.randn(T, H), torch.randn(T, 1)]
+    *_, g_w = check_op("mhc_mix_norm_bwd", fwd_in + [new, inv] + grads, eps)
+    assert g_w.shape == (1, H)
 
 
 def test_sinkhorn_reaches_doubly_stochastic():
@@ -66,9 +70,10 @@ def test_sinkhorn_reaches_doubly_stochastic():
 
 
 def test_shape_rules_reject_mismatches():
-    with pytest.raises(GraphError, match="mhc_mix"):
-        get_op("mhc_mix").shape([TensorSpec((T, H), "float32"), TensorSpec((T, N, H), "float32"),
-                                 TensorSpec((T, N), "float32"), TensorSpec((T, N, N + 1), "float32")], {})
+    with pytest.raises(GraphError, match="mhc_mix_norm"):
+        get_op("mhc_mix_norm").shape([TensorSpec((T, H), "float32"), TensorSpec((T, N, H), "float32"),
+                                      TensorSpec((T, N), "float32"), TensorSpec((T, N), "float32"),
+                                      TensorSpec((T, N, N + 1), "float32"), TensorSpec((H,), "float32")], {})
     with pytest.raises(GraphError, match="mhc_coeff"):
         get_op("mhc_coeff").shape([TensorSpec((T, M), "float32"), TensorSpec((T, 1), "float32"),
                                    TensorSpec((3,), "float32"), TensorSpec((M,), "float32")], {"n": 3})

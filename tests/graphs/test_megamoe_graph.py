@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megaloom.graphs.megamoe import (
-    MegaMoESpec, build_backward, build_forward, build_from_options, build_graph, estimate_memory, make_routing,
-    measured_bytes, moe_reference, synthetic_counts,
+    BWD_STAGES, FWD_STAGES, MegaMoESpec, build_backward, build_forward, build_from_options, build_graph,
+    estimate_memory, make_routing, measured_bytes, moe_reference, synthetic_counts,
 )
 from megaloom.graphs.megamoe_ep import problem, rel_l2
 from megaloom.runtime import ReferenceExecutor, ThreadExecutor
@@ -133,28 +133,47 @@ def simulate(g):
     return Simulator("atlas-a3", units={"cube": 4, "vector": 4, "comm": 2}, policy="priority").run(g).trace
 
 
-def test_sequential_has_stage_barriers_and_interleaved_overlaps_experts():
+def spans(trace):
+    """(first start, last end) of each stage tag's tasks (barriers left out)."""
+    out = {}
+    for e in trace.events:
+        if e.op != "noop":
+            a, b = out.get(e.tags["stage"], (float("inf"), 0.0))
+            out[e.tags["stage"]] = (min(a, e.start), max(b, e.end))
+    return out
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_sequential_has_stage_barriers_and_interleaved_overlaps_experts(direction):
     opts = dict(tokens=512, hidden=256, intermediate=128, experts=16, top_k=2, ep=4, dtype="bfloat16",
-                ordered_comm=False)
+                ordered_comm=False, direction=direction)
     seq = simulate(build_from_options({**opts, "schedule": "sequential"}))
     inter = simulate(build_from_options({**opts, "schedule": "interleaved"}))
-    stages = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
-
-    def spans(tr):
-        out = {}
-        for e in tr.events:
-            if e.op != "noop":
-                a, b = out.get(e.tags["stage"], (float("inf"), 0.0))
-                out[e.tags["stage"]] = (min(a, e.start), max(b, e.end))
-        return out
-
+    stages = FWD_STAGES if direction == "fwd" else BWD_STAGES[:-1]  # top-k grad shares the last stage
     s = spans(seq)
     for a, b in zip(stages, stages[1:]):
         assert s[a][1] <= s[b][0], (a, b)  # no overlap between stages
     i = spans(inter)
-    assert i["gmm1"][1] > i["gmm2"][0]  # some expert's GMM2 runs while another's GMM1 still runs
+    first, last = ("gmm1", "gmm2") if direction == "fwd" else ("dgmm2", "dgmm1")
+    assert i[first][1] > i[last][0]  # one expert's later GEMM runs while another's earlier GEMM still runs
     assert metrics(inter).makespan < metrics(seq).makespan
     assert metrics(inter).comm_hidden > metrics(seq).comm_hidden
+
+
+@pytest.mark.parametrize("policy, opts", [("fifo", {}), ("critical_path", {}), ("static", {}),
+                                          ("expert_interleave", {"group_size": 2}), ("rotated", {})])
+def test_scheduler_policies_compose_with_the_graphs(policy, opts):
+    from megaloom.scheduler import make_policy
+    spec = spec_of(ep=3, tokens=30, group_size=2)
+    g = build_backward(spec, synthetic_counts(spec, "random", rank=2, seed=1))
+    tr = Simulator("atlas-a3", units={"cube": 4, "vector": 4, "comm": 2}, policy=make_policy(policy, **opts)).run(g).trace
+    assert len(tr.events) == len(g.tasks)
+    if policy == "rotated":  # rank 2 serves peer 0 (= 2 + 1 mod 3) before peer 1 among ready comm tasks
+        first = min((e for e in tr.events if e.op == "all_to_all"), key=lambda e: (e.start, e.tid))
+        assert first.tags["peer"] == 0
+    p = problem(1, **SHAPE, seed=6)
+    got = run_both(spec_of(group_size=2), p, ThreadExecutor({"cube": 2, "vector": 1}, policy=make_policy(policy, **opts)))
+    assert rel_l2(got["d_gate_up"], golden(p)["d_gate_up"]) <= 1e-5
 
 
 def test_group_priorities_follow_expert_groups():

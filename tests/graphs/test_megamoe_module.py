@@ -78,9 +78,10 @@ def test_module_rejects_bad_inputs():
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world, schedule", [(2, "interleaved"), (4, "sequential")])
-def test_expert_parallel_on_gloo_ranks(world, schedule):
+@pytest.mark.parametrize("world, schedule, dtype, tol", [(2, "interleaved", "bfloat16", 1e-2),
+                                                        (4, "sequential", "float32", 1e-5)])
+def test_expert_parallel_on_gloo_ranks(world, schedule, dtype, tol):
     cfg = dict(tokens=12, hidden=16, intermediate=8, experts=8, top_k=2, tile_m=8, idle=1, schedule=schedule,
-               units={"cube": 2, "vector": 1, "comm": 1})
+               dtype=dtype, units={"cube": 2, "vector": 1, "comm": 2})  # 2 comm units: the chain orders them
     for res in run_world(ep_check, world, cfg, timeout=60, comm_timeout=20):
-        assert max(res["errors"].values()) <= 1e-5, res
+        assert max(res["errors"].values()) <= tol, res

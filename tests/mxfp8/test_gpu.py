@@ -19,8 +19,9 @@ def test_cuda_quantize_matches_cpu():
 
 @pytest.mark.parametrize("layout", ["NT", "NN", "TN"])
 def test_cuda_matmul_matches_emulation(layout):
-    a = torch.randn(256, 128, device="cuda")
-    b = torch.randn(128, 256, device="cuda") if layout[1] == "N" else torch.randn(256, 128, device="cuda")
+    m, k, n = 256, 128, 192
+    a = torch.randn(k, m, device="cuda") if layout[0] == "T" else torch.randn(m, k, device="cuda")
+    b = torch.randn(k, n, device="cuda") if layout[1] == "N" else torch.randn(n, k, device="cuda")
     qa = quantize(a, "cols" if layout[0] == "T" else "rows")
     qb = quantize(b, "cols" if layout[1] == "N" else "rows")
     want = mx_matmul(qa, qb, layout, torch.float32, native=False)

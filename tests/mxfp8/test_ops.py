@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from megaloom.ops.mxfp8 import (
-    dequantize, mx_grouped_matmul, mx_matmul, pad_groups, padded_offsets, quantize, quantize_grouped,
+    dequantize, mx_grouped_matmul, mx_matmul, padded_offsets, quantize, quantize_grouped,
 )
+from megaloom.ops.mxfp8.matmul import emulation_dtype
 from megaloom.runtime import GraphError, ReferenceExecutor, TaskGraph, ThreadExecutor, get_op
 from megaloom.runtime.registry import TensorSpec
 
@@ -30,6 +31,20 @@ def test_matmul_layouts_against_dequantised_reference(layout):
     assert mx_matmul(qa, qb, layout, torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(GraphError, match="blocked by"):
         mx_matmul(qb, qa, "NT" if layout != "NT" else "TN")
+
+
+def test_bf16_emulation_equals_float32_up_to_summation_order():
+    a, b = torch.randn(64, 256), torch.randn(96, 256)
+    qa, qb = quantize(a), quantize(b)
+    assert emulation_dtype(qa, qb, torch.bfloat16) == torch.bfloat16
+    assert emulation_dtype(qa, qb, torch.float32) == torch.float32
+    fast = mx_matmul(qa, qb, "NT", torch.bfloat16)
+    exact = mx_matmul(qa, qb, "NT", torch.float32)
+    torch.testing.assert_close(fast.float(), exact, rtol=2 ** -7, atol=0)  # within one bf16 rounding
+    a[0, :32] = 1e-37  # scale code 2**-131: not exact in bfloat16, so float32 is used
+    qt = quantize(a)
+    assert emulation_dtype(qt, qb, torch.bfloat16) == torch.float32
+    assert torch.equal(mx_matmul(qt, qb, "NT", torch.bfloat16), mx_matmul(qt, qb, "NT", torch.float32).bfloat16())
 
 
 OFFS = [40, 40, 72, 128]  # group sizes 40, 0 (empty), 32, 56
@@ -178,3 +193,36 @@ def test_every_mx_op_has_positive_finite_cost():
         assert math.isfinite(c.flops) and c.flops > 0 and c.bytes > 0, name
         assert (c.precision == "mxfp8") == (op.engine == "cube"), name
         assert op.engine == ("cube" if "matmul" in name else "vector")
+
+
+def unblock(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of cuBLAS's block-scale layout, from its documented index formula:
+    scale (r, c) lives at tile (r // 128, c // 4), inside it at (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4."""
+    n_col_tiles = -(-cols // 4)
+    out = torch.empty(rows, cols, dtype=torch.uint8)
+    flat = flat.view(torch.uint8)
+    for r in range(rows):
+        for c in range(cols):
+            tile = (r // 128) * n_col_tiles + c // 4
+            out[r, c] = flat[tile * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + c % 4]
+    return out.view(torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("layout", ["NT", "NN", "TN"])
+def test_native_path_hands_scaled_mm_canonical_operands(layout, monkeypatch):
+    """The sm100 path, run on CPU against a fake ``torch._scaled_mm`` that decodes what it is given."""
+    m, k, n = 160, 96, 64
+    a = torch.randn(k, m) if layout[0] == "T" else torch.randn(m, k)
+    b = torch.randn(k, n) if layout[1] == "N" else torch.randn(n, k)
+    qa = quantize(a, "cols" if layout[0] == "T" else "rows")
+    qb = quantize(b, "cols" if layout[1] == "N" else "rows")
+
+    def fake_scaled_mm(a_data, b_data, scale_a, scale_b, out_dtype):
+        assert a_data.is_contiguous() and b_data.t().is_contiguous()  # row-major A (M,K), column-major B (K,N)
+        x = dequantize(a_data, unblock(scale_a, a_data.shape[0], a_data.shape[1] // 32))
+        y = dequantize(b_data.t(), unblock(scale_b, b_data.shape[1], b_data.shape[0] // 32))
+        return (x @ y.t()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm, raising=False)
+    got = mx_matmul(qa, qb, layout, torch.float32, native=True)
+    torch.testing.assert_close(got, mx_matmul(qa, qb, layout, torch.float32, native=False), rtol=1e-6, atol=1e-5)

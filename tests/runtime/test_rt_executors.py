@@ -278,3 +278,15 @@ def test_null_kernels_dispatch_without_buffers():
     g = mlp_graph(3)
     res = ThreadExecutor({"cube": 1, "vector": 1}, kernels="null").run(g)
     assert res.outputs == {} and len(res.trace.events) == len(g)
+
+
+def test_kernels_reading_what_they_overwrite_see_the_old_values():
+    g = TaskGraph("alias")
+    a = g.inout("a", (6, 2))
+    w = g.input("w", (2, 2))
+    g.task("matmul", [a[0:2], w], [a[0:2]], name="mm_in_place")     # out= over its own input
+    g.task("add", [a[2:4], a[3:5]], [a[3:5]], name="partial")       # inputs overlap the output partly
+    g.task("silu", [a[4:6]], [a[4:6]], name="ew_in_place")          # element-wise in place: no copy needed
+    inp = {"a": torch.randn(6, 2), "w": torch.randn(2, 2)}
+    want = ReferenceExecutor().run(g, inp)["a"]
+    torch.testing.assert_close(ThreadExecutor().run(g, inp)["a"], want)

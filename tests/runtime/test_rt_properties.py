@@ -103,3 +103,39 @@ def test_graph_and_trace_round_trips_are_lossless(tmp_path_factory, case):
     trace.save(d / "t.mlt")
     back = Trace.load(d / "t.mlt")
     assert back.events == trace.events and back.meta == trace.meta
+
+
+@SETTINGS
+@given(graphs())
+def test_every_hazard_is_ordered(case):
+    """Two tasks touching overlapping regions, at least one writing, are ordered as added."""
+    from megaloom.runtime.region import overlaps
+
+    g, _ = case
+    acc = [[(r.buffer.name, r.box, False) for r in t.inputs] + [(r.buffer.name, r.box, True) for r in t.outputs]
+           for t in g.tasks]
+    for j in range(len(g)):
+        for i in range(j):
+            if any(bi == bj and (wi or wj) and overlaps(xi, xj) for bi, xi, wi in acc[i] for bj, xj, wj in acc[j]):
+                assert g.reaches(i, j), (g.tasks[i].name, g.tasks[j].name)
+
+
+boxes = st.lists(st.tuples(st.integers(0, 12), st.integers(0, 6), st.integers(0, 4), st.integers(0, 3)),
+                 max_size=25).map(lambda xs: [((a, a + n), (b, b + m)) for a, n, b, m in xs])
+
+
+@settings(max_examples=60, deadline=None)
+@given(boxes, boxes)
+def test_box_index_matches_brute_force(added, queries):
+    from megaloom.runtime.region import BoxIndex, contains, overlaps
+
+    index, plain = BoxIndex(), []
+    for tid, box in enumerate(added):
+        index.add(box, tid)
+        plain.append((box, tid))
+    for q in queries:
+        assert sorted(index.overlapping(q), key=lambda e: e[1]) == [e for e in plain if overlaps(e[0], q)]
+    for q in queries[:3]:
+        index.drop_inside(q, keep=0)
+        plain = [e for e in plain if e[1] == 0 or not contains(q, e[0])]
+        assert sorted(index.entries, key=lambda e: e[1]) == plain

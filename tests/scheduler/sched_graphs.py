@@ -29,3 +29,21 @@ def random_dag(seed: int, n: int, durations=(0.0, 0.25, 0.5, 1.0, 1.5)) -> TaskG
         spec.append((rng.choice(ENGINES), rng.choice(durations), preds))
     tags = [{"expert": rng.randrange(6), "rank": rng.randrange(4), "peer": rng.randrange(4)} for _ in range(n)]
     return timed_graph(spec, f"rand{seed}", tags, [rng.randrange(3) for _ in range(n)])
+
+
+def real_graph() -> TaskGraph:
+    """Two experts' tiled MLPs feeding one sum; tags for every policy."""
+    g = TaskGraph("experts")
+    x = g.input("x", (32, 16))
+    out = g.output("out", (32, 16))
+    hs = []
+    for e in range(2):
+        w = g.input(f"w{e}", (16, 16))
+        h = g.buffer(f"h{e}", (32, 16))
+        for i, (xt, ht) in enumerate(zip(x.split(0, 8), h.split(0, 8))):
+            tags = {"expert": e, "rank": 0, "peer": i % 2, "unit": i}
+            g.task("matmul", [xt, w], [ht], tags=tags, priority=i)
+            g.task("silu", [ht], [ht], tags=tags)
+        hs.append(h)
+    g.task("add", hs, [out], tags={"expert": 0})
+    return g

@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from megaloom.runtime import ReferenceExecutor, TaskGraph, ThreadExecutor
+from megaloom.runtime import ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError
 from megaloom.scheduler import POLICIES, CostModel, Simulator, make_policy
 from megaloom.scheduler.policies import StaticPolicy, upward_rank
-from sched_graphs import timed_graph
+from sched_graphs import real_graph, timed_graph
 
 
 def order(graph, policy, units=None):
@@ -88,24 +88,6 @@ def test_make_policy_errors():
         make_policy("priority", speed=3)
     p = make_policy("fifo")
     assert make_policy(p) is p
-
-
-def real_graph() -> TaskGraph:
-    """Two experts' tiled MLPs feeding one sum; tags for every policy."""
-    g = TaskGraph("experts")
-    x = g.input("x", (32, 16))
-    out = g.output("out", (32, 16))
-    hs = []
-    for e in range(2):
-        w = g.input(f"w{e}", (16, 16))
-        h = g.buffer(f"h{e}", (32, 16))
-        for i, (xt, ht) in enumerate(zip(x.split(0, 8), h.split(0, 8))):
-            tags = {"expert": e, "rank": 0, "peer": i % 2, "unit": i}
-            g.task("matmul", [xt, w], [ht], tags=tags, priority=i)
-            g.task("silu", [ht], [ht], tags=tags)
-        hs.append(h)
-    g.task("add", hs, [out], tags={"expert": 0})
-    return g
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))

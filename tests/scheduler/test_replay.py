@@ -5,8 +5,7 @@ from megaloom.runtime import Trace, TraceEvent, ThreadExecutor, merge, metrics
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.scheduler import Simulator, make_policy
 from megaloom.scheduler.replay import compare, graph_from_events, replay
-from sched_graphs import random_dag, timed_graph
-from test_policies import real_graph
+from sched_graphs import random_dag, real_graph, timed_graph
 
 UNITS = {"cube": 2, "vector": 3, "comm": 1}
 

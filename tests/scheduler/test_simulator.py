@@ -111,3 +111,17 @@ def test_errors():
 def test_empty_graph():
     res = Simulator("cpu").run(TaskGraph("empty"))
     assert res.trace.events == [] and res.trace.makespan == 0.0
+
+
+def test_schedule_matches_run_and_a_saved_graph_simulates_alike(tmp_path):
+    g = random_dag(11, 40)
+    sim = Simulator("ascend-910b", {"cube": 2, "vector": 2, "comm": 1})
+    sched = sim.schedule(g)
+    events = sim.run(g).trace.events
+    assert [e.tid for e in events] == sched.order
+    assert [(e.start, e.unit) for e in events] == [(sched.start[t], sched.unit[t]) for t in sched.order]
+    assert sched.makespan == max(e.end for e in events)
+    g.save(str(tmp_path / "g.mlg"))
+    loaded = TaskGraph.load(str(tmp_path / "g.mlg"))
+    assert loaded.succ == g.succ  # no duplicated successor edges after a load
+    assert [vars_(e) for e in sim.run(loaded).trace.events] == [vars_(e) for e in events]

@@ -17,11 +17,11 @@ def _losses(cfg):
 
 
 def test_loss_decreases_and_metrics_are_logged(tmp_path):
-    cfg = tiny_config(tmp_path, steps=16, data={"batch_size": 8}, trace={"steps": [2]})
+    cfg = tiny_config(tmp_path, steps=10, data={"batch_size": 8}, optimizer={"lr": 1e-2}, trace={"steps": [2]})
     losses = _losses(cfg)
-    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses  # measured: -1.0
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines] == list(range(1, 17))
+    assert [r["step"] for r in lines] == list(range(1, 11))
     assert [r["loss"] for r in lines] == losses
     assert all(r["tokens"] == 8 * 16 and r["tokens_per_s"] > 0 and r["mem_mib"] > 0 for r in lines)
     trace = Trace.load(tmp_path / "traces" / "step2.rank0.trace")
@@ -80,3 +80,21 @@ def test_cli_train_and_errors(tmp_path, capsys):
     assert main(["train", str(f), "--optimizer.name=lamb", "--data.seq_len=0"]) == 2
     err = capsys.readouterr().err
     assert "optimizer.name: got 'lamb', expected one of 'adamw', 'sgd'" in err and "data.seq_len: got 0" in err
+
+
+def test_local_checkpoint_model_and_text_data(tmp_path):
+    from megaloom.hf_moe import build_model
+
+    from .tiny import QWEN3_MOE
+
+    cfg = tiny_config(tmp_path, model={"config": {**QWEN3_MOE, "vocab_size": 256}})
+    build_model(cfg["model"], seed=0).save_pretrained(tmp_path / "ckpt")  # a local "pretrained" model
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    local = tiny_config(tmp_path / "run", steps=2, model={"kind": "path", "path": str(tmp_path / "ckpt")},
+                        data={"source": "text", "path": str(text)})
+    fresh = tiny_config(tmp_path / "run2", steps=2, model={"config": {**QWEN3_MOE, "vocab_size": 256}},
+                        data={"source": "text", "path": str(text)})
+    assert _losses(local) == _losses(fresh)  # same weights loaded from disk, same text batches
+    with pytest.raises(ConfigError, match="is not a local directory"):
+        Trainer(tiny_config(tmp_path, model={"kind": "path", "path": str(tmp_path / "nope")}))

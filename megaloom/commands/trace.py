@@ -1,0 +1,66 @@
+"""``megaloom trace summary|convert|plot``: look into a saved megaloom trace (msgpack).
+
+    megaloom trace summary run.mlt             # metrics table
+    megaloom trace convert run.mlt -o run.json # Chrome / Perfetto JSON (https://ui.perfetto.dev)
+    megaloom trace plot run.mlt -o run.png     # Gantt chart of engine units (needs megaloom[plot])
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.metrics import summary
+from megaloom.runtime.perfetto import write_chrome
+from megaloom.runtime.trace import Trace
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="summarise a saved trace, convert it to Perfetto JSON, or plot it")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    s = actions.add_parser("summary", help="print the metrics table of a trace")
+    s.add_argument("trace", help="megaloom trace file (msgpack, e.g. run.mlt)")
+    s.set_defaults(func=run_summary)
+    c = actions.add_parser("convert", help="write Chrome Trace Event JSON that Perfetto opens")
+    c.add_argument("trace", help="megaloom trace file (msgpack)")
+    c.add_argument("-o", "--out", help="output JSON (default: the trace path with .json)")
+    c.set_defaults(func=run_convert)
+    g = actions.add_parser("plot", help="write a PNG Gantt chart of engine units over time")
+    g.add_argument("trace", help="megaloom trace file (msgpack)")
+    g.add_argument("-o", "--out", help="output PNG (default: the trace path with .png)")
+    g.add_argument("--title", help="chart title (default: graph name, mode and task count)")
+    g.set_defaults(func=run_plot)
+
+
+def _out(args: argparse.Namespace, suffix: str) -> str:
+    return args.out or os.path.splitext(args.trace)[0] + suffix
+
+
+def _write(what, trace: Trace, out: str, **kw) -> None:
+    try:
+        what(trace, out, **kw)
+    except OSError as e:
+        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from e
+
+
+def run_summary(args: argparse.Namespace) -> int:
+    print(summary(Trace.load(args.trace)))
+    return 0
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    trace = Trace.load(args.trace)
+    out = _out(args, ".json")
+    _write(write_chrome, trace, out)
+    print(f"wrote {out} ({len(trace.events)} tasks; open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from megaloom.runtime.plot import plot_gantt
+
+    trace = Trace.load(args.trace)
+    out = _out(args, ".png")
+    _write(plot_gantt, trace, out, title=args.title)
+    print(f"wrote {out} ({len(trace.events)} tasks)")
+    return 0

@@ -1,0 +1,73 @@
+"""The built wheel holds every package folder as ``megaloom/...`` and imports on its own.
+
+The source is copied to a temporary folder first, so the build never writes into the
+checkout (``build/``, ``*.egg-info``) and concurrent builds cannot collide.
+"""
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# top-level folder -> its import name (setuptools package-dir in pyproject.toml)
+LAYERS = {"megaloom": "megaloom", "runtime": "megaloom/runtime", "scheduler": "megaloom/scheduler",
+          "ops": "megaloom/ops", "comm": "megaloom/comm", "graphs": "megaloom/graphs"}
+
+
+def package_dirs() -> list[str]:
+    """Every folder with an ``__init__.py`` under the layers, as its path inside the wheel."""
+    out = []
+    for top, target in LAYERS.items():
+        for dirpath, dirnames, filenames in os.walk(ROOT / top):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__" and not d.startswith(".")]
+            if "__init__.py" in filenames:
+                rel = Path(dirpath).relative_to(ROOT / top).as_posix()
+                out.append(target if rel == "." else f"{target}/{rel}")
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("src")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build", "dist")
+    for top in LAYERS:
+        shutil.copytree(ROOT / top, src / top, ignore=ignore)
+    for f in ROOT.iterdir():
+        if f.is_file() and (f.name in ("pyproject.toml", "README.md") or f.name.startswith("LICENSE")):
+            shutil.copy(f, src / f.name)
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    wheels = list(out.glob("megaloom-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def test_every_package_folder_is_in_the_wheel(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = package_dirs()
+    assert {"megaloom/runtime", "megaloom/runtime/executors", "megaloom/ops", "megaloom/commands"} <= set(want)
+    missing = [p for p in want if f"{p}/__init__.py" not in names]
+    assert not missing, f"package folders missing from the wheel (add them to pyproject.toml packages): {missing}"
+    assert not [n for n in names if n.split("/")[0] in set(LAYERS) - {"megaloom"}], "a layer escaped megaloom/"
+
+
+def test_profiles_ship_with_the_wheel(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in (ROOT / "scheduler" / "profiles").glob("*.yaml"):
+        assert f"megaloom/scheduler/profiles/{f.name}" in names
+
+
+def test_runtime_imports_from_the_wheel(wheel, tmp_path):
+    code = ("import megaloom.runtime as r, megaloom.ops; g = r.TaskGraph(); g.task('noop');"
+            "r.ThreadExecutor(kernels='null').run(g); print(r.__file__)")
+    env = {**os.environ, "PYTHONPATH": str(wheel)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith(str(wheel)), proc.stdout

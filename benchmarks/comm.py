@@ -8,7 +8,7 @@ Each rank runs both graphs on a ThreadExecutor (1 cube unit, 1 comm unit, 1 torc
 thread), alternating, after a warm-up; figures are medians over repeats, averaged over
 ranks. Prints one JSON line per figure:
 
-    python benchmarks/comm.py [--ranks 4] [--repeats 5] [--rows 2048] [--cols 256] [--mm 256]
+    python benchmarks/comm.py [--ranks 4] [--repeats 5] [--rows 2048] [--cols 256] [--mm 512]
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=4, help="all-to-all tasks per graph")
     p.add_argument("--rows", type=int, default=2048, help="rows of each all-to-all send buffer")
     p.add_argument("--cols", type=int, default=256)
-    p.add_argument("--mm", type=int, default=256, help="matmul size (mm x mm @ mm x mm)")
+    p.add_argument("--mm", type=int, default=512, help="matmul size (mm x mm @ mm x mm)")
     p.add_argument("--mms", type=int, default=8, help="matmul tasks per graph")
     a = p.parse_args()
     res = run_world(rank_main, a.ranks, a.chunks, a.rows, a.cols, a.mm, a.mms, a.repeats,

@@ -38,14 +38,16 @@ def simulated(quick: bool) -> None:
         for direction in ("fwd", "bwd"):
             for ordered in (False, True):
                 runs = {}
-                for schedule, group in (("sequential", 1), ("interleaved", 1), ("interleaved", 2)):
+                for schedule, group, comm_tile in (("sequential", 1, 0), ("interleaved", 1, 0), ("interleaved", 2, 0),
+                                                   ("interleaved", 1, 128)):
                     g = build_from_options({**base, "ep": ep, "experts": experts, "direction": direction,
-                                            "schedule": schedule, "group_size": group, "ordered_comm": ordered})
+                                            "schedule": schedule, "group_size": group, "ordered_comm": ordered,
+                                            "comm_tile": comm_tile})
                     m = metrics(Simulator("atlas-a3", policy="priority").run(g).trace)
-                    runs[(schedule, group)] = m
-                    seq = runs[("sequential", 1)].makespan
+                    runs[(schedule, group, comm_tile)] = m
+                    seq = runs[("sequential", 1, 0)].makespan
                     emit(figure="sim", profile="atlas-a3", ep=ep, experts=experts, direction=direction,
-                         ordered_comm=ordered, schedule=schedule, group_size=group, tasks=len(g),
+                         ordered_comm=ordered, schedule=schedule, group_size=group, comm_tile=comm_tile, tasks=len(g),
                          makespan_ms=round(m.makespan * 1e3, 4),
                          utilisation={k: round(v, 3) for k, v in sorted(m.utilisation.items())},
                          comm_ms=round(m.comm_time * 1e3, 4), comm_hidden=round(m.comm_hidden, 3),

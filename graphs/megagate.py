@@ -9,10 +9,11 @@ The cube projects shard i+1 while the vector units select shard i. Backward, per
 
     logits[i], indices[i], dweights[i], dlogits_in[i] --gate_topk_bwd (vector)--> dlogits[i]
     dlogits[i], W --proj_grad_input (cube)--> dx[i]
-    dlogits[i], x[i][:, cols], dW_acc[:, cols] --proj_grad_weight (cube)--> dW_acc[:, cols]
+    dlogits[rows], x[rows, cols], dW_acc[cols] --proj_grad_weight (cube)--> dW_acc[cols]
 
-The weight gradient is one chain over the shards per block of ``weight_cols`` hidden
-columns (the last link casts to W's dtype); the chains run on different cube units.
+The weight gradient is one chain per block of ``weight_cols`` hidden columns (the chains
+run on different cube units); each link covers ``weight_rows`` tokens and waits only for
+the vector work of its shards; the last link casts to W's dtype.
 
 Logits, weights and every gradient in between are float32 (float64 for float64 inputs);
 the correction bias moves the selection only and gets no gradient.
@@ -36,7 +37,8 @@ from megaloom.runtime.graph import TaskGraph
 class GateSpec:
     """Router shape and options. ``scale``: routed scaling factor; ``renorm``: renormalise
     the k weights (only when ``top_k > 1``); ``tile_tokens``: rows per token shard;
-    ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel)."""
+    ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel);
+    ``weight_rows``: tokens per link of a chain."""
 
     tokens: int
     hidden: int
@@ -119,10 +121,14 @@ def build_megagate(spec: GateSpec, direction: str = "fwd") -> TaskGraph:
     return builders[direction](spec)
 
 
-def build_graph(spec: str | None = None, direction: str = "fwd", **options) -> TaskGraph:
+def build_graph(spec: str | None = None, direction: str | None = None, **options) -> TaskGraph:
     """``megaloom simulate --graph megagate[:direction=bwd,k=v,...]`` entry point. ``spec``: a YAML
-    file of GateSpec options (at top level or under a ``megagate:`` key); ``options`` override it."""
-    return build_megagate(GateSpec.from_dict(load_options(spec, "megagate", options)), direction)
+    file of GateSpec options and ``direction`` (at top level or under a ``megagate:`` key); ``options``
+    override it; ``direction`` is ``fwd`` unless given."""
+    opts = load_options(spec, "megagate", options if direction is None else {**options, "direction": direction})
+    direction = opts.pop("direction", "fwd")
+    return build_megagate(GateSpec.from_dict(opts), direction)
+
 
 def megagate_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int,
                        score: str = "softmax", scale: float = 1.0, renorm: bool = True):

@@ -44,7 +44,8 @@ from megaloom.runtime.graph import TaskGraph
 @dataclass(frozen=True, slots=True)
 class MHCSpec:
     """MegaMHC shape and options; ``iters``: Sinkhorn rounds; ``rms_eps`` is used by both RMS norms;
-    ``weight_cols``: columns of phi per gradient chain (chains run in parallel)."""
+    ``weight_cols``: columns of phi per gradient chain (chains run in parallel);
+    ``weight_rows``: tokens per link of a chain."""
 
     tokens: int
     hidden: int
@@ -162,10 +163,14 @@ def build_megamhc(spec: MHCSpec, direction: str = "fwd") -> TaskGraph:
     return builders[direction](spec)
 
 
-def build_graph(spec: str | None = None, direction: str = "fwd", **options) -> TaskGraph:
+def build_graph(spec: str | None = None, direction: str | None = None, **options) -> TaskGraph:
     """``megaloom simulate --graph megamhc[:direction=bwd,k=v,...]`` entry point. ``spec``: a YAML
-    file of MHCSpec options (at top level or under a ``megamhc:`` key); ``options`` override it."""
-    return build_megamhc(MHCSpec.from_dict(load_options(spec, "megamhc", options)), direction)
+    file of MHCSpec options and ``direction`` (at top level or under a ``megamhc:`` key); ``options``
+    override it; ``direction`` is ``fwd`` unless given."""
+    opts = load_options(spec, "megamhc", options if direction is None else {**options, "direction": direction})
+    direction = opts.pop("direction", "fwd")
+    return build_megamhc(MHCSpec.from_dict(opts), direction)
+
 
 def megamhc_reference(y, h, pre, post, res, phi, alpha, bias, norm_w, *, iters: int = 20,
                       rms_eps: float = 1e-6, pre_eps: float = 1e-6):

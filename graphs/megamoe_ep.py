@@ -17,6 +17,8 @@ from megaloom.graphs.megamoe_reference import moe_reference
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.metrics import metrics
 
+SPEC_OPTIONS = ("tile_m", "cube_split", "wgrad_split", "schedule", "group_size", "comm_tile")
+
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` in float64 (0 when both are zero)."""
@@ -45,17 +47,16 @@ def problem(world: int, tokens: int, hidden: int, intermediate: int, experts: in
 
 
 def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run ``cfg`` (problem() keys plus ``schedule``, ``tile_m``, ``units``, ``repeat``) on this
-    rank; errors vs the golden block, best fwd+bwd seconds over ``repeat`` runs, comm overlap."""
+    """Run ``cfg`` (problem() keys, spec options such as ``schedule`` or ``tile_m``, ``units``,
+    ``policy``, ``repeat``, ``check``) on this rank; errors vs the golden block, best fwd+bwd seconds over ``repeat`` runs, comm overlap."""
     world, rank = comm.world_size, comm.rank
     shape = {k: cfg[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k")}
     p = problem(world, **shape, dtype=cfg.get("dtype", "float32"), seed=cfg.get("seed", 0), idle=cfg.get("idle", 0))
     el, T = shape["experts"] // world, shape["tokens"]
     mine = slice(rank * T, (rank + 1) * T)
+    options = {k: cfg[k] for k in SPEC_OPTIONS if k in cfg}
     moe = MegaMoE(shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"], comm=comm,
-                  dtype=p["x"].dtype, tile_m=cfg.get("tile_m", 128), cube_split=cfg.get("cube_split", 1),
-                  schedule=cfg.get("schedule", "interleaved"), group_size=cfg.get("group_size", 1),
-                  units=cfg.get("units"))
+                  dtype=p["x"].dtype, units=cfg.get("units"), policy=cfg.get("policy"), **options)
     with torch.no_grad():
         moe.gate_up.copy_(p["gate_up"][rank * el:(rank + 1) * el])
         moe.down.copy_(p["down"][rank * el:(rank + 1) * el])

@@ -16,7 +16,8 @@ Backward::
 
 All-to-alls go in rounds with a rotated destination order: in round ``j`` rank ``r``
 sends to ``(r + j) % W`` and receives from ``(r - j) % W`` (rank r starts with r + 1;
-round 0, its own rows, is a local copy). Every rank issues the same collectives in the
+round 0, its own rows, is a local copy); one collective per (expert, round, chunk of at
+most ``comm_tile`` rows), the chunk count being the same on every rank. Every rank issues the same collectives in the
 same order (a chain of control edges, ``ordered_comm``), so real execution never
 mismatches collectives; a round no rank has rows for is skipped on every rank. Without
 the chain (``ordered_comm=False``: simulation of one-sided puts, as MegaKernels issue
@@ -42,6 +43,12 @@ BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute
 
 def _ranges(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
+
+
+def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
+    """Chunk ``i`` of ``tile`` rows of a row block (empty past its end)."""
+    lo, hi = block
+    return min(lo + i * tile, hi), min(lo + (i + 1) * tile, hi)
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
@@ -106,24 +113,28 @@ class _Builder:
                     self.task("moe_gather", ins, [dst], f"gather.p{p}.e{e}.{a}", expert=e, peer=p)
 
     def exchange(self, send: Buffer, recv: Buffer, expert: int, combine: bool) -> None:
-        """One expert's all-to-all rounds; ``combine`` runs them from recv layout back to send layout."""
+        """One expert's all-to-all rounds, each in chunks of at most ``comm_tile`` rows;
+        ``combine`` runs them from recv layout back to send layout."""
         c, r, W, e = self.c, self.rank, self.W, expert
         for j in range(1, W):
             to, frm = (r + j) % W, (r - j) % W
             if combine:  # owner r returns the rows of source `to`; gets its own rows back from `frm`
-                if not any(c.pair((s + j) % W, s, e) for s in range(W)):
-                    continue
-                src_reg, dst_reg = recv[slice(*c.recv_block(e, to))], send[slice(*c.send_block(frm, e))]
+                rows = [c.pair((s + j) % W, s, e) for s in range(W)]  # what rank s sends in this round
+                src_blk, dst_blk = c.recv_block(e, to), c.send_block(frm, e)
             else:
-                if not any(c.pair(s, (s + j) % W, e) for s in range(W)):
-                    continue
-                src_reg, dst_reg = send[slice(*c.send_block(to, e))], recv[slice(*c.recv_block(e, frm))]
-            splits_s, splits_r = [0] * W, [0] * W
-            splits_s[to], splits_r[frm] = src_reg.shape[0], dst_reg.shape[0]
-            t = self.task("all_to_all", [src_reg], [dst_reg], f"{self._stage}.e{e}.j{j}", expert=e, peer=to,
-                          engine="comm", attrs={"send_splits": splits_s, "recv_splits": splits_r},
-                          round=j, link="intra")
-            self._comm.append((self._chain_slot(e, combine), t))
+                rows = [c.pair(s, (s + j) % W, e) for s in range(W)]
+                src_blk, dst_blk = c.send_block(to, e), c.recv_block(e, frm)
+            src_buf, dst_buf = (recv, send) if combine else (send, recv)
+            tile = self.spec.comm_tile or max(rows + [1])
+            chunks = max(-(-n // tile) for n in rows)  # the same on every rank: 0 skips the round
+            for i in range(chunks):
+                (s0, s1), (d0, d1) = _chunk(src_blk, i, tile), _chunk(dst_blk, i, tile)
+                splits_s, splits_r = [0] * W, [0] * W
+                splits_s[to], splits_r[frm] = s1 - s0, d1 - d0
+                t = self.task("all_to_all", [src_buf[s0:s1]], [dst_buf[d0:d1]], f"{self._stage}.e{e}.j{j}.{i}",
+                              expert=e, peer=to, engine="comm", round=j, link="intra",
+                              attrs={"send_splits": splits_s, "recv_splits": splits_r})
+                self._comm.append((self._chain_slot(e, combine), t))
         if combine and W > 1:  # own rows
             lo, hi = c.recv_block(e, r)
             if hi > lo:

@@ -37,10 +37,14 @@ class MegaMoERunner:
     """
 
     def __init__(self, spec: MegaMoESpec, comm: Any = None, *,
-                 executor: str | Callable[[ExecContext], Executor] = "thread", units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
+                 executor: str | Callable[[ExecContext], Executor] = "thread",
+                 units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
         world = getattr(comm, "world_size", 1)
         if spec.ep != world:
             raise ConfigError(f"MegaMoE spec has ep={spec.ep} but the communicator has {world} ranks")
+        if world > 1 and not spec.ordered_comm:
+            raise ConfigError("MegaMoE on several ranks needs ordered_comm=True: every rank must issue "
+                              "its collectives in one order")
         self.spec, self.comm = spec, comm
         self.ctx = ExecContext(rank=getattr(comm, "rank", 0), world_size=world, comm=comm)
         if executor not in ("thread", "reference") and not callable(executor):

@@ -24,6 +24,7 @@ from megaloom.runtime.dtypes import dtype_name
 from megaloom.runtime.errors import ConfigError
 
 SCHEDULES = ("sequential", "interleaved")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,8 @@ class MegaMoESpec:
     size; ``tile_m``: rows per tile (dispatch packing, GEMM rows, SwiGLU, top-k sums);
     ``cube_split``: column blocks per GEMM row tile (spread over the cube units);
     ``wgrad_split``: row blocks of each expert weight gradient (times ``cube_split``
-    column blocks); ``ordered_comm``: chain the collectives in one order on every rank
+    column blocks); ``comm_tile``: rows per all-to-all chunk (0: one chunk per expert and
+    peer round); ``ordered_comm``: chain the collectives in one order on every rank
     (needed to execute on real ranks; off to simulate one-sided puts on all channels);
     ``schedule``: ``sequential`` (stage barriers) or ``interleaved`` (per-expert
     dependencies, expert groups of ``group_size`` prioritised in order).
@@ -52,12 +54,15 @@ class MegaMoESpec:
     wgrad_split: int = 1
     schedule: str = "interleaved"
     group_size: int = 1
+    comm_tile: int = 0
     ordered_comm: bool = True
 
     def __post_init__(self) -> None:
         problems = [f"{f.name} must be a positive integer, got {getattr(self, f.name)!r}"
-                    for f in fields(self) if f.type == "int"
+                    for f in fields(self) if f.type == "int" and f.name != "comm_tile"
                     and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0)]
+        if not isinstance(self.comm_tile, int) or self.comm_tile < 0:
+            problems.append(f"comm_tile must be a non-negative integer, got {self.comm_tile!r}")
         if not problems:
             if self.experts % self.ep:
                 problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
@@ -71,6 +76,9 @@ class MegaMoESpec:
             object.__setattr__(self, "dtype", dtype_name(self.dtype))
         except Exception as e:  # noqa: BLE001  (reported as a config problem)
             problems.append(str(e))
+        else:
+            if self.dtype not in DTYPES:
+                problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if problems:
             raise ConfigError("invalid MegaMoESpec: " + "; ".join(problems))
 

@@ -9,7 +9,7 @@
 | mhc_mix_norm_bwd  | vector | gradient of mhc_mix_norm, plus per-tile norm-weight partials                  |
 
 Logit layout (``m = n*n + 2n``; 24 for n = 4): ``l[:, 0:n]`` pre, ``l[:, n:2n]`` post,
-``l[:, 2n:]`` the mix, row-major ``[n, n]`` (entry ``4*i + j`` is row i, column j). The bias
+``l[:, 2n:]`` the mix, row-major ``[n, n]`` (mix entry ``n*i + j`` is row i, column j). The bias
 splits the same way; alpha is ``(a_pre, a_post, a_mix)``. ``l = raw * inv_rms``, where
 ``raw = flat(new) @ phi^T`` (the RMS normalisation commutes with the projection, so it is
 applied after the cube stage as one scale per token).
@@ -17,6 +17,8 @@ applied after the cube stage as one scale per token).
 The backward references are the ``torch.autograd.functional.vjp`` of the forward
 references; the kernels are the analytic gradients (the Sinkhorn iterations are
 reversed step by step from stored row and column sums). Tests check one against the other.
+``mhc_mix_norm_bwd`` reads the saved ``new`` and ``inv_rms``, which must be mhc_mix_norm's
+outputs for the same inputs (its reference recomputes them).
 """
 from __future__ import annotations
 

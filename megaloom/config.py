@@ -207,6 +207,8 @@ def _cross_checks(cfg: Config) -> list[str]:
     m, d = cfg["model"], cfg["data"]
     if m.get("kind") == "path" and not m.get("path"):
         problems.append("model.path: required when model.kind is 'path'")
+    if m.get("kind") == "path" and m.get("config"):
+        problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
     if d.get("source") == "text" and not d.get("path"):
         problems.append("data.path: required when data.source is 'text'")
     for i, step in enumerate(cfg["trace"].get("steps") or []):

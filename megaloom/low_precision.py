@@ -38,9 +38,9 @@ class ModuleType:
 
 
 FORMATS: dict[str, list[ModuleType]] = {"mxfp8": [
-    ModuleType(nn.Linear, MXFP8Linear, lambda m, mode: MXFP8Linear.from_float(m, mode),
+    ModuleType(nn.Linear, MXFP8Linear, MXFP8Linear.from_float,
                lambda m: dim_problems({"in_features": m.in_features, "out_features": m.out_features})),
-    ModuleType(GroupedExperts, MXFP8GroupedExperts, lambda m, mode: MXFP8GroupedExperts.from_float(m, mode),
+    ModuleType(GroupedExperts, MXFP8GroupedExperts, MXFP8GroupedExperts.from_float,
                lambda m: dim_problems({"dim": m.dim, "hidden": m.hidden})),
 ]}
 

@@ -24,7 +24,7 @@ from torch import nn
 from megaloom.hf_moe import MOE_BLOCKS
 from megaloom.replace import Replacement, ReplacementPlan, Rule
 from megaloom.runtime.errors import ConfigError
-from megaloom.swaps import _GATE_SCORES, MegaMoEBlock, gate_problems, make_gate, moe_problems
+from megaloom.swaps import GATE_SCORES, MegaMoEBlock, gate_problems, make_gate, moe_problems
 
 RULE_KEYS = ("match", "exclude", "type", "with", "options")
 MOE_OPTIONS = ("gate", "executor", "units", "policy", "cache_size", "tile_m", "cube_split", "wgrad_split",
@@ -43,7 +43,7 @@ class Target:
 
 TARGETS = {
     "mega_moe": Target(tuple(MOE_BLOCKS), MOE_OPTIONS, "MegaMoEBlock (routed experts as MegaMoE graphs)"),
-    "mega_gate": Target(tuple(_GATE_SCORES), GATE_OPTIONS, "MegaGate (router as graphs)"),
+    "mega_gate": Target(tuple(GATE_SCORES), GATE_OPTIONS, "MegaGate (router as graphs)"),
 }
 
 

@@ -1,5 +1,5 @@
-"""What a replacement plan can swap in: MegaMoE for transformers MoE blocks, MegaGate for
-their routers, MXFP8Linear for ``nn.Linear``.
+"""megaloom modules for transformers models: MegaMoE for MoE blocks, MegaGate for their
+routers (MXFP8Linear for ``nn.Linear`` comes from :mod:`megaloom.low_precision`).
 
 Every swap keeps the model's own Parameters (by identity) under the original names, so
 state_dict keys, optimizer state and checkpoints are unchanged:
@@ -17,6 +17,7 @@ state_dict keys, optimizer state and checkpoints are unchanged:
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,6 +25,9 @@ from torch import nn
 
 from megaloom.hf_moe import MoEBlockParts, block_parts
 from megaloom.runtime.errors import ConfigError
+
+
+GATE_SCORES = {"Qwen3MoeTopKRouter": "softmax", "DeepseekV3TopkRouter": "sigmoid"}  # router class -> MegaGate score
 
 
 def moe_problems(block: nn.Module, ep: int) -> list[str]:
@@ -43,8 +47,8 @@ def moe_problems(block: nn.Module, ep: int) -> list[str]:
 def gate_problems(router: nn.Module) -> list[str]:
     """Why ``router`` cannot become a :class:`MegaGateRouter` (empty: it can)."""
     name = type(router).__name__
-    if name not in _GATE_SCORES:
-        return [f"{name} is not a supported router; supported: {', '.join(_GATE_SCORES)}"]
+    if name not in GATE_SCORES:
+        return [f"{name} is not a supported router; supported: {', '.join(GATE_SCORES)}"]
     groups, top_groups = getattr(router, "num_group", 1), getattr(router, "topk_group", 1)
     if groups > 1 and top_groups < groups:
         return [f"{name} limits selection to {top_groups} of {groups} expert groups; MegaGate has no group limit "
@@ -52,10 +56,9 @@ def gate_problems(router: nn.Module) -> list[str]:
     return []
 
 
-_GATE_SCORES = {"Qwen3MoeTopKRouter": "softmax", "DeepseekV3TopkRouter": "sigmoid"}
-
-
-def _megagate_cls():
+@functools.cache
+def _megagate_cls() -> type:
+    """MegaGateRouter, defined on first use (importing the graphs layer only then)."""
     from megaloom.graphs.megagate_module import MegaGate
 
     class MegaGateRouter(MegaGate):
@@ -74,7 +77,7 @@ def make_gate(router: nn.Module, **options: Any) -> nn.Module:
     if problems:
         raise ConfigError("; ".join(problems))
     experts, hidden = router.weight.shape
-    gate = _megagate_cls()(hidden, experts, int(router.top_k), score=_GATE_SCORES[type(router).__name__],
+    gate = _megagate_cls()(hidden, experts, int(router.top_k), score=GATE_SCORES[type(router).__name__],
                            scale=float(getattr(router, "routed_scaling_factor", 1.0)),
                            renorm=bool(router.norm_topk_prob), dtype=router.weight.dtype, **options)
     gate.weight = router.weight  # the model's own Parameter

@@ -8,10 +8,16 @@ magnitude): compute-bound (flops term only), memory-bound (bytes term only) and 
 smallest residual wins; an unused term gets an unbounded rate, so the profile's own
 figure cannot take over. Ops with no flops and no bytes get the mean duration as
 overhead.
+
+A real executor also spends time between tasks (waking a worker, handing the task
+out). :func:`dispatch_latency` measures it from the traces as the median gap between the
+moment a task could start (its unit free, its dependencies done) and its start;
+:func:`fit_traces` adds it to every op's overhead, since the simulator starts tasks the
+instant they can run.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import numpy as np
@@ -71,14 +77,32 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
         pred = c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw)
         err = _errors(pred, d)
         score = float(np.mean(err ** 2))
-        if best is None or score < best[0]:
+        if best is None or score < best[0] - 1e-12:  # ties go to the simpler, earlier candidate
             best = (score, c, err)
     _, c, err = best
     return OpFit(op, engine, c, len(d), float(np.median(err)), float(err.max()))
 
 
-def fit_traces(traces: Iterable[Trace], min_samples: int = 1) -> dict[str, OpFit]:
-    """Per-op fits over every event of ``traces`` (ops with fewer samples are left out)."""
+def dispatch_latency(traces: Iterable[Trace]) -> float:
+    """Median seconds from "could start" (unit free, dependencies done) to start."""
+    gaps = []
+    for t in traces:
+        end = {(e.rank, e.tid): e.end for e in t.events}
+        unit_free: dict[tuple, float] = {}
+        for e in sorted(t.events, key=lambda e: e.start):
+            key = (e.rank, e.engine, e.unit)
+            ready = max([unit_free.get(key, e.start)] + [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end])
+            if ready <= e.start:
+                gaps.append(e.start - ready)
+            unit_free[key] = e.end
+    return float(np.median(gaps)) if gaps else 0.0
+
+
+def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = True) -> dict[str, OpFit]:
+    """Per-op fits over every event of ``traces`` (ops with fewer samples are left out);
+    with ``dispatch``, each overhead includes the traces' :func:`dispatch_latency`."""
+    traces = list(traces)
+    latency = dispatch_latency(traces) if dispatch else 0.0
     rows: dict[str, list[tuple[float, float, float]]] = {}
     engine: dict[str, str] = {}
     for t in traces:
@@ -92,7 +116,8 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1) -> dict[str, OpFit
     for op, r in sorted(rows.items()):
         if len(r) >= min_samples:
             a = np.asarray(r, dtype=np.float64)
-            fits[op] = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
+            f = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
+            fits[op] = replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
     return fits
 
 

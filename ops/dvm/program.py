@@ -11,7 +11,7 @@ dim: ``f`` full, ``b`` broadcast size 1, ``-`` absent); never sizes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 
@@ -22,9 +22,10 @@ from megaloom.runtime.errors import GraphError
 Spec = tuple[tuple[int, ...], str]  # (shape, dtype name)
 
 
-@dataclass(frozen=True, slots=True)
-class Instr:
-    """One primitive application: op name (no prefix), argument value ids, scalar/dtype attrs."""
+class Instr(NamedTuple):
+    """One primitive application: op name (no prefix), argument value ids, scalar/dtype attrs.
+
+    A named tuple, so hashing a signature full of them stays in C (cache hits are ~us)."""
 
     op: str
     args: tuple[int, ...]

@@ -95,6 +95,12 @@ def _blocked(x: torch.Tensor, axis: str) -> torch.Tensor:
     return x.reshape(*lead, r, c // BLOCK, BLOCK) if axis == "rows" else x.reshape(*lead, r // BLOCK, BLOCK, c)
 
 
+def block_view(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """View of ``x`` as blocks: shape ``scale_shape(x.shape, axis) + (32,)``."""
+    xb = _blocked(x, axis)
+    return xb if axis == "rows" else xb.transpose(-1, -2)
+
+
 def scale_codes(amax: torch.Tensor, scale_mode: str) -> torch.Tensor:
     """E8M0 codes (int32, 0..255) of blocks with float32 absolute maxima ``amax``."""
     mant, ex = torch.frexp(amax)  # amax = mant * 2**ex, mant in [0.5, 1)

@@ -12,8 +12,8 @@ must be blocked along the contraction dim:
 Emulation (CPU, and GPUs without MX block scaling): dequantise both operands to float32
 and multiply in float32. Products of two E4M3 values and of power-of-two scales are exact
 in float32, so this matches FP8 x FP8 -> FP32 accumulation up to summation order. On CPU,
-when the result is bfloat16 and every scale code lies in [3, 246] (so every dequantised
-value is exact in bfloat16), the operands are dequantised to bfloat16 instead: the CPU's
+when the result is bfloat16 and every block's scale code lies in [3, 246] or its data is
+all zeros (so every dequantised value is exact in bfloat16), the operands are dequantised to bfloat16 instead: the CPU's
 bfloat16 GEMM accumulates in float32 and rounds once, so the result is the same up to
 summation order, about 3x faster. On CUDA devices with MX block-scaled GEMMs (compute
 capability >= 10.0) ``torch._scaled_mm`` runs the product natively.
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from megaloom.ops.mxfp8.format import MXTensor, dequantize
+from megaloom.ops.mxfp8.format import MXTensor, block_view, dequantize
 from megaloom.ops.mxfp8.grouped import bounds, check_offsets, padded_offsets
 from megaloom.runtime.errors import GraphError
 
@@ -49,16 +49,22 @@ def _orient(x: torch.Tensor, transposed: bool) -> torch.Tensor:
     return x.transpose(-1, -2) if transposed else x
 
 
+def _bf16_exact(q: MXTensor) -> bool:
+    """True when every block of ``q`` dequantises exactly into bfloat16: its code lies in
+    BF16_EXACT_CODES (or is NaN), or the block is all zeros (as padding and zero blocks are)."""
+    lo, hi = BF16_EXACT_CODES
+    c = q.scales.view(torch.uint8)
+    if bool(((c > hi) & (c != 0xFF)).any()):
+        return False
+    low = c < lo
+    return not bool(low.any()) or not bool((block_view(q.data.view(torch.uint8), q.axis)[low] & 0x7F).any())
+
+
 def emulation_dtype(a: MXTensor, b: MXTensor, out_dtype: torch.dtype) -> torch.dtype:
     """bfloat16 on CPU for a bfloat16 result when both operands dequantise exactly into it, else float32."""
-    if out_dtype != torch.bfloat16 or a.data.device.type != "cpu":
-        return torch.float32
-    lo, hi = BF16_EXACT_CODES
-    for q in (a, b):
-        c = q.scales.view(torch.uint8)
-        if c.numel() and bool(((c < lo) | ((c > hi) & (c != 0xFF))).any()):
-            return torch.float32
-    return torch.bfloat16
+    if out_dtype == torch.bfloat16 and a.data.device.type == "cpu" and _bf16_exact(a) and _bf16_exact(b):
+        return torch.bfloat16
+    return torch.float32
 
 
 def native_available(device: torch.device) -> bool:

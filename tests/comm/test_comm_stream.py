@@ -123,20 +123,6 @@ def test_launch_rejects_missing_script(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_launch_gives_ranks_a_torchrun_environment(tmp_path):
-    script = tmp_path / "allreduce.py"
-    script.write_text(
-        "import sys, torch\n"
-        "from megaloom.comm import TorchCommunicator\n"
-        "c = TorchCommunicator(timeout=30)\n"
-        "t = torch.full((2,), float(c.rank + 1))\n"
-        "c.all_reduce(t)\n"
-        "open(f'{sys.argv[1]}/out{c.rank}', 'w').write(f'{c.world_size} {t.tolist()}')\n"
-        "c.close()\n")
-    assert main(["launch", "-n", "2", str(script), str(tmp_path)]) == 0
-    assert [(tmp_path / f"out{r}").read_text() for r in (0, 1)] == ["2 [3.0, 3.0]"] * 2
-
-
 def test_streamer_from_env(monkeypatch):
     from megaloom.comm.stream import streamer_from_env
 

@@ -230,7 +230,9 @@ def world_reload(comm, ckpt: str, endpoint: str | None, bad: str | None):
 
 
 def world_dead_peer(comm):
+    comm.barrier()
     if comm.rank == comm.world_size - 1:
+        time.sleep(0.5)  # let every peer leave the barrier and enter the all_reduce
         os._exit(0)  # dies without a word
     comm.check = False  # fail in the data collective itself, not the metadata exchange
     t = torch.ones(3)
@@ -254,6 +256,21 @@ def world_absent_peer(comm, port: int):
     except CommError as e:
         return {"error": str(e), "seconds": time.monotonic() - t0}
     return {"error": "", "seconds": time.monotonic() - t0}
+
+
+def world_from_env(comm, port: int):
+    """Re-join the world from torchrun-style environment variables alone (what ``megaloom launch`` sets)."""
+    import torch.distributed as dist
+
+    from megaloom.comm import TorchCommunicator
+
+    rank, world = comm.rank, comm.world_size
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    c = TorchCommunicator(timeout=10)
+    t = torch.full((2,), float(rank + 1))
+    c.all_reduce(t)
+    return [c.rank, c.world_size, c.backend, t.tolist()]
 
 
 @pytest.fixture(scope="module")
@@ -359,3 +376,9 @@ def test_absent_peer_gives_comm_error_within_timeout():
 
     (res,) = run_world(world_absent_peer, 1, free_port(), timeout=30)
     assert "cannot join a world of 2 ranks" in res["error"] and res["seconds"] < 1.5 + 2
+
+
+def test_torchrun_environment_joins_the_world():
+    from megaloom.comm.spawn import free_port
+
+    assert run_world(world_from_env, 2, free_port(), timeout=30) == [[0, 2, "gloo", [3.0, 3.0]], [1, 2, "gloo", [3.0, 3.0]]]

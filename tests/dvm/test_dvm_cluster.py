@@ -212,3 +212,21 @@ def test_partial_read_of_a_member_write_is_not_fused():
     f = dvm.fuse(g)
     assert ops(f) == ["dvm.exp", "dvm.neg"]
     run_both(g, f, {"x": torch.randn(8, 8)})
+
+
+def test_reductions_are_boundaries():
+    from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
+
+    register(OpDef("test.dvm_rowsum", ("vector",), lambda x: x.sum(1, keepdim=True),
+                   lambda ins, a: [TensorSpec((ins[0].shape[0], 1), ins[0].dtype)],
+                   lambda i, o, a: Cost(flops=i[0].numel, bytes=i[0].nbytes)), replace=True)
+    g = TaskGraph("norm")
+    x, y = g.input("x", S), g.output("y", S)
+    e, s, r = g.buffer("e", S), g.buffer("s", (16, 1)), g.buffer("r", (16, 1))
+    g.task("dvm.exp", [x], [e])
+    g.task("test.dvm_rowsum", [e], [s])
+    g.task("dvm.reciprocal", [s], [r])
+    g.task("dvm.mul", [e, r], [y])  # broadcasts the column over the rows
+    f = dvm.fuse(g)
+    assert ops(f) == ["dvm.exp", "test.dvm_rowsum", "dvm.fused"]
+    run_both(g, f, {"x": torch.randn(S)})

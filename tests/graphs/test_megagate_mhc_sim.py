@@ -40,10 +40,12 @@ def test_simulate_command_builds_both_graphs(tmp_path, capsys):
                  "--profile", "atlas-a3"]) == 0
     assert "megagate_bwd" in capsys.readouterr().out
     spec = tmp_path / "mhc.yaml"
-    spec.write_text("megamhc:\n  tokens: 128\n  hidden: 64\n  dtype: bfloat16\n")
+    spec.write_text("megamhc:\n  tokens: 128\n  hidden: 64\n  dtype: bfloat16\n  direction: bwd\n")
     trace = tmp_path / "mhc.mlt"
     assert main(["simulate", "--graph", f"megamhc:spec={spec},tile_tokens=32", "--trace", str(trace)]) == 0
-    assert "megamhc_fwd" in capsys.readouterr().out and trace.exists()
+    assert "megamhc_bwd" in capsys.readouterr().out and trace.exists()
+    assert main(["simulate", "--graph", f"megamhc:spec={spec},direction=fwd"]) == 0
+    assert "megamhc_fwd" in capsys.readouterr().out
     assert main(["simulate", "--graph", "megamhc:tokens=8,hiden=4"]) == 2
     assert "unknown option(s) hiden" in capsys.readouterr().err
 
@@ -58,3 +60,28 @@ def test_saved_graph_finds_its_ops_through_the_plugin_entry(tmp_path):
     code = ("from megaloom.runtime import TaskGraph; from megaloom.scheduler import Simulator; "
             f"Simulator('h200').run(TaskGraph.load({str(path)!r}).validate())")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("which", ["gate", "mhc"])
+def test_thread_executor_matches_reference_under_a_scheduler_policy(which):
+    import torch
+
+    from megaloom.graphs.megagate_mhc_common import rel_l2
+    from megaloom.runtime import ReferenceExecutor, ThreadExecutor
+    from megaloom.scheduler import make_policy
+
+    small = {"gate": lambda d: build_megagate(GateSpec(40, 24, 8, 3, "softmax", 1.5, True, "float32", 8, 10, 16), d),
+             "mhc": lambda d: build_megamhc(MHCSpec(20, 6, tile_tokens=4, weight_cols=4, weight_rows=8), d)}[which]
+    values = {}  # forward inputs, then the forward outputs the backward graph reads as saved tensors
+    for direction in ("fwd", "bwd"):
+        graph = small(direction)
+        inputs = {b.name: values[b.name] if b.name in values else torch.rand(b.shape) + 0.1 for b in graph.inputs}
+        ref = ReferenceExecutor().run(graph, inputs)
+        got = ThreadExecutor({"cube": 2, "vector": 3}, policy=make_policy("critical_path")).run(graph, inputs)
+        assert ref.outputs.keys() == got.outputs.keys()
+        for name, want in ref.outputs.items():
+            if want.dtype.is_floating_point:
+                assert rel_l2(got[name], want) <= 1e-5, f"{graph.name}: {name}"
+            else:
+                assert torch.equal(got[name], want), f"{graph.name}: {name}"
+        values = {**inputs, **ref.outputs}

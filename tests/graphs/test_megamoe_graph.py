@@ -121,6 +121,23 @@ def test_every_task_is_tagged_and_comm_rounds_are_rotated():
         assert all(g.reaches(a.id, b.id) for a, b in zip(chain, chain[1:]))  # one issue order
 
 
+def test_comm_tiles_split_rounds_into_chunks_of_equal_count_on_every_rank():
+    spec = spec_of(ep=2, tokens=30, comm_tile=4)
+    from megaloom.graphs.megamoe_spec import Counts
+    counts = ((10, 0, 3, 9, 1, 37), (2, 5, 0, 30, 3, 20))
+    per_rank = []
+    for rank in (0, 1):
+        g = build_forward(spec, Counts(rank, 2, 3, counts))
+        comm = [t for t in g.tasks if t.op == "all_to_all"]
+        assert all(t.inputs[0].shape[0] <= 4 and t.outputs[0].shape[0] <= 4 for t in comm)
+        per_rank.append([(t.tags["stage"], t.tags["expert"]) for t in comm])
+        sent = sum(t.attrs["send_splits"][1 - rank] for t in comm if t.tags["stage"] == "dispatch")
+        assert sent == sum(counts[rank][3 * (1 - rank):3 * (2 - rank)])  # every row to the peer, once
+    assert per_rank[0] == per_rank[1]  # same collectives, same order, on both ranks
+    # expert 0: rank 0 sends 9 rows to rank 1, rank 1 sends 2 to rank 0: max(ceil(9/4), ceil(2/4)) chunks
+    assert per_rank[0].count(("dispatch", 0)) == 3 and per_rank[0].count(("dispatch", 1)) == 2
+
+
 def test_rounds_without_rows_anywhere_are_skipped():
     spec = spec_of(ep=2, tokens=30)
     from megaloom.graphs.megamoe_spec import Counts

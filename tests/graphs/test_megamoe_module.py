@@ -72,9 +72,14 @@ def test_module_rejects_bad_inputs():
         moe(torch.randn(3, 8, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
     with pytest.raises(ConfigError, match="top-k ids must lie in"):
         moe(torch.randn(3, 8), torch.full((3, 2), 4), torch.rand(3, 2))
+    from megaloom.graphs.megamoe import MegaMoERunner, MegaMoESpec
+    two = type("C", (), {"world_size": 2, "rank": 0})()
     with pytest.raises(ConfigError, match="ep=1 but the communicator has 2 ranks"):
-        from megaloom.graphs.megamoe import MegaMoERunner, MegaMoESpec
-        MegaMoERunner(MegaMoESpec(4, 8, 4, 4, 2), comm=type("C", (), {"world_size": 2, "rank": 0})())
+        MegaMoERunner(MegaMoESpec(4, 8, 4, 4, 2), comm=two)
+    with pytest.raises(ConfigError, match="needs ordered_comm=True"):
+        MegaMoERunner(MegaMoESpec(4, 8, 4, 4, 2, ep=2, ordered_comm=False), comm=two)
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        MegaMoE(8, 4, 4, 2, dtype=torch.int64)
 
 
 @pytest.mark.dist
@@ -82,6 +87,7 @@ def test_module_rejects_bad_inputs():
                                                         (4, "sequential", "float32", 1e-5)])
 def test_expert_parallel_on_gloo_ranks(world, schedule, dtype, tol):
     cfg = dict(tokens=12, hidden=16, intermediate=8, experts=8, top_k=2, tile_m=8, idle=1, schedule=schedule,
-               dtype=dtype, units={"cube": 2, "vector": 1, "comm": 2})  # 2 comm units: the chain orders them
+               dtype=dtype, units={"cube": 2, "vector": 1, "comm": 2},  # 2 comm units: the chain orders them
+               comm_tile=2 if world == 4 else 0)  # uneven chunks: some ranks send or get nothing in a chunk
     for res in run_world(ep_check, world, cfg, timeout=60, comm_timeout=20):
         assert max(res["errors"].values()) <= tol, res

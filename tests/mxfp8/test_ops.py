@@ -41,7 +41,10 @@ def test_bf16_emulation_equals_float32_up_to_summation_order():
     fast = mx_matmul(qa, qb, "NT", torch.bfloat16)
     exact = mx_matmul(qa, qb, "NT", torch.float32)
     torch.testing.assert_close(fast.float(), exact, rtol=2 ** -7, atol=0)  # within one bf16 rounding
-    a[0, :32] = 1e-37  # scale code 2**-131: not exact in bfloat16, so float32 is used
+    a[:, 64:96] = 0  # zero blocks (code 0) dequantise exactly, in either axis
+    assert emulation_dtype(quantize(a), qb, torch.bfloat16) == torch.bfloat16
+    assert emulation_dtype(quantize(a[:32].t().contiguous(), "cols"), qb, torch.bfloat16) == torch.bfloat16
+    a[0, :32] = 1e-37  # scale code 0 with non-zero data: not exact in bfloat16, so float32 is used
     qt = quantize(a)
     assert emulation_dtype(qt, qb, torch.bfloat16) == torch.float32
     assert torch.equal(mx_matmul(qt, qb, "NT", torch.bfloat16), mx_matmul(qt, qb, "NT", torch.float32).bfloat16())
@@ -109,7 +112,7 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(x, y), name
 
 
-def test_linear_graph_on_both_executors():
+def test_linear_graph_on_both_executors(tmp_path):
     """x, w -> quantise (vector) -> mx_matmul NT (cube) -> y; dy -> dual quantise -> NN and TN."""
     m, k, n = 64, 96, 32
     g = TaskGraph("mx_linear")
@@ -129,6 +132,8 @@ def test_linear_graph_on_both_executors():
     inputs = {"x": torch.randn(m, k).bfloat16(), "w": torch.randn(n, k).bfloat16(), "dy": torch.randn(m, n).bfloat16()}
     ref, thr = run_both(g, inputs)
     assert_same(ref, thr)
+    g.save(str(tmp_path / "mx.graph"))  # attrs and fp8 dtypes survive the file round trip
+    assert_same(ref, ReferenceExecutor().run(TaskGraph.load(str(tmp_path / "mx.graph")), inputs).outputs)
     want = mx_matmul(quantize(inputs["x"]), quantize(inputs["w"]), "NT", torch.bfloat16)
     assert torch.equal(ref["y"], want)
     costs = g.costs()

@@ -40,6 +40,20 @@ def test_moe_blocks_become_megamoe_with_the_models_own_tensors(tmp_path, kind):
     assert any("transposed views, no copy" in line for line in logs)
 
 
+def test_router_alone_becomes_megagate(tmp_path):
+    cfg = tiny_config(tmp_path, replace={"rules": [{"match": "*.mlp.gate", "with": "mega_gate"}]})
+    model = build_model(cfg["model"], 0)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.normal_(0, 1.0)
+    weight = model.model.layers[0].mlp.gate.weight
+    want = probe_logits(model, 128, 16, seed=0)
+    apply_config_plan(model, cfg)
+    gate = model.model.layers[0].mlp.gate
+    assert type(gate).__name__ == "MegaGateRouter" and gate.weight is weight
+    assert type(model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"  # the block itself stays
+    assert max_rel_err(probe_logits(model, 128, 16, seed=0), want) < 1e-5
+
+
 def test_plan_errors_are_all_listed_and_leave_the_model_untouched(tmp_path):
     rules = [
         {"match": "model.layers.*.mlpp", "with": "mega_moe"},                         # glob matches nothing

@@ -6,7 +6,9 @@
 
 Each rank runs both graphs on a ThreadExecutor (1 cube unit, 1 comm unit, 1 torch
 thread), alternating, after a warm-up; figures are medians over repeats, averaged over
-ranks. Prints one JSON line per figure:
+ranks. ``comm_hidden_fraction`` is the share of comm task time that overlapped compute
+(``megaloom.runtime.metrics``); ``comm_time_s`` shows how much the comm tasks stretch
+when they share the CPU with matmuls. Prints one JSON line per figure:
 
     python benchmarks/comm.py [--ranks 4] [--repeats 5] [--rows 2048] [--cols 256] [--mm 512]
 """

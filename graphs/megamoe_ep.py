@@ -47,8 +47,9 @@ def problem(world: int, tokens: int, hidden: int, intermediate: int, experts: in
 
 
 def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Run ``cfg`` (problem() keys, spec options such as ``schedule`` or ``tile_m``, ``units``,
-    ``policy``, ``repeat``, ``check``) on this rank; errors vs the golden block, best fwd+bwd seconds over ``repeat`` runs, comm overlap."""
+    """Run ``cfg`` (problem() keys, spec options such as ``schedule`` or ``tile_m``, ``executor``,
+    ``units``, ``policy``, ``repeat``, ``check``) on this rank: errors vs the golden block, best fwd+bwd
+    seconds over ``repeat`` runs, comm time and overlap of the latest runs."""
     world, rank = comm.world_size, comm.rank
     shape = {k: cfg[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k")}
     p = problem(world, **shape, dtype=cfg.get("dtype", "float32"), seed=cfg.get("seed", 0), idle=cfg.get("idle", 0))
@@ -56,7 +57,8 @@ def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     mine = slice(rank * T, (rank + 1) * T)
     options = {k: cfg[k] for k in SPEC_OPTIONS if k in cfg}
     moe = MegaMoE(shape["hidden"], shape["intermediate"], shape["experts"], shape["top_k"], comm=comm,
-                  dtype=p["x"].dtype, units=cfg.get("units"), policy=cfg.get("policy"), **options)
+                  dtype=p["x"].dtype, units=cfg.get("units"), policy=cfg.get("policy"),
+                  executor=cfg.get("executor", "thread"), **options)
     with torch.no_grad():
         moe.gate_up.copy_(p["gate_up"][rank * el:(rank + 1) * el])
         moe.down.copy_(p["down"][rank * el:(rank + 1) * el])

@@ -241,6 +241,10 @@ class TiledKernel:
         if len(dom) != self._rank:
             raise ExecutionError(f"fused kernel for domain rank {self._rank} got inputs of shapes "
                                  f"{[tuple(x.shape) for x in inputs]}")
+        if 0 in dom:  # empty domain, yet a broadcast value (and output) may be non-empty: no tiling
+            for o, r in zip(outputs, self.program.run_reference(inputs)):
+                o.copy_(r)
+            return
         tiled = self._tiling(dom)
         plan = self._plan(tiled)
         tile_elems = self._tile_elems(plan)
@@ -251,7 +255,7 @@ class TiledKernel:
         for step, s, args in plan.pre:
             j = plan.inv_out.get(s)
             slots[s] = step(outputs[j] if j is not None else None, *(slots[a] for a in args))
-        if not plan.steps or 0 in dom:  # invariant values may be non-empty in an empty domain
+        if not plan.steps:
             return
         tiles = _tiles(dom, tiled, blocks)
         if len(tiles) == 1:

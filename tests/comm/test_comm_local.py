@@ -92,6 +92,7 @@ def test_comm_task_without_communicator_in_a_bigger_world_fails_by_name():
             _comm_graph(), {"x": torch.zeros(8, 4), "w": torch.zeros(4, 4)})
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_world_of_one_fully_shard_and_checkpoint_round_trip(tmp_path):
     from torch import nn
 
@@ -116,3 +117,22 @@ def test_world_of_one_fully_shard_and_checkpoint_round_trip(tmp_path):
     wrong = fully_shard(nn.Linear(3, 5), LocalCommunicator())
     with pytest.raises(CheckpointError, match=r"'model.weight' holds \(4, 3\), the model expects \(5, 3\)"):
         load(tmp_path / "ck", wrong)
+
+
+def test_simulator_prices_comm_tasks_with_the_link_model():
+    from megaloom.scheduler import CostModel, Simulator, load_profile
+
+    profile = load_profile("ascend-910b")
+    g = TaskGraph("sim-comm")
+    a, b = g.input("a", (256, 64)), g.output("b", (256, 64))
+    c, d = g.input("c", (256, 64)), g.output("d", (256, 64))
+    splits = {"send_splits": [64] * 4, "recv_splits": [64] * 4}
+    g.task("all_to_all", [a], [b], name="intra", attrs=splits)
+    g.task("all_to_all", [c], [d], name="inter", attrs=splits, tags={"link": "inter"})
+    trace = Simulator(profile, units={"comm": 2}).run(g).trace
+    dur = {e.task: e.duration for e in trace.events}
+    cost = g.task_cost(g["intra"])
+    assert cost.comm_bytes == 256 * 64 * 4
+    for link in ("intra", "inter"):
+        assert dur[link] == pytest.approx(CostModel(profile).duration(cost, "comm", link))
+    assert dur["inter"] > dur["intra"] > 0

@@ -68,14 +68,35 @@ def _inputs(prog: Program, seed: int, strided: bool) -> list[torch.Tensor]:
     return xs
 
 
+def _tolerance(prog: Program, xs: list[torch.Tensor]) -> tuple[float, float]:
+    """A few ulps of the largest finite magnitude met along the chain (cancellation keeps
+    absolute, not relative, error)."""
+    eps = max((torch.finfo(getattr(torch, d)).eps for _, d in prog.specs if d in FLOAT_DTYPES), default=0.0)
+    n_in = len(prog.inputs)
+    env = list(xs)
+    for k in range(len(prog.code)):  # every intermediate: rebuild the prefix program's last value
+        sub = Program(prog.inputs, prog.code[:k + 1], (n_in + k,))
+        env.append(sub.run_reference(xs)[0])
+    big = max((float(v[torch.isfinite(v)].abs().max()) for v in env
+               if v.dtype.is_floating_point and torch.isfinite(v).any()), default=1.0)
+    return 16 * eps, 16 * eps * max(big, 1.0)
+
+
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(chains())
 def test_fused_equals_unfused(case):
+    """One tile (no tile_bytes: these domains are small): the very same torch calls, so
+    bit-exact. Many tiles: torch runs a loop's ragged tail with scalar code, which may
+    differ from its SIMD body by an ulp on transcendental ops, so a few ulps."""
     prog, seed, strided, tile_bytes = case
     xs = _inputs(prog, seed, strided)
     want = prog.run_reference(xs)
     outs = [torch.empty(s, dtype=getattr(torch, d)) for s, d in prog.out_specs()]
     B.compile_program(prog, B.Options(tile_bytes=tile_bytes))(xs, outs)
+    rtol, atol = (0.0, 0.0) if tile_bytes is None else _tolerance(prog, xs)
     for got, w in zip(outs, want):
         assert got.shape == w.shape and got.dtype == w.dtype
-        torch.testing.assert_close(got, w, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(got, w, rtol=rtol, atol=atol, equal_nan=True)

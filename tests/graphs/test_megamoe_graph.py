@@ -183,13 +183,15 @@ def test_scheduler_policies_compose_with_the_graphs(policy, opts):
     from megaloom.scheduler import make_policy
     spec = spec_of(ep=3, tokens=30, group_size=2)
     g = build_backward(spec, synthetic_counts(spec, "random", rank=2, seed=1))
-    tr = Simulator("atlas-a3", units={"cube": 4, "vector": 4, "comm": 2}, policy=make_policy(policy, **opts)).run(g).trace
+    units = {"cube": 4, "vector": 4, "comm": 2}
+    tr = Simulator("atlas-a3", units=units, policy=make_policy(policy, **opts)).run(g).trace
     assert len(tr.events) == len(g.tasks)
     if policy == "rotated":  # rank 2 serves peer 0 (= 2 + 1 mod 3) before peer 1 among ready comm tasks
         first = min((e for e in tr.events if e.op == "all_to_all"), key=lambda e: (e.start, e.tid))
         assert first.tags["peer"] == 0
     p = problem(1, **SHAPE, seed=6)
-    got = run_both(spec_of(group_size=2), p, ThreadExecutor({"cube": 2, "vector": 1}, policy=make_policy(policy, **opts)))
+    executor = ThreadExecutor({"cube": 2, "vector": 1}, policy=make_policy(policy, **opts))
+    got = run_both(spec_of(group_size=2), p, executor)
     assert rel_l2(got["d_gate_up"], golden(p)["d_gate_up"]) <= 1e-5
 
 

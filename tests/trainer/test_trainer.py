@@ -35,19 +35,19 @@ def test_loss_decreases_and_metrics_are_logged(tmp_path):
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
 def test_resume_reproduces_uninterrupted_losses(tmp_path, kind):
-    full = _losses(tiny_config(tmp_path / "a", kind, steps=5, checkpoint={"interval": 2}))
-    part = tiny_config(tmp_path / "b", kind, steps=5, checkpoint={"interval": 2, "stop_after": 3})
+    full = _losses(tiny_config(tmp_path / "a", kind, steps=4, checkpoint={"interval": 1}))
+    part = tiny_config(tmp_path / "b", kind, steps=4, checkpoint={"interval": 1, "stop_after": 2})
     first = _losses(part)
-    assert len(first) == 3
-    resumed = tiny_config(tmp_path / "b", kind, steps=5, checkpoint={"interval": 2, "resume": True})
+    assert len(first) == 2
+    resumed = tiny_config(tmp_path / "b", kind, steps=4, checkpoint={"interval": 1, "resume": True})
     trainer = Trainer(resumed)
-    assert trainer.step == 3
+    assert trainer.step == 2
     rest = [r.loss for r in trainer.fit()]
     assert first + rest == full  # bit-exact
     steps = [json.loads(x)["step"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]
+    assert steps == [1, 2, 3, 4]
     kept = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.startswith("step_"))
-    assert kept == ["step_00000004", "step_00000005"]  # checkpoint.keep = 2
+    assert kept == ["step_00000003", "step_00000004"]  # checkpoint.keep = 2
 
 
 def test_resume_errors(tmp_path):
@@ -91,10 +91,10 @@ def test_local_checkpoint_model_and_text_data(tmp_path):
     build_model(cfg["model"], seed=0).save_pretrained(tmp_path / "ckpt")  # a local "pretrained" model
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    raw = tiny_raw(tmp_path / "run", steps=2, data={"source": "text", "path": str(text)})
+    raw = tiny_raw(tmp_path / "run", steps=1, data={"source": "text", "path": str(text)})
     raw["model"] = {"kind": "path", "path": str(tmp_path / "ckpt")}
     local = validate(raw)
-    fresh = tiny_config(tmp_path / "run2", steps=2, model={"config": {**QWEN3_MOE, "vocab_size": 256}},
+    fresh = tiny_config(tmp_path / "run2", steps=1, model={"config": {**QWEN3_MOE, "vocab_size": 256}},
                         data={"source": "text", "path": str(text)})
     assert _losses(local) == _losses(fresh)  # same weights loaded from disk, same text batches
     with pytest.raises(ConfigError, match="is not a local directory"):

@@ -54,6 +54,7 @@ class Communicator:
     rank: int = 0
     world_size: int = 1
     timeout: float = 60.0
+    check: bool = True  # exchange and compare dtypes / shapes / splits before data moves
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, send_splits: Sequence[int],
                    recv_splits: Sequence[int], *, async_op: bool = False, check: bool = True) -> Handle:

@@ -61,9 +61,11 @@ class TorchCommunicator(Communicator):
     With ``group=None`` the default group is used, initialised here when needed
     (``backend`` defaults to NCCL when CUDA is available, else gloo). ``timeout`` bounds
     initialisation (a rank that never arrives) and every wait (a rank that died).
-    ``check``: exchange dtype and shape before every all_gather, reduce_scatter and
-    all_reduce (all_to_all always checks unless called with ``check=False``), so a
-    mismatch is a CommError on every rank before data moves; costs two tiny collectives.
+    ``check`` (default True): exchange split sizes before every all_to_all (a call may
+    also pass ``check=False``) and dtype and shape before every all_gather,
+    reduce_scatter and all_reduce, so a mismatch is a CommError on every rank before
+    data moves; costs two tiny collectives per call. With NCCL each rank uses GPU
+    ``LOCAL_RANK`` (torchrun's variable; else rank modulo the GPU count).
     """
 
     def __init__(self, group: Any = None, *, backend: str | None = None, init_method: str | None = None,
@@ -75,6 +77,8 @@ class TorchCommunicator(Communicator):
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             rank = int(os.environ.get("RANK", 0)) if rank is None else rank
             world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
             try:
                 dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
                                         world_size=world_size, timeout=timedelta(seconds=self.timeout))

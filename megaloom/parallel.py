@@ -1,13 +1,13 @@
 """Parallel set-up for the trainer: data parallel, FSDP (``megaloom.comm.fsdp``) and expert parallel.
 
-Ranks form ``world / ep_size`` data-parallel replicas of an expert-parallel group of
-``ep_size`` ranks. Each rank reads its own batch. Gradients:
+Every rank reads its own batch (data parallel over the whole world); ``ep_size`` is 1
+or the world size (EP x DP sub-groups are not supported yet). Gradients:
 
-- with ``fsdp``, every module holding parameters (but not EP experts) is wrapped by
+- with ``fsdp``, every module holding parameters (but not MegaMoE experts) is wrapped by
   ``fully_shard`` (uneven dim-0 shards): gradients reduce-scattered (averaged) in backward;
-- expert weights owned by one EP rank (``megaloom_ep_sharded`` attribute, set by the
-  MoE swap): their gradients already sum every rank's tokens through the all-to-all;
-  they are averaged over the ``world / ep_size`` ranks holding the same experts;
+- expert weights owned by one EP rank (``megaloom_ep_sharded`` attribute, set by
+  ``MegaMoEBlock.keep_local_experts``): their gradients already sum every rank's tokens
+  through the all-to-all, so they are divided by ``ep_size`` (the mean over batches);
 - every other parameter is replicated: its gradient is all-reduced and averaged.
 
 The global gradient norm sums the squares of sharded gradients over ranks.

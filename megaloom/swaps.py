@@ -72,14 +72,23 @@ def _megagate_cls() -> type:
 
 
 def make_gate(router: nn.Module, **options: Any) -> nn.Module:
-    """A MegaGate over ``router``'s own weight Parameter (and correction-bias buffer), same state_dict keys."""
+    """A MegaGate over ``router``'s own weight Parameter (and correction-bias buffer), same state_dict keys.
+
+    Its graphs run on a ThreadExecutor whose traces ``gate.graph_traces`` (a GraphTraces) keeps.
+    """
+    from megaloom.runtime.executors import ThreadExecutor
+    from megaloom.step_trace import GraphTraces
+
     problems = gate_problems(router)
     if problems:
         raise ConfigError("; ".join(problems))
     experts, hidden = router.weight.shape
+    traces = GraphTraces()
     gate = _megagate_cls()(hidden, experts, int(router.top_k), score=GATE_SCORES[type(router).__name__],
                            scale=float(getattr(router, "routed_scaling_factor", 1.0)),
-                           renorm=bool(router.norm_topk_prob), dtype=router.weight.dtype, **options)
+                           renorm=bool(router.norm_topk_prob), dtype=router.weight.dtype,
+                           executor=ThreadExecutor(observers=[traces]), **options)
+    gate.graph_traces = traces
     gate.weight = router.weight  # the model's own Parameter
     bias = getattr(router, "e_score_correction_bias", None)
     # MegaGate reads ``bias``; keep it out of the state_dict, under the router's own name when it has one

@@ -29,7 +29,7 @@ from megaloom.hf_moe import build_model
 from megaloom.progress import MetricsLog, Progress, memory_mib
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.step_trace import StepTracer
+from megaloom.step_trace import GraphTraces, StepTracer
 from megaloom.swaps import MegaMoEBlock
 
 
@@ -119,9 +119,8 @@ class Trainer:
         t0 = time.perf_counter()
         tracing = self.tracer is not None and self.step + 1 in self.cfg["trace"]["steps"]
         with self.tracer.active() if tracing else nullcontext():
-            runners = self._graph_runners() if tracing else []
-            for _, runner in runners:
-                runner.last_trace.clear()
+            if tracing:
+                self._graph_traces(clear=True)
             batch = self.data.batch(self.step, self.parallel.data_rank, self.parallel.data_world)
             with self._phase(tracing, "forward"):
                 loss = causal_lm_loss(self.model, batch)
@@ -136,8 +135,8 @@ class Trainer:
                     group["lr"] = lr
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            for name, runner in runners:  # the MegaMoE graphs' own task events, on cube/vector/comm tracks
-                for direction, trace in runner.last_trace.items():
+            if tracing:  # the graphs' own task events, on cube / vector / comm tracks
+                for name, direction, trace in self._graph_traces():
                     self.tracer.add_events(trace.events, name, direction)
         self.step += 1
         if tracing:
@@ -147,9 +146,20 @@ class Trainer:
         tokens = batch[:, 1:].numel() * self.parallel.data_world
         return StepRecord(self.step, mean_loss, lr, norm, tokens, tokens / max(dt, 1e-9), memory_mib(), dt)
 
-    def _graph_runners(self) -> list[tuple[str, Any]]:
-        """(module name, MegaMoE runner) of every swapped MoE block; their graphs' traces join the step's."""
-        return [(name, m.runner) for name, m in self.base_model.named_modules() if isinstance(m, MegaMoEBlock)]
+    def _graph_traces(self, clear: bool = False) -> list[tuple[str, str, Any]]:
+        """(module, direction, trace) of the graphs MegaMoE blocks and MegaGate routers ran since the last clear."""
+        out = []
+        for name, m in self.base_model.named_modules():
+            m = getattr(m, "inner", m)  # under FSDP a router sits inside its ShardedModule
+            if isinstance(m, MegaMoEBlock):
+                out += [(name, d, t) for d, t in m.runner.last_trace.items()]
+                if clear:
+                    m.runner.last_trace.clear()
+            if isinstance(getattr(m, "graph_traces", None), GraphTraces):
+                out += [(name, d, t) for d, t in m.graph_traces.runs]
+                if clear:
+                    m.graph_traces.runs.clear()
+        return out
 
     def _phase(self, tracing: bool, name: str):
         return self.tracer.phase(name) if tracing else nullcontext()

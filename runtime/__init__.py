@@ -1,4 +1,5 @@
 """Graph IR, microkernel core, executors and traces."""
+from megaloom.runtime.compose import Composed
 from megaloom.runtime.core import FIFO, Core, Policy
 from megaloom.runtime.errors import (
     CommError, ConfigError, DeadlockError, ExecutionError, GraphError, MegaloomError, ScheduleError,
@@ -12,7 +13,7 @@ from megaloom.runtime.registry import Cost, OpDef, TensorSpec, all_ops, get_op, 
 from megaloom.runtime.trace import Trace, TraceEvent, merge
 
 __all__ = [
-    "Buffer", "CommError", "ConfigError", "Core", "Cost", "DeadlockError", "ExecContext", "ExecutionError",
+    "Buffer", "CommError", "Composed", "ConfigError", "Core", "Cost", "DeadlockError", "ExecContext", "ExecutionError",
     "Executor", "FIFO", "GraphError", "MegaloomError", "Metrics", "Observer", "OpDef", "Policy",
     "ReferenceExecutor", "Region", "RunResult", "ScheduleError", "Task", "TaskGraph", "TensorSpec",
     "ThreadExecutor", "Trace", "TraceEvent", "TraceFormatError", "all_ops", "get_op", "merge", "metrics",

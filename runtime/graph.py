@@ -171,6 +171,7 @@ class TaskGraph:
         self._by_name: dict[str, Task] = {}
         self._accesses: dict[str, tuple[BoxIndex, BoxIndex]] = {}  # buffer -> (reads, writes)
         self._forward_only = True
+        self._hazards_ordered = True  # edges include the derived ones (not so for a loaded file)
         self._version = 0  # bumped by every change; keys the caches below
         self._cache: dict[str, tuple[int, object]] = {}
 

@@ -69,31 +69,62 @@ def _writers(g: TaskGraph) -> dict[str, BoxIndex]:
     return out
 
 
-def _ordered_before(g: TaskGraph, a: int, b: int) -> bool:
-    return a in g.pred[b] or g.reaches(a, b)
+class _Order:
+    """Whether task ``a`` is ordered before task ``b``; each task's ancestors are found once."""
+
+    def __init__(self, g: TaskGraph):
+        self.pred = g.pred
+        self.ancestors: dict[int, set[int]] = {}
+
+    def before(self, a: int, b: int) -> bool:
+        if a in self.pred[b]:
+            return True
+        anc = self.ancestors.get(b)
+        if anc is None:
+            anc, stack = set(), list(self.pred[b])
+            while stack:
+                p = stack.pop()
+                if p not in anc:
+                    anc.add(p)
+                    stack.extend(self.pred[p])
+            self.ancestors[b] = anc
+        return a in anc
 
 
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
-    writers = _writers(g)
-    none = BoxIndex()
+    # With derived edges and no edge against insertion order, the writers ordered before a
+    # task are exactly the earlier ones: sweep in order, keeping an index of earlier writes
+    # (a write drops the ones it covers, as derivation does). Otherwise ask the edges.
+    sweep = g._hazards_ordered and g._forward_only
+    writers = {} if sweep else _writers(g)
+    order = _Order(g)
     for t in g.tasks:
         for r in t.inputs:
             if r.buffer.is_input:
                 continue
-            covers = [box for box, w in writers.get(r.buffer.name, none).overlapping(r.box)
-                      if w != t.id and _ordered_before(g, w, t.id)]
+            index = writers.get(r.buffer.name)
+            found = index.overlapping(r.box) if index is not None else []
+            covers = [box for box, w in found if sweep or (w != t.id and order.before(w, t.id))]
             gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
             if gaps:
                 gap = Region(r.buffer, gaps[0])
                 yield t.name, (f"task {t.name!r} reads {r}, but no task ordered before it writes {gap}, "
                                "and it is not a graph input")
+        if sweep:
+            for r in t.outputs:
+                index = writers.setdefault(r.buffer.name, BoxIndex())
+                index.drop_inside(r.box, t.id)
+                index.add(r.box, t.id)
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
+    if g._hazards_ordered:  # derived edges order every two overlapping writes (WAW)
+        return
+    order = _Order(g)
     for name, index in _writers(g).items():
         for abox, a in list(index.entries):
             for _, b in index.overlapping(abox):
-                if a < b and not (_ordered_before(g, a, b) or _ordered_before(g, b, a)):
+                if a < b and not (order.before(a, b) or order.before(b, a)):
                     ta, tb = g.tasks[a].name, g.tasks[b].name
                     yield ta, f"tasks {ta!r} and {tb!r} both write buffer {name!r} with no order between them"
 

@@ -7,7 +7,8 @@ A task that carries a measured duration (``attrs["duration"]`` in seconds, as tr
 replay builds them) takes exactly that. Coefficients per op class (the op name) can be
 overridden, which is the hook calibration fits: ``CostModel(p, overrides={"matmul":
 (throughput, overhead)})`` replaces the rate (flop/s; B/s for comm) and the fixed
-per-task time of that op.
+per-task time of that op. A calibrated profile carries such fits in its ``ops`` section;
+they apply by default, and ``overrides`` take precedence over them.
 """
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ class CostModel:
 
     def __init__(self, profile: HardwareProfile | str, overrides: Mapping[str, OpCoeffs | tuple | Mapping] | None = None):
         self.profile = load_profile(profile)
-        self.overrides = {op: _coeffs(op, v) for op, v in (overrides or {}).items()}
+        fitted = {op: {k: v for k, v in fit.items() if k in ("throughput", "overhead", "mem_bw")}
+                  for op, fit in self.profile.ops.items()}
+        self.overrides = {op: _coeffs(op, v) for op, v in {**fitted, **(overrides or {})}.items()}
 
     def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None) -> float:
         """Seconds one task of ``cost`` takes on one unit of ``engine`` (``op`` selects overrides)."""

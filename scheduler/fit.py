@@ -25,6 +25,7 @@ import numpy as np
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.trace import Trace
 from megaloom.scheduler.cost import OpCoeffs
+from megaloom.scheduler.profile import HardwareProfile, parse_profile
 
 UNBOUNDED = 1e30  # a rate so high its term never wins the roofline max
 
@@ -126,10 +127,25 @@ def fit_table(fits: dict[str, OpFit]) -> str:
     def rate(x: float | None, unit: str) -> str:
         return "-" if x is None or x >= UNBOUNDED else f"{x:.3g} {unit}"
 
-    lines = [f"{'op':<22}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
+    w = max([len(op) for op in fits] + [2]) + 2
+    lines = [f"{'op':<{w}}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
              f"{'median err':>12}{'max err':>10}"]
     for f in fits.values():
         c = f.coeffs
-        lines.append(f"{f.op:<22}{f.engine:<8}{f.samples:>8}{rate(c.throughput, 'flop/s'):>16}{rate(c.mem_bw, 'B/s'):>14}"
+        lines.append(f"{f.op:<{w}}{f.engine:<8}{f.samples:>8}{rate(c.throughput, 'flop/s'):>16}{rate(c.mem_bw, 'B/s'):>14}"
                      f"{(c.overhead or 0) * 1e6:>9.1f} us{f.median_rel_error * 100:>11.1f}%{f.max_rel_error * 100:>9.1f}%")
     return "\n".join(lines)
+
+
+def calibrated_profile(base: HardwareProfile, fits: dict[str, OpFit], name: str | None = None,
+                       source: str = "traces") -> HardwareProfile:
+    """``base`` with the fits in its ``ops`` section (coefficients and residuals)."""
+    data = base.to_dict()
+    data["name"] = name or base.name
+    data["ops"] = {**data.get("ops", {}), **{
+        op: {"throughput": f.coeffs.throughput or UNBOUNDED, "overhead": f.coeffs.overhead or 0.0,
+             "mem_bw": f.coeffs.mem_bw or UNBOUNDED, "samples": f.samples,
+             "median_rel_error": f.median_rel_error, "max_rel_error": f.max_rel_error}
+        for op, f in fits.items()}}
+    data["sources"]["ops"] = f"fitted by `megaloom calibrate --from` on {source}"
+    return parse_profile(data, f"<calibration of {base.name}>")

@@ -22,6 +22,8 @@ Layout (numbers may be written ``1.6e12``)::
       intra: {alpha: 5.0e-6, beta: 3.92e11}
       inter: {alpha: 1.0e-5, beta: 2.5e10}
     task_overhead: 2.0e-6      # s added to every task
+    ops:                       # optional, written by `megaloom calibrate --from`: fitted per-op
+      matmul: {throughput: 7.0e10, overhead: 1.2e-5, mem_bw: 1.0e30, samples: 32, median_rel_error: 0.04}
     sources: {units: "...", peak.cube: "...", peak.vector: "...", mem_bw: "...",
               links.intra: "...", links.inter: "...", task_overhead: "..."}
 
@@ -50,6 +52,7 @@ FALLBACK: dict[str, tuple[str, ...]] = {
     "fp32": (),
 }
 LINK_KINDS = ("intra", "inter")
+OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
 
 
@@ -75,6 +78,7 @@ class HardwareProfile:
     sources: dict[str, str] = field(default_factory=dict)
     description: str = ""
     path: str = ""
+    ops: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def peak(self, engine: str, precision: str = "fp32") -> float:
         """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
@@ -115,6 +119,7 @@ class HardwareProfile:
             "links": {k: {"alpha": a, "beta": b} for k, (a, b) in self.links.items()},
             "task_overhead": self.task_overhead,
             "sources": dict(self.sources),
+            **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
         }
 
 
@@ -171,11 +176,18 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise ConfigError(f"{where}: missing source text 'sources.{key}' (cite where the figure comes from)")
+    ops = {}
+    for op, fit in (_mapping(where, "ops", d["ops"]) if "ops" in d else {}).items():
+        fit = _mapping(where, f"ops.{op}", fit)
+        unknown = sorted(set(fit) - set(OP_FIT_KEYS))
+        if unknown:
+            raise ConfigError(f"{where}: key 'ops.{op}' has unknown fields {unknown}; known: {', '.join(OP_FIT_KEYS)}")
+        ops[str(op)] = {k: _number(where, f"ops.{op}.{k}", v, positive=k in ("throughput", "mem_bw")) for k, v in fit.items()}
     return HardwareProfile(
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where,
+        path=where, ops=ops,
     )
 
 

@@ -8,22 +8,23 @@ record cross-rank edges) and merged back.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 from megaloom.runtime.core import Policy
-from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.errors import ConfigError, TraceFormatError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.metrics import metrics
 from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace, TraceEvent, merge
-from megaloom.scheduler.cost import DURATION_ATTR
+from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 from megaloom.scheduler.simulator import Simulator
 
 
-def graph_from_events(events: list[TraceEvent], name: str = "replay") -> TaskGraph:
-    """A graph of one rank's events: measured durations, recorded dependencies."""
+def graph_from_events(events: list[TraceEvent], name: str = "replay",
+                      scale: Callable[[TraceEvent], float] | None = None) -> TaskGraph:
+    """A graph of one rank's events: measured durations (times ``scale(event)``), recorded dependencies."""
     by_tid = {}
     for e in events:
         if e.tid in by_tid:
@@ -35,7 +36,7 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay") -> TaskGra
         e = by_tid[tid]
         prio = e.tags.get("priority", 0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
-                           attrs={DURATION_ATTR: max(e.end - e.start, 0.0)},
+                           attrs={DURATION_ATTR: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0)},
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes))
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
         e = by_tid[tid]
@@ -56,25 +57,50 @@ def recorded_units(trace: Trace) -> dict[str, int]:
     return units
 
 
+def device_ratio(recorded: HardwareProfile, target: HardwareProfile) -> Callable[[TraceEvent], float]:
+    """Per event, the cost model's duration on ``target`` over its duration on ``recorded``.
+
+    The event's flops, bytes and comm bytes are costed at fp32 unless its tags name a
+    ``precision``; engines a profile has no figures for (``host``) keep their duration.
+    """
+    a, b = CostModel(recorded), CostModel(target)
+
+    def ratio(e: TraceEvent) -> float:
+        cost = Cost(e.flops, e.bytes, e.comm_bytes, str(e.tags.get("precision", "fp32")))
+        link = str(e.tags.get("link", "intra"))
+        try:
+            was, now = a.duration(cost, e.engine, link, op=e.op), b.duration(cost, e.engine, link, op=e.op)
+        except ConfigError:
+            return 1.0
+        return now / was if was > 0 else 1.0
+
+    return ratio
+
+
 def replay(
     trace: Trace,
     profile: HardwareProfile | str | None = None,
     units: Mapping[str, int] | None = None,
     policy: Policy | str | None = None,
+    recorded_profile: HardwareProfile | str | None = None,
 ) -> RunResult:
     """Re-simulate ``trace`` with its measured durations.
 
-    Units: ``units``, else those recorded in the trace, else the profile's; ``profile``
-    (default: the trace's, else ``cpu``) names the run and fills unit counts the others lack.
+    ``recorded_profile`` is the device the trace was recorded on (default: the trace's
+    ``profile``, else ``cpu``); ``profile`` is the device to predict (default: the recorded
+    one). When they differ, each measured duration is scaled by :func:`device_ratio`.
+    Units: ``units``, else those recorded in the trace, else the target profile's.
     ``policy`` defaults to the recorded policy name, else FIFO.
     """
     meta = trace.meta
-    prof = load_profile(profile if profile is not None else meta.get("profile") or "cpu")
+    recorded = load_profile(recorded_profile if recorded_profile is not None else meta.get("profile") or "cpu")
+    prof = load_profile(profile) if profile is not None else recorded
+    scale = device_ratio(recorded, prof) if prof.name != recorded.name or prof.path != recorded.path else None
     chosen = {**prof.units, **recorded_units(trace), **(units or {})}
     pol = policy if policy is not None else meta.get("policy")
     results = []
     for rank in trace.ranks or [0]:
-        graph = graph_from_events([e for e in trace.events if e.rank == rank], str(meta.get("graph", "replay")))
+        graph = graph_from_events([e for e in trace.events if e.rank == rank], str(meta.get("graph", "replay")), scale)
         res = Simulator(prof, chosen, pol).run(graph, validate=False)
         for ev in res.trace.events:
             ev.rank = rank

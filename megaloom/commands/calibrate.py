@@ -1,4 +1,5 @@
-"""``megaloom calibrate``: measure this machine and write the ``cpu`` hardware profile."""
+"""``megaloom calibrate``: measure this machine and write the ``cpu`` hardware profile, or
+(``--from TRACE...``) fit the cost model's per-op coefficients to measured traces."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +8,13 @@ from megaloom.runtime.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("calibrate", help="measure this machine's matmul and memory bandwidth; write the cpu profile")
+    p = sub.add_parser("calibrate", help="measure this machine (cpu profile) or fit per-op costs to traces (--from)")
     p.add_argument("--out", default=None, metavar="PATH",
-                   help="where to write the profile YAML (default: the user profile directory's cpu.yaml)")
+                   help="where to write the profile YAML (default: the user profile directory, <name>.yaml)")
+    p.add_argument("--from", dest="traces", nargs="+", metavar="TRACE", default=None,
+                   help="fit per-op throughput and overhead to these traces (megaloom .mlt or torch.profiler .json)")
+    p.add_argument("--base", default="cpu", help="with --from: the profile the fits are added to (default: cpu)")
+    p.add_argument("--name", default=None, help="with --from: name of the written profile (default: the base's)")
     p.add_argument("--matmul-size", type=int, default=512, help="square matmul size (default 512)")
     p.add_argument("--copy-mib", type=int, default=64, help="tensor size of the bandwidth copy in MiB (default 64)")
     p.add_argument("--seconds", type=float, default=0.3, help="time spent per measurement (default 0.3)")
@@ -19,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megaloom.scheduler.calibrate import calibrate, write_profile
 
+    if args.traces:
+        return _from_traces(args, write_profile)
     if args.matmul_size <= 0 or args.copy_mib <= 0 or args.seconds < 0:
         raise ConfigError("--matmul-size and --copy-mib must be positive, --seconds non-negative")
     profile = calibrate(args.matmul_size, args.copy_mib << 20, args.seconds)
@@ -27,4 +34,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"matmul {k:<5} {v / 1e9:10.2f} GFLOP/s")
     print(f"memory bandwidth {profile.mem_bw / 1e9:.2f} GB/s, task overhead {profile.task_overhead * 1e6:.2f} us")
     print(f"wrote profile {profile.name!r}: {path}")
+    return 0
+
+
+def _from_traces(args: argparse.Namespace, write_profile) -> int:
+    from megaloom.scheduler.fit import calibrated_profile, fit_table, fit_traces
+    from megaloom.scheduler.importers import load_trace
+    from megaloom.scheduler.profile import load_profile
+
+    traces = [load_trace(p) for p in args.traces]
+    fits = fit_traces(traces)
+    print(fit_table(fits))
+    profile = calibrated_profile(load_profile(args.base), fits, args.name,
+                                 source=", ".join(str(p) for p in args.traces))
+    print(f"wrote profile {profile.name!r}: {write_profile(profile, args.out)}")
     return 0

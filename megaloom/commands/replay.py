@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 
 from megaloom.runtime.metrics import summary
-from megaloom.runtime.trace import Trace
 from megaloom.commands.simulate import add_common, policy_and_units, write_outputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("replay", help="re-simulate a saved trace under other unit counts or policies")
-    p.add_argument("trace_file", metavar="TRACE", help="a saved megaloom trace (.mlt)")
-    p.add_argument("--profile", default=None, help="profile naming the run and filling missing unit counts (default: the trace's)")
+    p.add_argument("trace_file", metavar="TRACE", help="a saved megaloom trace (.mlt) or a torch.profiler trace (.json)")
+    p.add_argument("--profile", default=None,
+                   help="device to predict; durations are scaled by the cost model's ratio to the recorded device")
+    p.add_argument("--recorded-profile", default=None,
+                   help="device the trace was recorded on (default: the trace's profile, else cpu)")
     add_common(p)
     p.set_defaults(func=run)
 
@@ -20,9 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megaloom.scheduler.replay import compare, replay
 
-    recorded = Trace.load(args.trace_file)
+    from megaloom.scheduler.importers import load_trace
+
+    recorded = load_trace(args.trace_file)
     policy, units = policy_and_units(args)
-    result = replay(recorded, args.profile, units, policy)
+    result = replay(recorded, args.profile, units, policy, args.recorded_profile)
     print(summary(result.trace))
     print()
     print(compare(recorded, result.trace))

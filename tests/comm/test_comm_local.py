@@ -114,6 +114,25 @@ def test_world_of_one_fully_shard_and_checkpoint_round_trip(tmp_path):
         assert torch.equal(opt2.state[other.shard(fqn)]["momentum_buffer"], opt.state[model.shard(fqn)]["momentum_buffer"])
     with pytest.raises(CheckpointError, match="no checkpoint"):
         load(tmp_path / "missing", other)
+
+    # a crash in the middle of the next save leaves the previous checkpoint whole
+    import torch.distributed.checkpoint as dcp
+
+    def crash(state, storage_writer, **kw):
+        open(f"{storage_writer.path}/__0_0.distcp", "wb").write(b"half")
+        raise KeyboardInterrupt("killed mid-save")
+
+    before = model.shard("weight").detach().clone()
+    with torch.no_grad():
+        model.shard("weight").add_(1.0)
+    real_save, dcp.save = dcp.save, crash
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            save(tmp_path / "ck", model, opt)
+    finally:
+        dcp.save = real_save
+    load(tmp_path / "ck", other, opt2)
+    assert torch.equal(other.shard("weight"), before)
     wrong = fully_shard(nn.Linear(3, 5), LocalCommunicator())
     with pytest.raises(CheckpointError, match=r"'model.weight' holds \(4, 3\), the model expects \(5, 3\)"):
         load(tmp_path / "ck", wrong)

@@ -205,6 +205,10 @@ def world_four(comm, ckpt: str):
     model, opt = _check_training(comm)
     save(ckpt, model, opt)
     save(ckpt, model, opt)  # overwriting an existing checkpoint swaps it in whole
+    again = fully_shard(nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)), comm)
+    opt2 = torch.optim.Adam(again.parameters(), lr=1e-2)
+    load(ckpt, again, opt2)  # same world size
+    assert _full_state(again, opt2) == _full_state(model, opt)
     return {"errors": errors, "state": _full_state(model, opt)}
 
 

@@ -230,3 +230,23 @@ def test_reductions_are_boundaries():
     f = dvm.fuse(g)
     assert ops(f) == ["dvm.exp", "test.dvm_rowsum", "dvm.fused"]
     run_both(g, f, {"x": torch.randn(S)})
+
+
+def test_concurrent_fused_tasks_share_the_tile_workers():
+    g = TaskGraph("two-chains")
+    shape = (128, 64)
+    for i in range(3):
+        x, y = g.input(f"x{i}", shape), g.output(f"y{i}", shape)
+        silu_graph(g, x, y, tag=f"c{i}")
+    f = dvm.fuse(g)
+    assert ops(f) == ["dvm.fused"] * 3
+    saved = dvm.options()
+    dvm.configure(tile_bytes=2048, threads=2)  # 16 tiles per task, three tasks at once
+    try:
+        feed = {f"x{i}": torch.randn(shape, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+        want = ReferenceExecutor().run(g, feed).outputs
+        got = ThreadExecutor({"vector": 3}).run(f, feed).outputs
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=4e-7, atol=1e-7)
+    finally:
+        dvm.configure(tile_bytes=saved.tile_bytes, threads=saved.threads)

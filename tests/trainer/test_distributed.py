@@ -45,3 +45,6 @@ def test_two_ranks_dp_fsdp_ep_and_resume(tmp_path):
     trace0 = json.loads((tmp_path / "ep" / "traces" / "step2.rank1.json").read_text())
     engines = {ev["args"]["name"].split(".")[0] for ev in trace0["traceEvents"] if ev.get("name") == "thread_name"}
     assert {"host", "cube", "vector", "comm"} <= engines  # MegaMoE graph tasks sit beside the module spans
+    names = {ev.get("name", "") for ev in trace0["traceEvents"]}
+    assert any(n.startswith("model.layers.1.mlp/") for n in names)       # MegaMoE tasks (EP: with comm)
+    assert any(n.startswith("model.layers.1.mlp.gate/") for n in names)  # MegaGate tasks, router under FSDP

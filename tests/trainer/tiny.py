@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from megaloom.config import Config, merge, validate
+from megaloom.model_plan import max_rel_err  # noqa: F401  (the parity metric, re-exported for the tests)
 
 QWEN3_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
@@ -14,12 +15,6 @@ DEEPSEEK_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_in
                    num_experts_per_tok=2, n_group=2, topk_group=2, first_k_dense_replace=1, q_lora_rank=None,
                    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                    max_position_embeddings=64)
-
-
-def max_rel_err(got, want) -> float:
-    """Largest absolute difference relative to the largest magnitude of ``want`` (the parity metric)."""
-    got, want = got.detach(), want.detach()
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def tiny_raw(out_dir: str, kind: str = "qwen3_moe", steps: int = 6, **sections: dict[str, Any]) -> dict[str, Any]:

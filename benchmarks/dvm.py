@@ -67,7 +67,7 @@ def bench_function(name: str, fn, builtin, x: torch.Tensor, reps: int, inductor:
     cands = {"unfused_eager": lambda: fn(x), "dvm_fused": lambda: j(x)}
     kern = dvm.compile_program(prog)
     cands["dvm_fused_kernel_only"] = lambda: kern([x], [out])
-    for label, opts in (("tile_256KiB", dvm.Options(tile_bytes=256 << 10)), ("threads_1", dvm.Options(threads=1))):
+    for label, opts in (("tile_1MiB", dvm.Options(tile_bytes=1 << 20)), ("threads_1", dvm.Options(threads=1))):
         k = dvm.compile_program(prog, opts)
         cands[f"dvm_fused_kernel_only.{label}"] = (lambda k: lambda: k([x], [out]))(k)
     cands["torch_builtin"] = lambda: builtin(x)

@@ -9,6 +9,17 @@ are retired before free units take new work.
 The hot loop works on flat lists (duration and engine per task id, start time and unit per
 task id, task ids in dispatch order) and builds the trace events in bulk afterwards; the
 garbage collector is paused for the run, since it allocates no cycles.
+
+Fast path: when the policy's ready order is a static key per task (``fifo``, ``priority``,
+``critical_path``, ``rotated``, or a ``_Keyed`` subclass that only overrides ``keys``) and
+the compiled extension ``megaloom.scheduler._fastsim`` is built, the same loop runs in C
+(:mod:`megaloom.scheduler.fastpath`), with identical start, end and unit per task and the
+same dispatch order; ``progress`` is called from it at the same points. Observers need no
+per-task calls during the loop (they are fed from the trace afterwards), so they do not
+matter. Any other policy (``static``, ``expert_interleave``, custom push/pop), inputs the C
+loop declines (NaN durations or keys, keys that are not exact doubles) and stalls run the
+Python loop through the shared Core, which stays the specification. ``fast=False`` forces
+the Python loop; :attr:`Simulator.last_loop` says which loop the last run used.
 """
 from __future__ import annotations
 
@@ -23,6 +34,7 @@ from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import Observer, RunResult, events_of
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Trace
+from megaloom.scheduler import fastpath
 from megaloom.scheduler.cost import CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
 from megaloom.scheduler.profile import HardwareProfile, load_profile
@@ -76,7 +88,8 @@ class Simulator:
 
     ``policy``: a Policy or a policy name; ``cost_model`` defaults to ``CostModel(profile)``;
     ``observers`` are called like the executors call them (events in completion order);
-    ``progress(done, total)`` is called every ``progress_every`` dispatched tasks.
+    ``progress(done, total)`` is called every ``progress_every`` dispatched tasks;
+    ``fast``: use the compiled loop when the policy allows it (see the module docstring).
     """
 
     def __init__(
@@ -89,6 +102,7 @@ class Simulator:
         observers: Iterable[Observer] = (),
         progress: Progress | None = None,
         progress_every: int = 65536,
+        fast: bool = True,
     ):
         self.profile = load_profile(profile)
         self.units = dict(self.profile.units)
@@ -101,12 +115,24 @@ class Simulator:
         self.observers = list(observers)
         self.progress = progress
         self.progress_every = max(1, int(progress_every))
+        self.fast = fast
+        self.last_loop: str | None = None
+        """``"compiled"`` or ``"python"``: the loop the last :meth:`schedule` used."""
 
     def schedule(self, graph: TaskGraph, durations: list[float] | None = None) -> Schedule:
         """Simulate ``graph``; the schedule as flat lists (no trace events are built)."""
         dur = durations if durations is not None else self.cost_model.durations(graph)
         if len(dur) != len(graph.tasks):
             raise ScheduleError(f"graph {graph.name!r} has {len(graph.tasks)} tasks but {len(dur)} durations")
+        if self.fast:
+            if isinstance(self.policy, DurationAware):
+                self.policy.use_durations(dur)
+            with gc_paused():
+                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
+            if out is not None:
+                self.last_loop = "compiled"
+                return Schedule(out[0], dur, out[1], out[2])
+        self.last_loop = "python"
         if isinstance(self.policy, DurationAware):
             self.policy.use_durations(dur)
         core = Core(graph, self.units, self.policy)

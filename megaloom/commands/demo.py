@@ -15,8 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="simulate and execute a small graph; check it; write a Perfetto trace")
     p.add_argument("--profile", default="ascend-910b", help="hardware profile to simulate on (default: ascend-910b)")
     p.add_argument("--out", default="megaloom-demo", help="output folder (default: ./megaloom-demo)")
-    p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--tile", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=4096, help="rows of the MLP input (default 4096)")
+    p.add_argument("--tile", type=int, default=64, help="rows per tile (default 64)")
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,369 @@
+/* Compiled event loop of megaloom.scheduler.Simulator for key-ordered policies.
+ *
+ * It replays exactly the Python loop of scheduler/simulator.py driven by the shared
+ * Core (the specification): dependency counters from len(pred[t]); per-engine ready
+ * queues, FIFO (the order tasks became ready) or a min-heap on (key[t], t); per-engine
+ * free-unit stacks with unit 0 on top; a min-heap of (finish, dispatch sequence); every
+ * free unit served in engine order before the clock moves; all completions of one
+ * instant retired, in (finish, sequence) order, before dispatching again. Finish times
+ * are `now + dur[t]` in IEEE double, as in Python, so the results are bit-identical.
+ *
+ * run(pred, succ, engines, index, dur, keys, units, progress, every)
+ *   pred, succ: lists of lists of task ids; engines: engine name per task; index: dict
+ *   engine name -> engine number (units order); dur: durations; keys: None (FIFO) or one
+ *   number per task; units: unit count per engine number; progress: None or a callable
+ *   called as progress(done, total) every `every` dispatches and at the end.
+ * Returns (start: list[float], unit: list[int], order: list[int], done: int), or None
+ * when the inputs are outside what the loop reproduces exactly (an engine missing from
+ * index or without units, a NaN duration or key, a key that is not an int or float, an
+ * int key beyond 2**53): the caller then runs the Python loop.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { double t; int64_t seq; } Event;    /* completion: (finish, sequence) */
+typedef struct { double key; int32_t tid; } Ready;  /* keyed ready entry: (key, tid) */
+
+static inline int ev_less(const Event *a, const Event *b) {
+    return a->t < b->t || (a->t == b->t && a->seq < b->seq);
+}
+
+static inline int rd_less(const Ready *a, const Ready *b) {
+    return a->key < b->key || (a->key == b->key && a->tid < b->tid);
+}
+
+/* 0-based binary min-heaps; the two element types get one pair of functions each. */
+#define HEAP_FUNCS(T, LESS)                                                   \
+    static inline void T##_push(T *h, int64_t *len, T x) {                    \
+        int64_t i = (*len)++;                                                 \
+        while (i > 0) {                                                       \
+            int64_t p = (i - 1) >> 1;                                         \
+            if (!LESS(&x, &h[p])) break;                                      \
+            h[i] = h[p];                                                      \
+            i = p;                                                            \
+        }                                                                     \
+        h[i] = x;                                                             \
+    }                                                                         \
+    static inline T T##_pop(T *h, int64_t *len) {                             \
+        T top = h[0], x = h[--(*len)];                                        \
+        int64_t n = *len, i = 0;                                              \
+        for (;;) {                                                            \
+            int64_t c = 2 * i + 1;                                            \
+            if (c >= n) break;                                                \
+            if (c + 1 < n && LESS(&h[c + 1], &h[c])) c++;                     \
+            if (!LESS(&h[c], &x)) break;                                      \
+            h[i] = h[c];                                                      \
+            i = c;                                                            \
+        }                                                                     \
+        if (n > 0) h[i] = x;                                                  \
+        return top;                                                           \
+    }
+
+HEAP_FUNCS(Event, ev_less)
+HEAP_FUNCS(Ready, rd_less)
+
+#define TWO53 9007199254740992.0
+
+/* The number `o` as a double when exactly representable; 0 = not, -1 = Python error. */
+static int exact_double(PyObject *o, double *out) {
+    if (PyFloat_Check(o)) {
+        *out = PyFloat_AS_DOUBLE(o);
+        return !isnan(*out);
+    }
+    if (PyLong_Check(o)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (overflow || v > (long long)TWO53 || v < -(long long)TWO53) return 0;
+        *out = (double)v;
+        return 1;
+    }
+    return 0;
+}
+
+typedef struct {
+    Py_ssize_t n, ne;
+    int64_t *off;      /* CSR successors: succ of t is adj[off[t]:off[t+1]] */
+    int32_t *adj;
+    int64_t *unmet;    /* unmet predecessors per task */
+    int32_t *eng;      /* engine number per task */
+    double *dur, *key; /* key: NULL for FIFO */
+    int64_t *qbase, *qhead, *qlen;  /* ready queue of engine e: q[qbase[e] ...] */
+    int32_t *q;        /* FIFO entries */
+    Ready *rq;         /* keyed entries */
+    int64_t *fbase, *ftop;  /* free-unit stack of engine e: fu[fbase[e] : fbase[e] + ftop[e]] */
+    int32_t *fu;
+    Event *heap;
+    int32_t *unit, *order;
+    double *start;
+} Sim;
+
+static void sim_free(Sim *s) {
+    PyMem_Free(s->off); PyMem_Free(s->adj); PyMem_Free(s->unmet); PyMem_Free(s->eng);
+    PyMem_Free(s->dur); PyMem_Free(s->key); PyMem_Free(s->qbase); PyMem_Free(s->qhead);
+    PyMem_Free(s->qlen); PyMem_Free(s->q); PyMem_Free(s->rq); PyMem_Free(s->fbase);
+    PyMem_Free(s->ftop); PyMem_Free(s->fu); PyMem_Free(s->heap); PyMem_Free(s->unit);
+    PyMem_Free(s->order); PyMem_Free(s->start);
+}
+
+static inline void ready_push(Sim *s, int32_t t) {
+    int32_t e = s->eng[t];
+    if (s->key) {
+        Ready r = {s->key[t], t};
+        Ready_push(s->rq + s->qbase[e], &s->qlen[e], r);
+    } else {
+        s->q[s->qbase[e] + s->qhead[e] + s->qlen[e]++] = t;
+    }
+}
+
+static inline int32_t ready_pop(Sim *s, int32_t e) {
+    if (s->key) return Ready_pop(s->rq + s->qbase[e], &s->qlen[e]).tid;
+    s->qlen[e]--;
+    return s->q[s->qbase[e] + s->qhead[e]++];
+}
+
+static inline void retire(Sim *s, int32_t t) {
+    int32_t e = s->eng[t];
+    s->fu[s->fbase[e] + s->ftop[e]++] = s->unit[t];
+    for (int64_t k = s->off[t]; k < s->off[t + 1]; k++) {
+        int32_t v = s->adj[k];
+        if (--s->unmet[v] == 0) ready_push(s, v);
+    }
+}
+
+/* A list of task ids (a list or tuple) as a borrowed fast sequence; -1 on error. */
+static int task_ids(PyObject *seq, Py_ssize_t n, const char *what, PyObject **fast) {
+    *fast = PySequence_Fast(seq, what);
+    if (*fast == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(*fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zd", what, PySequence_Fast_GET_SIZE(*fast), n);
+        return -1;
+    }
+    return 0;
+}
+
+/* Fill the Sim from the Python inputs; 1 = ok, 0 = decline (use the Python loop), -1 = error. */
+static int sim_load(Sim *s, PyObject *pred, PyObject *succ, PyObject *engines, PyObject *index,
+                    PyObject *dur, PyObject *keys, PyObject *units) {
+    PyObject *fp = NULL, *fs = NULL, *fe = NULL, *fd = NULL, *fk = NULL, *fu = NULL;
+    int rc = -1;
+    Py_ssize_t n = s->n, ne;
+    if (task_ids(succ, n, "succ", &fs) < 0 || task_ids(pred, n, "pred", &fp) < 0 ||
+        task_ids(engines, n, "engines", &fe) < 0 || task_ids(dur, n, "dur", &fd) < 0)
+        goto done;
+    if (keys != Py_None && task_ids(keys, n, "keys", &fk) < 0) goto done;
+    if (!PyDict_Check(index)) { PyErr_SetString(PyExc_TypeError, "index must be a dict"); goto done; }
+    fu = PySequence_Fast(units, "units");
+    if (fu == NULL) goto done;
+    ne = s->ne = PySequence_Fast_GET_SIZE(fu);
+    if (n >= INT32_MAX) { rc = 0; goto done; }
+
+    s->off = PyMem_Malloc((n + 1) * sizeof(int64_t));
+    s->unmet = PyMem_Malloc((n + 1) * sizeof(int64_t));
+    s->eng = PyMem_Malloc((n + 1) * sizeof(int32_t));
+    s->dur = PyMem_Malloc((n + 1) * sizeof(double));
+    s->qbase = PyMem_Calloc(ne + 1, sizeof(int64_t));
+    s->qhead = PyMem_Calloc(ne + 1, sizeof(int64_t));
+    s->qlen = PyMem_Calloc(ne + 1, sizeof(int64_t));
+    s->fbase = PyMem_Calloc(ne + 1, sizeof(int64_t));
+    s->ftop = PyMem_Calloc(ne + 1, sizeof(int64_t));
+    s->unit = PyMem_Malloc((n + 1) * sizeof(int32_t));
+    s->order = PyMem_Malloc((n + 1) * sizeof(int32_t));
+    s->start = PyMem_Malloc((n + 1) * sizeof(double));
+    if (!s->off || !s->unmet || !s->eng || !s->dur || !s->qbase || !s->qhead || !s->qlen || !s->fbase ||
+        !s->ftop || !s->unit || !s->order || !s->start) { PyErr_NoMemory(); goto done; }
+
+    /* units: free-unit stacks, unit 0 on top */
+    int64_t total_units = 0;
+    for (Py_ssize_t e = 0; e < ne; e++) {
+        long long u = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fu, e));
+        if (u == -1 && PyErr_Occurred()) goto done;
+        if (u <= 0 || u > INT32_MAX) { rc = 0; goto done; }
+        s->fbase[e] = total_units;
+        s->ftop[e] = u;
+        total_units += u;
+    }
+    s->fu = PyMem_Malloc((total_units + 1) * sizeof(int32_t));
+    s->heap = PyMem_Malloc((total_units + 1) * sizeof(Event));
+    if (!s->fu || !s->heap) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t e = 0; e < ne; e++)
+        for (int64_t i = 0; i < s->ftop[e]; i++) s->fu[s->fbase[e] + i] = (int32_t)(s->ftop[e] - 1 - i);
+
+    /* per task: engine number, duration, key, unmet count; CSR offsets */
+    PyObject **ev = PySequence_Fast_ITEMS(fe), **dv = PySequence_Fast_ITEMS(fd);
+    PyObject **pv = PySequence_Fast_ITEMS(fp), **sv = PySequence_Fast_ITEMS(fs);
+    if (fk) {
+        s->key = PyMem_Malloc((n + 1) * sizeof(double));
+        if (!s->key) { PyErr_NoMemory(); goto done; }
+    }
+    int64_t edges = 0;
+    PyObject *last_name = NULL;
+    long last_e = -1;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        if (ev[t] != last_name) {  /* engine names repeat: skip the dict lookup for the same object */
+            PyObject *ix = PyDict_GetItemWithError(index, ev[t]);
+            if (ix == NULL) { rc = PyErr_Occurred() ? -1 : 0; goto done; }
+            last_e = PyLong_AsLong(ix);
+            if (last_e == -1 && PyErr_Occurred()) goto done;
+            if (last_e < 0 || last_e >= ne) { rc = 0; goto done; }
+            last_name = ev[t];
+        }
+        s->eng[t] = (int32_t)last_e;
+        s->qbase[last_e + 1]++;  /* count tasks per engine; prefix-summed below */
+        double d;
+        if (PyFloat_CheckExact(dv[t])) d = PyFloat_AS_DOUBLE(dv[t]);
+        else {
+            d = PyFloat_AsDouble(dv[t]);
+            if (d == -1.0 && PyErr_Occurred()) goto done;
+        }
+        if (isnan(d)) { rc = 0; goto done; }
+        s->dur[t] = d;
+        if (fk) {
+            int ok = exact_double(PySequence_Fast_GET_ITEM(fk, t), &s->key[t]);
+            if (ok <= 0) { rc = ok; goto done; }
+        }
+        if (!PyList_Check(pv[t]) || !PyList_Check(sv[t])) {
+            PyErr_Format(PyExc_TypeError, "pred and succ of task %zd must be lists", t);
+            goto done;
+        }
+        s->unmet[t] = PyList_GET_SIZE(pv[t]);
+        s->off[t] = edges;
+        edges += PyList_GET_SIZE(sv[t]);
+    }
+    s->off[n] = edges;
+    s->adj = PyMem_Malloc((edges + 1) * sizeof(int32_t));
+    if (!s->adj) { PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t t = 0; t < n; t++) {
+        PyObject *lst = sv[t];
+        Py_ssize_t m = PyList_GET_SIZE(lst);
+        for (Py_ssize_t k = 0; k < m; k++) {
+            long v = PyLong_AsLong(PyList_GET_ITEM(lst, k));
+            if (v == -1 && PyErr_Occurred()) goto done;
+            if (v < 0 || v >= n) {
+                PyErr_Format(PyExc_ValueError, "successor %ld of task %zd is not a task id", v, t);
+                goto done;
+            }
+            s->adj[s->off[t] + k] = (int32_t)v;
+        }
+    }
+    for (Py_ssize_t e = 0; e < ne; e++) s->qbase[e + 1] += s->qbase[e];
+    if (fk) s->rq = PyMem_Malloc((n + 1) * sizeof(Ready));
+    else s->q = PyMem_Malloc((n + 1) * sizeof(int32_t));
+    if (!s->rq && !s->q) { PyErr_NoMemory(); goto done; }
+    rc = 1;
+done:
+    Py_XDECREF(fp); Py_XDECREF(fs); Py_XDECREF(fe); Py_XDECREF(fd); Py_XDECREF(fk); Py_XDECREF(fu);
+    return rc;
+}
+
+/* The event loop; 0 = ok, -1 = the progress callback raised. */
+static int sim_loop(Sim *s, PyObject *progress, Py_ssize_t every, int64_t *ndone_out) {
+    Py_ssize_t n = s->n;
+    int64_t nd = 0, ndone = 0, hlen = 0, mark = progress != Py_None ? every : n + 1;
+    double now = 0.0;
+    for (Py_ssize_t t = 0; t < n; t++)  /* the Core queues initially ready tasks by id */
+        if (s->unmet[t] == 0) ready_push(s, (int32_t)t);
+    for (;;) {
+        for (int32_t e = 0; e < s->ne; e++) {
+            while (s->ftop[e] > 0 && s->qlen[e] > 0) {
+                int32_t t = ready_pop(s, e);
+                s->unit[t] = s->fu[s->fbase[e] + --s->ftop[e]];
+                s->start[t] = now;
+                Event x = {now + s->dur[t], nd};
+                Event_push(s->heap, &hlen, x);
+                s->order[nd++] = t;
+            }
+        }
+        if (hlen == 0) break;
+        if (nd >= mark) {
+            PyObject *r = PyObject_CallFunction(progress, "nn", (Py_ssize_t)ndone, n);
+            if (r == NULL) return -1;
+            Py_DECREF(r);
+            mark += every;
+        }
+        Event x = Event_pop(s->heap, &hlen);
+        now = x.t;
+        retire(s, s->order[x.seq]);
+        ndone++;
+        while (hlen > 0 && s->heap[0].t == now) {
+            retire(s, s->order[Event_pop(s->heap, &hlen).seq]);
+            ndone++;
+        }
+    }
+    if (progress != Py_None) {
+        PyObject *r = PyObject_CallFunction(progress, "nn", (Py_ssize_t)ndone, n);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    *ndone_out = ndone;
+    return 0;
+}
+
+/* (start, unit, order, done); at the end every dispatched task is done, so `order` has `done` entries. */
+static PyObject *sim_result(Sim *s, int64_t ndone) {
+    Py_ssize_t n = s->n;
+    PyObject *start = PyList_New(n), *unit = PyList_New(n), *order = PyList_New((Py_ssize_t)ndone);
+    if (!start || !unit || !order) goto fail;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        PyObject *a = PyFloat_FromDouble(s->start[t]), *b = PyLong_FromLong(s->unit[t]);
+        if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto fail; }
+        PyList_SET_ITEM(start, t, a);
+        PyList_SET_ITEM(unit, t, b);
+    }
+    for (int64_t i = 0; i < ndone; i++) {
+        PyObject *c = PyLong_FromLong(s->order[i]);
+        if (!c) goto fail;
+        PyList_SET_ITEM(order, (Py_ssize_t)i, c);
+    }
+    return Py_BuildValue("NNNL", start, unit, order, (long long)ndone);
+fail:
+    Py_XDECREF(start); Py_XDECREF(unit); Py_XDECREF(order);
+    return NULL;
+}
+
+static PyObject *fastsim_run(PyObject *self, PyObject *args) {
+    PyObject *pred, *succ, *engines, *index, *dur, *keys, *units, *progress;
+    Py_ssize_t every;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOn:run", &pred, &succ, &engines, &index, &dur, &keys, &units,
+                          &progress, &every))
+        return NULL;
+    if (progress != Py_None && !PyCallable_Check(progress)) {
+        PyErr_SetString(PyExc_TypeError, "progress must be callable or None");
+        return NULL;
+    }
+    if (every < 1) every = 1;
+    Py_ssize_t n = PyObject_Length(succ);
+    if (n < 0) return NULL;
+    Sim s;
+    memset(&s, 0, sizeof s);
+    s.n = n;
+    PyObject *out = NULL;
+    int rc = sim_load(&s, pred, succ, engines, index, dur, keys, units);
+    if (rc <= 0) {
+        sim_free(&s);
+        if (rc < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    /* start and unit of tasks that never start (a stall) stay 0, as in the Python loop */
+    memset(s.start, 0, (n + 1) * sizeof(double));
+    memset(s.unit, 0, (n + 1) * sizeof(int32_t));
+    int64_t ndone = 0;
+    if (sim_loop(&s, progress, every, &ndone) == 0) out = sim_result(&s, ndone);
+    sim_free(&s);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"run", fastsim_run, METH_VARARGS, "Simulate a key-ordered schedule; see the module source for arguments."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastsim", "Compiled simulator event loop.", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__fastsim(void) { return PyModule_Create(&module); }

@@ -80,7 +80,11 @@ class Trace:
             "columns": _COLUMNS,
             "events": [[getattr(e, c) for c in _COLUMNS] for e in self.events],
         }
-        atomic_write(path, msgpack.packb(payload, use_bin_type=True))
+        try:
+            data = msgpack.packb(payload, use_bin_type=True)
+        except TypeError as e:
+            raise TraceFormatError(f"{path}: trace meta or tags are not msgpack-encodable: {e}") from e
+        atomic_write(path, data)
 
     @staticmethod
     def load(path: str | os.PathLike) -> Trace:

@@ -2,7 +2,7 @@
 
     from megaloom.ops import dvm
     fused = dvm.fuse(graph)                 # TaskGraph -> TaskGraph with dvm.fused tasks
-    f = dvm.jit(fn, x)                      # torch.fx front end: trace, fuse, compile
+    y = dvm.jit(fn)(x)                      # torch.fx front end: trace, fuse, compile, run
     kernel = dvm.compile_program(program)   # cached by structural signature
 
 See ``docs/dvm.md``.
@@ -16,7 +16,7 @@ from megaloom.ops.dvm.program import Instr, Program, instr, pattern
 from megaloom.ops.dvm.split import Limits, SegNode, split
 
 __all__ = [
-    "Instr", "Jit", "Limits", "Options", "PRIMITIVES", "Program", "SegNode", "cache_size", "clear_cache",
-    "compile_program", "configure", "find_clusters", "fuse", "instr", "l2_cache_bytes", "options",
-    "pattern", "primitive", "primitive_of", "program_of", "split", "jit", "trace",
+    "cache_size", "clear_cache", "compile_program", "configure", "find_clusters", "fuse", "Instr",
+    "instr", "Jit", "jit", "Limits", "Options", "options", "pattern", "primitive", "primitive_of",
+    "PRIMITIVES", "Program", "program_of", "SegNode", "split", "trace",
 ]

@@ -10,7 +10,7 @@ from megaloom.runtime.executors.base import (
     ExecContext, Executor, Observer, RunResult, allocate, check_results, event_of, fail, views,
 )
 from megaloom.runtime.core import Core
-from megaloom.runtime.errors import DeadlockError, ExecutionError
+from megaloom.runtime.errors import ExecutionError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import get_op, run_reference
 from megaloom.runtime.trace import Trace
@@ -37,10 +37,7 @@ class ReferenceExecutor(Executor):
         events = []
         engines = list(units)
         while core.is_active:
-            tid = next((t for t in (core.pop(e) for e in engines) if t >= 0), -1)
-            if tid < 0:  # only a policy that withholds ready tasks gets here
-                blocked = core.blocked()
-                raise DeadlockError(f"graph {graph.name!r}: no task is ready; {len(blocked)} tasks not done", blocked)
+            tid = next(t for t in (core.pop(e) for e in engines) if t >= 0)  # FIFO: a valid DAG always has one
             task = graph.tasks[tid]
             op = get_op(task.op)
             ins, outs = views(task, bufs)

@@ -14,6 +14,7 @@ A run in which no task finishes for ``stall_timeout`` seconds raises
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import threading
@@ -25,7 +26,7 @@ from typing import Iterable, Iterator, Mapping
 import torch
 
 from megaloom.runtime.core import FIFO, Core, Policy
-from megaloom.runtime.errors import DeadlockError, ExecutionError, ScheduleError
+from megaloom.runtime.errors import DeadlockError, ExecutionError, MegaloomError, ScheduleError
 from megaloom.runtime.executors.base import (
     ExecContext, Executor, Observer, RunResult, aliased_inputs, allocate, check_results, event_of, events_of, fail, views,
 )
@@ -82,6 +83,22 @@ class ThreadExecutor(Executor):
         self.pause_gc = pause_gc
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
+        return self._run(graph, inputs, None)
+
+    async def run_async(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
+        """Run in a worker thread so the event loop stays free. Cancelling the awaiting
+        task stops the run (workers finish the kernel they are in) before it re-raises."""
+        cancel = threading.Event()
+        job = asyncio.ensure_future(asyncio.to_thread(self._run, graph, inputs, cancel))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            cancel.set()
+            await asyncio.wait([job])
+            raise
+
+    def _run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
+             cancel: threading.Event | None) -> RunResult:
         graph.validate()
         units = self.units if self.units is not None else {e: 1 for e in graph.engines()}
         # each run gets its own policy state, so one executor may run several graphs at once
@@ -93,7 +110,7 @@ class ThreadExecutor(Executor):
         for o in self.observers:
             o.on_run_start(graph, meta)
         with _gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
-            records = _Run(graph, units, core, bufs, self).execute()
+            records = _Run(graph, units, core, bufs, self, cancel).execute()
             records.sort(key=_BY_START)
             events = events_of(graph, records, self.ctx.rank)
         trace = Trace(events, meta)
@@ -147,8 +164,10 @@ class _Run:
 
     IDLE_POLL = 0.05  # seconds a parked worker sleeps before it looks again by itself
 
-    def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor):
+    def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor,
+                 cancel: threading.Event | None = None):
         self.graph, self.units, self.core, self.bufs, self.ex = graph, dict(units), core, bufs, ex
+        self.cancel = cancel
         self.lock = threading.Lock()
         self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
         self.n_parked = 0
@@ -182,7 +201,9 @@ class _Run:
             poll = min(0.1, stall / 4)
             while not self.finished.wait(poll):
                 with self.lock:
-                    if self.error is None and time.perf_counter() - self.last_progress > stall:
+                    if self.cancel is not None and self.cancel.is_set():
+                        self._stop(ExecutionError(f"run of graph {self.graph.name!r} was cancelled"))
+                    elif self.error is None and time.perf_counter() - self.last_progress > stall:
                         self._stop(self._deadlock())
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
@@ -273,6 +294,11 @@ class _Run:
                     for e in engines:
                         if parked[e] and has_ready(e):
                             wake(e, every)
+        except BaseException as e:  # the core or the policy failed (lock held): stop the run now
+            err = ScheduleError(f"policy {type(core.policy).__name__} or the core failed in worker "
+                                f"{engine}.{unit}: {type(e).__name__}: {e}")
+            err.__cause__ = e
+            self._stop(e if isinstance(e, MegaloomError) else err)
         finally:
             lock.release()
 

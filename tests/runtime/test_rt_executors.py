@@ -290,3 +290,35 @@ def test_kernels_reading_what_they_overwrite_see_the_old_values():
     inp = {"a": torch.randn(6, 2), "w": torch.randn(2, 2)}
     want = ReferenceExecutor().run(g, inp)["a"]
     torch.testing.assert_close(ThreadExecutor().run(g, inp)["a"], want)
+
+
+async def test_cancelling_run_async_stops_the_workers():
+    g = TaskGraph("long")
+    x = g.input("x", (2,))
+    prev = x
+    for i in range(200):   # a chain of 200 x 20 ms
+        nxt = g.buffer(f"b{i}", (2,))
+        g.task("test_slow", [prev], [nxt], name=f"s{i}", attrs={"seconds": 0.02})
+        prev = nxt
+    _RELEASE.clear()
+    job = asyncio.ensure_future(ThreadExecutor().run_async(g, {"x": torch.ones(2)}))
+    await asyncio.sleep(0.2)
+    t0 = time.perf_counter()
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert time.perf_counter() - t0 < 1.0
+    assert not [t for t in threading.enumerate() if t.name.startswith("megaloom-")]
+
+
+def test_a_failing_policy_stops_the_run_promptly():
+    class Broken(FIFO):
+        def pop(self, engine, unit):
+            raise KeyError("no such queue")
+
+    g = TaskGraph("p")
+    g.task("noop", name="only")
+    t0 = time.perf_counter()
+    with pytest.raises(ScheduleError, match="policy Broken or the core failed in worker vector.0: KeyError") as info:
+        ThreadExecutor(policy=Broken(), kernels="null", stall_timeout=30).run(g)
+    assert time.perf_counter() - t0 < 2.0 and isinstance(info.value.__cause__, KeyError)

@@ -177,3 +177,13 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         Trace([], {}).save(p)
     assert p.read_bytes() == before and os.listdir(tmp_path) == ["t.mlt"]
+
+
+def test_unencodable_trace_raises_and_keeps_old_file(tmp_path):
+    p = tmp_path / "t.mlt"
+    _trace().save(p)
+    bad = _trace()
+    bad.events[0].tags["obj"] = object()
+    with pytest.raises(TraceFormatError, match="not msgpack-encodable"):
+        bad.save(p)
+    assert Trace.load(p).events == _trace().events

@@ -271,14 +271,19 @@ class TaskGraph:
 
     def _derive(self, t: Task) -> None:
         acc = self._accesses
+        before: set[int] = set()
         for r in t.inputs:
-            for _, other in acc[r.buffer.name][1].overlapping(r.box):  # RAW: after earlier writes
-                self._link(other, t.id)
+            before.update(o for _, o in acc[r.buffer.name][1].overlapping(r.box))  # RAW: after earlier writes
         for r in t.outputs:
             reads, writes = acc[r.buffer.name]
-            for _, other in reads.overlapping(r.box) + writes.overlapping(r.box):  # WAR and WAW
-                if other != t.id:
-                    self._link(other, t.id)
+            before.update(o for _, o in reads.overlapping(r.box))   # WAR: after earlier reads
+            before.update(o for _, o in writes.overlapping(r.box))  # WAW: after earlier writes
+        before.discard(t.id)
+        if before:  # the task is new: no edge of it exists yet
+            self.pred[t.id] = sorted(before)
+            for a in self.pred[t.id]:
+                self.succ[a].append(t.id)
+            self._version += 1
         for r in t.inputs:
             acc[r.buffer.name][0].add(r.box, t.id)
         for r in t.outputs:

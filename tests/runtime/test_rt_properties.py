@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megaloom.runtime import ReferenceExecutor, TaskGraph, ThreadExecutor, Trace
+from megaloom.runtime import ReferenceExecutor, TaskGraph, ThreadExecutor, Trace, metrics
 from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
 
 T = 4          # tile rows and columns
@@ -88,6 +88,9 @@ def test_thread_executor_equals_reference(case, units):
     for e in kernels.trace.events:
         assert all(end[d] <= e.start for d in e.deps)
         assert e.unit < units[e.engine]
+    m = metrics(kernels.trace)
+    assert 0 <= m.comm_hidden <= 1 and all(0 < u <= 1 + 1e-9 for u in m.utilisation.values())
+    assert 0 < m.critical_path <= m.makespan + 1e-9 and m.tasks == len(g)
 
 
 @SETTINGS

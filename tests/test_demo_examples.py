@@ -30,3 +30,13 @@ def test_quickstart_example_runs():
     assert r.returncode == 0, r.stderr
     assert "profile ascend-910b" in r.stdout and "profile h100" in r.stdout
     assert r.stdout.rstrip().endswith("executed result matches the reference executor")
+
+
+def test_readme_quick_start_runs(capsys):
+    import re
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        code = re.search(r"## Quick start.*?```python\n(.*?)```", f.read(), re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.split()
+    assert float(printed[0]) > 0 and printed[1:] == ["torch.Size([256,", "64])"]

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "megaloom.runtime": [
-        "Buffer", "Region", "Task", "TaskGraph", "Core", "Policy", "FIFO", "Cost", "OpDef", "TensorSpec",
+        "Buffer", "Region", "Task", "TaskGraph", "Composed", "Core", "Policy", "FIFO", "Cost", "OpDef", "TensorSpec",
         "register", "get_op", "all_ops", "ReferenceExecutor", "ThreadExecutor", "ExecContext", "Observer",
         "RunResult", "Trace", "TraceEvent", "merge", "metrics", "summary", "to_chrome", "write_chrome",
         "MegaloomError", "GraphError", "ScheduleError", "ExecutionError", "DeadlockError", "CommError",

@@ -82,9 +82,9 @@ class DurationAware:
 def upward_rank(graph: TaskGraph, durations: Sequence[float]) -> list[float]:
     """Each task's duration plus the longest duration path from it to a sink (HEFT's rank_u)."""
     rank = [0.0] * len(graph.tasks)
-    succ = graph.succ
+    succ, at = graph.succ, rank.__getitem__
     for tid in reversed(graph.topological_order()):
-        rank[tid] = durations[tid] + max((rank[s] for s in succ[tid]), default=0.0)
+        rank[tid] = durations[tid] + max(map(at, succ[tid]), default=0.0)
     return rank
 
 

@@ -322,3 +322,15 @@ def test_a_failing_policy_stops_the_run_promptly():
     with pytest.raises(ScheduleError, match="policy Broken or the core failed in worker vector.0: KeyError") as info:
         ThreadExecutor(policy=Broken(), kernels="null", stall_timeout=30).run(g)
     assert time.perf_counter() - t0 < 2.0 and isinstance(info.value.__cause__, KeyError)
+
+
+@pytest.mark.parametrize("name, opts", [("fifo", {}), ("priority", {}), ("critical_path", {}), ("static", {}),
+                                        ("expert_interleave", {"group_size": 2}), ("rotated", {})])
+def test_every_scheduler_policy_drives_the_thread_executor(name, opts):
+    from megaloom.scheduler import make_policy
+
+    g = mlp_graph(tiles=6, rows=4)
+    inp = mlp_inputs(g)
+    want = ReferenceExecutor().run(g, inp)["y"]
+    res = ThreadExecutor({"cube": 2, "vector": 3}, policy=make_policy(name, **opts), stall_timeout=10).run(g, inp)
+    assert torch.equal(res["y"], want)

@@ -111,9 +111,10 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
     """One rank's FSDP forward (and backward) of Linear layers ``dims[0] -> ... -> dims[-1]``.
 
     ``tile``: token rows per compute task, and weight-gradient rows per ``wgrad`` task
-    (default: untiled). ``prefetch``: how many
-    stages a weight gather may run ahead (0: none, the serial baseline). Layer ``l``'s
-    weight has ``dims[l+1]`` rows, at least ``world_size`` (else CommError naming ``w{l}``).
+    (default: untiled). ``prefetch``: how many stages a weight gather may run ahead (0:
+    none, the serial baseline). Layer ``l``'s weight has ``dims[l+1]`` rows, at least
+    ``world_size`` (else CommError naming ``w{l}``). Run it with ``ExecContext(rank,
+    world_size, comm)`` on every rank; inputs from :func:`fsdp_mlp_inputs`.
     """
     if len(dims) < 2 or any(not isinstance(d, int) or d < 1 for d in dims):
         raise GraphError(f"fsdp mlp needs at least two positive layer widths, got {list(dims)}")

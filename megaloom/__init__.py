@@ -20,6 +20,7 @@ _EXPORTS = {
         "TraceFormatError", "ConfigError",
     ],
     "megaloom.scheduler": ["Simulator", "CostModel", "HardwareProfile", "load_profile", "list_profiles", "make_policy"],
+    "megaloom.graphs": ["MegaMoE", "MegaGate", "MegaMHC"],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

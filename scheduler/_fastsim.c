@@ -357,8 +357,65 @@ static PyObject *fastsim_run(PyObject *self, PyObject *args) {
     return out;
 }
 
+/* upward_rank(succ, order, dur): rank[t] = dur[t] + max(rank[s] for s in succ[t]) (0.0 when
+ * none), over `order` reversed; the same float operations, in the same order, as
+ * megaloom.scheduler.policies.upward_rank. */
+static PyObject *fastsim_upward_rank(PyObject *self, PyObject *args) {
+    PyObject *succ, *order, *dur, *fs = NULL, *fo = NULL, *fd = NULL, *out = NULL;
+    double *rank = NULL;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOO:upward_rank", &succ, &order, &dur)) return NULL;
+    Py_ssize_t n = PyObject_Length(succ);
+    if (n < 0) return NULL;
+    if (task_ids(succ, n, "succ", &fs) < 0 || task_ids(order, n, "order", &fo) < 0 ||
+        task_ids(dur, n, "dur", &fd) < 0)
+        goto done;
+    rank = PyMem_Calloc(n + 1, sizeof(double));
+    char *seen = PyMem_Calloc(n + 1, 1);
+    if (!rank || !seen) { PyMem_Free(seen); PyErr_NoMemory(); goto done; }
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        Py_ssize_t t = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fo, i));
+        if (t == -1 && PyErr_Occurred()) break;
+        if (t < 0 || t >= n || seen[t]) {
+            PyErr_Format(PyExc_ValueError, "order is not a permutation of the task ids (entry %zd: %zd)", i, t);
+            break;
+        }
+        seen[t] = 1;
+        PyObject *lst = PySequence_Fast_GET_ITEM(fs, t);
+        if (!PyList_Check(lst)) { PyErr_Format(PyExc_TypeError, "succ of task %zd must be a list", t); break; }
+        double m = 0.0;
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(lst); k++) {
+            long v = PyLong_AsLong(PyList_GET_ITEM(lst, k));
+            if (v == -1 && PyErr_Occurred()) goto loop_error;
+            if (v < 0 || v >= n) {
+                PyErr_Format(PyExc_ValueError, "successor %ld of task %zd is not a task id", v, t);
+                goto loop_error;
+            }
+            if (k == 0 || rank[v] > m) m = rank[v];
+        }
+        double d = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(fd, t));
+        if (d == -1.0 && PyErr_Occurred()) break;
+        rank[t] = d + m;
+    }
+loop_error:
+    PyMem_Free(seen);
+    if (PyErr_Occurred()) goto done;
+    out = PyList_New(n);
+    if (!out) goto done;
+    for (Py_ssize_t t = 0; t < n; t++) {
+        PyObject *x = PyFloat_FromDouble(rank[t]);
+        if (!x) { Py_CLEAR(out); goto done; }
+        PyList_SET_ITEM(out, t, x);
+    }
+done:
+    PyMem_Free(rank);
+    Py_XDECREF(fs); Py_XDECREF(fo); Py_XDECREF(fd);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"run", fastsim_run, METH_VARARGS, "Simulate a key-ordered schedule; see the module source for arguments."},
+    {"upward_rank", fastsim_upward_rank, METH_VARARGS, "Upward rank of every task; see the module source."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,17 +7,18 @@ ints or floats. The compiled loop reproduces the Python loop of
 :class:`~megaloom.scheduler.simulator.Simulator` exactly (same start, end and unit per
 task, same dispatch order); the Python loop over the shared Core stays the specification.
 
+:func:`upward_rank` is the compiled twin of the critical-path rank (same float operations).
+
 The extension is optional: without a C compiler at install time :data:`AVAILABLE` is False
 and the simulator runs its Python loop.
 """
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Callable
+from typing import Callable, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.graph import TaskGraph
-from megaloom.scheduler.policies import _Keyed
 
 try:
     from megaloom.scheduler import _fastsim
@@ -32,6 +33,8 @@ _METHODS = ("prepare", "push", "pop", "has_ready")
 
 def ready_order(policy: Policy) -> str | None:
     """``"fifo"`` or ``"keyed"`` when the compiled loop can replay ``policy``, else None."""
+    from megaloom.scheduler.policies import _Keyed  # (policies imports this module)
+
     if getattr(policy, "per_unit", False):
         return None
     cls = type(policy)
@@ -56,3 +59,8 @@ def run(graph: TaskGraph, units: dict[str, int], policy: Policy, dur: list[float
     if out is None or out[3] != len(dur):
         return None
     return out[0], out[1], out[2]
+
+
+def upward_rank(succ: list[list[int]], order: list[int], durations: Sequence[float]) -> list[float]:
+    """The compiled :func:`megaloom.scheduler.policies.upward_rank` (needs :data:`AVAILABLE`)."""
+    return _fastsim.upward_rank(succ, order, durations)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from megaloom.runtime.core import FIFO, Policy
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
+from megaloom.scheduler import fastpath
 
 
 class _Keyed(Policy):
@@ -79,11 +80,17 @@ class DurationAware:
         return self.cost_model.durations(graph)
 
 
-def upward_rank(graph: TaskGraph, durations: Sequence[float]) -> list[float]:
-    """Each task's duration plus the longest duration path from it to a sink (HEFT's rank_u)."""
+def upward_rank(graph: TaskGraph, durations: Sequence[float], *, compiled: bool = True) -> list[float]:
+    """Each task's duration plus the longest duration path from it to a sink (HEFT's rank_u).
+
+    Runs in C when the extension is built (``compiled=False``: this Python loop, the
+    specification; both give identical floats)."""
+    order = graph.topological_order()
+    if compiled and fastpath.AVAILABLE:
+        return fastpath.upward_rank(graph.succ, order, durations)
     rank = [0.0] * len(graph.tasks)
     succ, at = graph.succ, rank.__getitem__
-    for tid in reversed(graph.topological_order()):
+    for tid in reversed(order):
         rank[tid] = durations[tid] + max(map(at, succ[tid]), default=0.0)
     return rank
 

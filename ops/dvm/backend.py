@@ -372,7 +372,7 @@ def _pool(n: int) -> ThreadPoolExecutor:
         if p is None:
             saved = torch.get_num_threads()
             started = threading.Barrier(n + 1)
-            p = ThreadPoolExecutor(n, thread_name_prefix="megaloom-dvm", initializer=torch.set_num_threads, initargs=(1,))
+            p = ThreadPoolExecutor(n, thread_name_prefix="dvm-tiles", initializer=torch.set_num_threads, initargs=(1,))
             for _ in range(n):  # blocked workers are never idle, so each submit starts a new one
                 p.submit(started.wait, 10.0)
             started.wait(10.0)

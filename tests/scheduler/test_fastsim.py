@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from megaloom.runtime import Cost, TaskGraph
 from megaloom.runtime.errors import ScheduleError
 from megaloom.scheduler import Simulator, fastpath, make_policy
-from megaloom.scheduler.policies import _Keyed
+from megaloom.scheduler.policies import _Keyed, upward_rank
 
 from sched_graphs import ENGINES, timed_graph
 
@@ -75,6 +75,16 @@ def test_compiled_loop_equals_python_loop(case, name):
     assert a.unit == b.unit
     assert a.start == b.start
     assert [s + d for s, d in zip(a.start, a.duration)] == [s + d for s, d in zip(b.start, b.duration)]
+
+
+@needs_ext
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=cases(), data=st.data())
+def test_compiled_upward_rank_equals_python(case, data):
+    g, dur, _ = case
+    odd = st.sampled_from([math.nan, math.inf, -0.0, -1.5, 2])  # ints, signed zeros, NaN, inf: same floats
+    dur = [data.draw(odd) if data.draw(st.booleans()) else d for d in dur]
+    assert list(map(repr, upward_rank(g, dur))) == list(map(repr, upward_rank(g, dur, compiled=False)))
 
 
 @needs_ext

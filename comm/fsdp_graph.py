@@ -8,7 +8,7 @@ Layer ``l``'s weight ``[dims[l+1], dims[l]]`` is sharded along dim 0 (:class:`Sh
                        per token tile: matmul (cube) -> relu (vector)
     backward layer l   shard_all_gather(w{l}) -> w{l}.full_bwd    (comm, re-gathered)
                        per token tile: relu mask + where (vector), dx = dh @ W (cube)
-                       dW = dh^T @ a over all tokens, in row tiles of dW (cube: ``wgrad``)
+                       dW = dh^T @ a over all tokens, in row tiles of dW (cube: ``matmul`` with ``trans_a``)
                        shard_reduce_scatter(dW) -> dw{l}          (comm)
 
 Every gather writes its own buffer, so the region-derived dependencies never order two
@@ -32,33 +32,8 @@ import torch
 
 from megaloom.comm.ops import chain
 from megaloom.comm.sharding import ShardLayout
-from megaloom.ops.basic import precision
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Buffer, Task, TaskGraph
-from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
-
-
-# -- wgrad: a^T @ b (the weight gradient dy^T @ x) ------------------------------------------
-def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    if len(ins) != 2 or len(ins[0].shape) != 2 or len(ins[1].shape) != 2 or ins[0].shape[0] != ins[1].shape[0]:
-        raise GraphError(f"wgrad takes g [m, n] and a [m, k], got {[s.shape for s in ins]}")
-    if ins[0].dtype != ins[1].dtype:
-        raise GraphError(f"wgrad operand dtypes differ: {ins[0].dtype} vs {ins[1].dtype}")
-    return [TensorSpec((ins[0].shape[1], ins[1].shape[1]), ins[0].dtype)]
-
-
-def _wgrad_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    (m, n), k = ins[0].shape, ins[1].shape[1]
-    return Cost(flops=2.0 * m * n * k, bytes=sum(s.nbytes for s in ins) + outs[0].nbytes,
-                precision=precision(ins[0].dtype))
-
-
-def _wgrad_kernel(ins, outs) -> None:
-    torch.matmul(ins[0].t(), ins[1], out=outs[0]) if outs[0].is_contiguous() else outs[0].copy_(ins[0].t() @ ins[1])
-
-
-register(OpDef("wgrad", ("cube",), lambda g, a: g.t() @ a, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
-               doc="g^T @ a over all rows: a weight gradient [n, k] from g [m, n] and a [m, k]"))
 
 
 # -- the graph -------------------------------------------------------------------------------
@@ -110,7 +85,7 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
                          dtype: str = "float32", name: str | None = None) -> TaskGraph:
     """One rank's FSDP forward (and backward) of Linear layers ``dims[0] -> ... -> dims[-1]``.
 
-    ``tile``: token rows per compute task, and weight-gradient rows per ``wgrad`` task
+    ``tile``: token rows per compute task, and weight-gradient rows per weight-gradient task
     (default: untiled). ``prefetch``: how many stages a weight gather may run ahead (0:
     none, the serial baseline). Layer ``l``'s weight has ``dims[l+1]`` rows, at least
     ``world_size`` (else CommError naming ``w{l}``). Run it with ``ExecContext(rank,
@@ -170,7 +145,8 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
                                name=f"matmul.bwd{i}.{lo}", tags=b.tags(stage, "dgrad")))
         dw_full = g.buffer(f"dw{i}.full", layouts[i].shape, dtype)
         for lo, hi in _tiles(dims[i + 1], tile):  # weight-gradient tiles: rows of dW, all tokens each
-            ends.append(g.task("wgrad", [dh[:, lo:hi], acts[i]], [dw_full[lo:hi]], name=f"wgrad.bwd{i}.{lo}",
+            ends.append(g.task("matmul", [dh[:, lo:hi], acts[i]], [dw_full[lo:hi]], attrs={"trans_a": True},
+                               name=f"wgrad.bwd{i}.{lo}",
                                tags=b.tags(stage, "wgrad")))
         b.ends.append(ends)
         dw = g.output(f"dw{i}", layouts[i].local_shape, dtype)

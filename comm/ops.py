@@ -273,5 +273,3 @@ for _op in (
           doc="full tensor split by sizes, padded, reduce-scattered and narrowed to this rank's shard"),
 ):
     register(_op)
-
-from megaloom.comm import fsdp_graph  # noqa: E402,F401  (registers ``wgrad``, the FSDP graph's weight-gradient op)

@@ -16,15 +16,9 @@ from megaloom.graphs.megamoe_module import MegaMoE
 from megaloom.graphs.megamoe_reference import moe_reference
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.metrics import metrics
+from megaloom.runtime.testing import rel_l2
 
 SPEC_OPTIONS = ("tile_m", "cube_split", "wgrad_split", "schedule", "group_size", "comm_tile")
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``|a - b| / |b|`` in float64 (0 when both are zero)."""
-    a, b = a.detach().double(), b.detach().double()
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den else float((a - b).norm())
 
 
 def problem(world: int, tokens: int, hidden: int, intermediate: int, experts: int, top_k: int,

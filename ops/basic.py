@@ -2,7 +2,7 @@
 
 | op     | engine      | what it computes                                   |
 |--------|-------------|----------------------------------------------------|
-| matmul | cube        | ``a @ b`` (``b`` transposed when ``trans_b``)        |
+| matmul | cube        | ``a @ b`` (each transposed when ``trans_a``/``trans_b``) |
 | add    | vector      | ``a + b`` (broadcasting)                           |
 | mul    | vector      | ``a * b`` (broadcasting)                           |
 | silu   | vector      | ``x * sigmoid(x)``                                 |
@@ -58,34 +58,43 @@ def same_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     return [ins[0]]
 
 
+def _mnk(ins: list[TensorSpec], attrs: dict) -> tuple[int, int, int, int]:
+    """(m, k, k of b, n) of ``op(a) @ op(b)``, op transposing when ``trans_a``/``trans_b``."""
+    a, b = ins[0].shape, ins[1].shape
+    m, k = (a[1], a[0]) if attrs.get("trans_a") else a
+    kb, n = (b[1], b[0]) if attrs.get("trans_b") else b
+    return m, k, kb, n
+
+
 def _matmul_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) != 2 or len(ins[0].shape) != 2 or len(ins[1].shape) != 2:
         raise GraphError(f"matmul takes two 2-D operands, got {[s.shape for s in ins]}")
-    (m, k), b = ins[0].shape, ins[1].shape
-    kb, n = (b[1], b[0]) if attrs.get("trans_b") else b
+    m, k, kb, n = _mnk(ins, attrs)
     if k != kb:
-        raise GraphError(f"matmul inner dims differ: {ins[0].shape} x {b}{' (trans_b)' if attrs.get('trans_b') else ''}")
+        flags = "".join(f" ({f})" for f in ("trans_a", "trans_b") if attrs.get(f))
+        raise GraphError(f"matmul inner dims differ: {ins[0].shape} x {ins[1].shape}{flags}")
     if ins[0].dtype != ins[1].dtype:
         raise GraphError(f"matmul operand dtypes differ: {ins[0].dtype} vs {ins[1].dtype}")
     return [TensorSpec((m, n), attrs.get("out_dtype", ins[0].dtype))]
 
 
 def _matmul_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    (m, k), (_, n) = ins[0].shape, outs[0].shape
+    m, k, _, n = _mnk(ins, attrs)
     return Cost(flops=2.0 * m * n * k, bytes=sum(s.nbytes for s in ins) + outs[0].nbytes,
                 precision=precision(ins[0].dtype))
 
 
-def _matmul_ref(a: torch.Tensor, b: torch.Tensor, trans_b: bool = False, out_dtype: str | None = None) -> torch.Tensor:
-    y = a @ (b.t() if trans_b else b)
+def _matmul_ref(a: torch.Tensor, b: torch.Tensor, trans_a: bool = False, trans_b: bool = False,
+                out_dtype: str | None = None) -> torch.Tensor:
+    y = (a.t() if trans_a else a) @ (b.t() if trans_b else b)
     return y if out_dtype is None else y.to(getattr(torch, out_dtype))
 
 
-def _matmul_kernel(ins, outs, trans_b: bool = False, out_dtype: str | None = None) -> None:
+def _matmul_kernel(ins, outs, trans_a: bool = False, trans_b: bool = False, out_dtype: str | None = None) -> None:
     a, b = ins
-    b = b.t() if trans_b else b
-    if out_dtype is None or outs[0].dtype == a.dtype:
-        torch.matmul(a, b, out=outs[0]) if outs[0].is_contiguous() else outs[0].copy_(a @ b)
+    a, b = a.t() if trans_a else a, b.t() if trans_b else b
+    if (out_dtype is None or outs[0].dtype == a.dtype) and outs[0].is_contiguous():
+        torch.matmul(a, b, out=outs[0])
     else:
         outs[0].copy_(a @ b)
 
@@ -120,7 +129,7 @@ def _noop_kernel(ins, outs, **attrs) -> None:
 _IN_PLACE = {"in_place": True}  # element-wise: an output may be the very region an input is
 
 register(OpDef("matmul", ("cube",), _matmul_ref, _matmul_shape, _matmul_cost, _matmul_kernel,
-               doc="a @ b, b transposed when trans_b; out_dtype casts the result"))
+               doc="a @ b, a or b transposed when trans_a or trans_b; out_dtype casts the result"))
 register(OpDef("add", ("vector",), torch.add, binary_shape, elementwise_cost, _binary_kernel(torch.add),
                doc="a + b with broadcasting", extra=_IN_PLACE))
 register(OpDef("mul", ("vector",), torch.mul, binary_shape, elementwise_cost, _binary_kernel(torch.mul),

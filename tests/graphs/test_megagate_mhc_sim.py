@@ -66,7 +66,7 @@ def test_saved_graph_finds_its_ops_through_the_plugin_entry(tmp_path):
 def test_thread_executor_matches_reference_under_a_scheduler_policy(which):
     import torch
 
-    from megaloom.graphs.megagate_mhc_common import rel_l2
+    from megaloom.runtime.testing import rel_l2
     from megaloom.runtime import ReferenceExecutor, ThreadExecutor
     from megaloom.scheduler import make_policy
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megaloom.graphs.megagate_mhc_common import check_op, rel_l2
+from megaloom.runtime.testing import check_op, rel_l2
 from megaloom.graphs.ops_mhc import sinkhorn, split_logits
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import TensorSpec, get_op

@@ -6,7 +6,8 @@ from megaloom.graphs.megamoe import (
     BWD_STAGES, FWD_STAGES, MegaMoESpec, build_backward, build_forward, build_from_options, build_graph,
     estimate_memory, make_routing, measured_bytes, moe_reference, synthetic_counts,
 )
-from megaloom.graphs.megamoe_ep import problem, rel_l2
+from megaloom.graphs.megamoe_ep import problem
+from megaloom.runtime.testing import rel_l2
 from megaloom.runtime import ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.metrics import metrics

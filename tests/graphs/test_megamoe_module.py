@@ -5,7 +5,8 @@ import torch
 from megaloom.comm.spawn import run_world
 from megaloom.graphs import MegaMoE, moe_reference
 from megaloom.graphs.megamoe import MegaMoEFunction
-from megaloom.graphs.megamoe_ep import ep_check, problem, rel_l2
+from megaloom.graphs.megamoe_ep import ep_check, problem
+from megaloom.runtime.testing import rel_l2
 from megaloom.runtime.errors import ConfigError
 
 SHAPE = dict(tokens=24, hidden=16, intermediate=8, experts=4, top_k=2)

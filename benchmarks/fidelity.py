@@ -48,10 +48,12 @@ def moe(tokens: int, hidden: int, inter: int, experts: int, top_k: int, schedule
     return f"megamoe-fwd T={tokens} H={hidden} I={inter} E={experts} k={top_k} {schedule} g={group_size}", g, inputs, policy
 
 
-CALIBRATION = [
+CALIBRATION = [  # task sizes spanning those of the predicted graphs
     lambda: mlp(512, 256, 512, 64),
     lambda: mlp(1024, 512, 1024, 128),
+    lambda: mlp(512, 128, 512, 32),
     lambda: moe(256, 256, 128, 8, 2, "interleaved"),
+    lambda: moe(512, 128, 256, 16, 2, "sequential", tile_m=128),
 ]
 PREDICTION = [
     lambda: mlp(2048, 384, 768, 128),
@@ -63,11 +65,11 @@ PREDICTION = [
 
 
 def measure(graph, inputs, policy: str, repeats: int):
-    """Median-makespan run (after a warm-up) of the graph on the thread executor."""
+    """Traces of ``repeats`` runs (after a warm-up) of the graph on the thread executor,
+    sorted by makespan (the middle one is the median run)."""
     ex = ThreadExecutor(UNITS, policy=make_policy(policy), intra_op_threads=1)
     ex.run(graph, inputs)
-    runs = sorted((ex.run(graph, inputs).trace for _ in range(repeats)), key=lambda t: t.makespan)
-    return runs[len(runs) // 2]
+    return sorted((ex.run(graph, inputs).trace for _ in range(repeats)), key=lambda t: t.makespan)
 
 
 def main() -> None:
@@ -78,15 +80,18 @@ def main() -> None:
     traces = []
     for make in CALIBRATION:
         name, g, inputs, policy = make()
-        traces.append(measure(g, inputs, policy, args.repeats))
-        print(json.dumps({"set": "calibration", "graph": name, "tasks": len(g), "measured_s": traces[-1].makespan}))
+        runs = measure(g, inputs, policy, args.repeats)
+        traces += runs  # every run is a sample for the fit
+        print(json.dumps({"set": "calibration", "graph": name, "tasks": len(g),
+                          "measured_s": runs[len(runs) // 2].makespan}))
     fits = fit_traces(traces)
     print(fit_table(fits))
     model = CostModel(load_profile("cpu"), overrides={op: f.coeffs for op, f in fits.items()})
     errors = []
     for make in PREDICTION:
         name, g, inputs, policy = make()
-        measured = measure(g, inputs, policy, args.repeats).makespan
+        runs = measure(g, inputs, policy, args.repeats)
+        measured = runs[len(runs) // 2].makespan
         predicted = Simulator("cpu", UNITS, make_policy(policy), model).run(g).trace.makespan
         errors.append(abs(predicted - measured) / measured)
         print(json.dumps({"set": "prediction", "graph": name, "tasks": len(g), "measured_s": measured,

@@ -85,16 +85,19 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
 
 
 def dispatch_latency(traces: Iterable[Trace]) -> float:
-    """Median seconds from "could start" (unit free, dependencies done) to start."""
+    """Median seconds from "could start" (unit free, dependencies done) to start, over the
+    tasks that had something to wait for (a dependency or an earlier task on their unit)."""
     gaps = []
     for t in traces:
         end = {(e.rank, e.tid): e.end for e in t.events}
         unit_free: dict[tuple, float] = {}
         for e in sorted(t.events, key=lambda e: e.start):
             key = (e.rank, e.engine, e.unit)
-            ready = max([unit_free.get(key, e.start)] + [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end])
-            if ready <= e.start:
-                gaps.append(e.start - ready)
+            waits = [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end]
+            if key in unit_free:
+                waits.append(unit_free[key])
+            if waits and max(waits) <= e.start:
+                gaps.append(e.start - max(waits))
             unit_free[key] = e.end
     return float(np.median(gaps)) if gaps else 0.0
 

@@ -63,6 +63,15 @@ def test_profiles_ship_with_the_wheel(wheel):
         assert f"megaloom/scheduler/profiles/{f.name}" in names
 
 
+def test_compiled_simulator_loop_ships_when_built(wheel):
+    from megaloom.scheduler import fastpath
+
+    if not fastpath.AVAILABLE:
+        pytest.skip("the _fastsim extension was not built here (no compiler?)")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert [n for n in names if n.startswith("megaloom/scheduler/_fastsim") and n.endswith(".so")]
+
+
 def test_runtime_imports_from_the_wheel(wheel, tmp_path):
     code = ("import megaloom.runtime as r, megaloom.ops; g = r.TaskGraph(); g.task('noop');"
             "r.ThreadExecutor(kernels='null').run(g); print(r.__file__)")

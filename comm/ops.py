@@ -237,16 +237,19 @@ def _cost_out(ins, outs, attrs) -> Cost:
     return Cost(comm_bytes=float(outs[0].nbytes))
 
 
-def _cost_gather(ins, outs, attrs) -> Cost:
+def _cost_ring(full: TensorSpec, attrs) -> Cost:
+    """Ring gather/scatter of the full tensor ``full`` (uneven shards travel padded to the largest)."""
     w = len(attrs["sizes"]) if "sizes" in attrs else attrs["world_size"]
-    rows = max(attrs["sizes"]) * w if "sizes" in attrs else outs[0].shape[0]
-    return Cost(comm_bytes=_ring(_rows(outs[0], rows).nbytes, w))
+    rows = max(attrs["sizes"]) * w if "sizes" in attrs else full.shape[0]
+    return Cost(comm_bytes=_ring(_rows(full, rows).nbytes, w))
+
+
+def _cost_gather(ins, outs, attrs) -> Cost:
+    return _cost_ring(outs[0], attrs)
 
 
 def _cost_scatter(ins, outs, attrs) -> Cost:
-    w = len(attrs["sizes"]) if "sizes" in attrs else attrs["world_size"]
-    rows = max(attrs["sizes"]) * w if "sizes" in attrs else ins[0].shape[0]
-    return Cost(comm_bytes=_ring(_rows(ins[0], rows).nbytes, w))
+    return _cost_ring(ins[0], attrs)
 
 
 def _cost_all_reduce(ins, outs, attrs) -> Cost:

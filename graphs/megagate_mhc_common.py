@@ -87,27 +87,6 @@ def spec_from_mapping(cls: type[S], data: Mapping[str, Any]) -> S:
     return cls(**kwargs)
 
 
-def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Options from the YAML file ``path`` (at top level or under ``key``), then ``overrides``.
-
-    An unreadable file or a document that is not a mapping raises ConfigError naming the file.
-    """
-    opts: dict[str, Any] = {}
-    if path is not None:
-        import yaml
-
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read {key} spec {path!r}: {e}") from None
-        data = data.get(key, data) if isinstance(data, dict) else data
-        require(isinstance(data, dict), f"{key} spec {path!r}", "must hold a mapping of options")
-        opts.update(data)
-    opts.update(overrides)
-    return opts
-
-
 class GraphRunner:
     """Builds each (builder, spec) graph once and runs it on an executor.
 

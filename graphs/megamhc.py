@@ -35,8 +35,9 @@ import torch
 
 from megaloom.graphs import ops_mhc, ops_proj  # noqa: F401  (register the ops)
 from megaloom.graphs.megagate_mhc_common import (
-    check_dtype, load_options, require, spec_from_mapping, token_tiles, weight_grad_chains,
+    check_dtype, require, spec_from_mapping, token_tiles, weight_grad_chains,
 )
+from megaloom.graphs.options import load_options
 from megaloom.graphs.ops_proj import acc_dtype, up
 from megaloom.runtime.graph import TaskGraph
 

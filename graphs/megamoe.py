@@ -17,6 +17,7 @@ from megaloom.graphs.megamoe_memory import MemoryEstimate, estimate_memory, meas
 from megaloom.graphs.megamoe_module import MegaMoE, MegaMoEFunction, MegaMoERunner
 from megaloom.graphs.megamoe_reference import moe_reference
 from megaloom.graphs.megamoe_spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
+from megaloom.graphs.options import load_options
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
 
@@ -78,18 +79,4 @@ def build_from_options(options: dict[str, Any]) -> TaskGraph:
 def build_graph(spec: str | None = None, **options: Any) -> TaskGraph:
     """``megaloom simulate --graph megamoe:k=v,...`` entry point. ``spec``: a YAML file of
     options (at top level or under a ``megamoe:`` key); ``options`` override it."""
-    opts: dict[str, Any] = {}
-    if spec is not None:
-        import yaml
-
-        try:
-            with open(spec, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read MegaMoE spec {spec!r}: {e}") from None
-        data = data.get("megamoe", data) if isinstance(data, dict) else data
-        if not isinstance(data, dict):
-            raise ConfigError(f"MegaMoE spec {spec!r} must hold a mapping of options")
-        opts.update(data)
-    opts.update(options)
-    return build_from_options(opts)
+    return build_from_options(load_options(spec, "megamoe", options))

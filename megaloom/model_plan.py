@@ -153,6 +153,13 @@ def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
+def _check_parity(err: float, rtol: float, log: Callable[[str], None], note: str, problem: str, **fmt: Any) -> None:
+    """Log ``note``; raise ConfigError ``problem`` when ``err > rtol`` (both formatted with err, rtol, ``fmt``)."""
+    log(note.format(err=err, rtol=rtol, **fmt))
+    if err > rtol:
+        raise ConfigError(problem.format(err=err, rtol=rtol, **fmt))
+
+
 def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = print,
                       comm: Any = None) -> list[Replacement]:
     """Check both plans, swap modules in, and check the logits against the original model's."""
@@ -168,18 +175,16 @@ def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = 
         log(f"replaced {r.path} ({type(r.old).__name__}) with {type(r.new).__name__}: parameters kept by identity"
             + (" (expert weights passed as transposed views, no copy)" if isinstance(r.new, MegaMoEBlock) else ""))
     if check and done:
-        err = max_rel_err(probe(), want)
-        log(f"logits after replacing {len(done)} module(s): max relative error {err:.2e} (bound {cfg['replace']['rtol']:g})")
-        if err > cfg["replace"]["rtol"]:
-            raise ConfigError(f"replace: the replaced model's logits differ from the original's by {err:.2e} "
-                              f"(relative), more than replace.rtol={cfg['replace']['rtol']:g}")
+        _check_parity(max_rel_err(probe(), want), cfg["replace"]["rtol"], log,
+                      "logits after replacing {n} module(s): max relative error {err:.2e} (bound {rtol:g})",
+                      "replace: the replaced model's logits differ from the original's by {err:.2e} "
+                      "(relative), more than replace.rtol={rtol:g}", n=len(done))
     lowered = low.apply(model)
     if lowered:
         log(f"low_precision: {len(lowered)} Linear layer(s) now MXFP8Linear (same Parameters)")
     if check and lowered:
-        err = max_rel_err(probe(), want)
-        log(f"logits with MXFP8: max relative error {err:.2e} vs float32 (bound low_precision.rtol={cfg['low_precision']['rtol']:g})")
-        if err > cfg["low_precision"]["rtol"]:
-            raise ConfigError(f"low_precision: MXFP8 logits differ from float32 by {err:.2e} (relative), "
-                              f"more than low_precision.rtol={cfg['low_precision']['rtol']:g}")
+        _check_parity(max_rel_err(probe(), want), cfg["low_precision"]["rtol"], log,
+                      "logits with MXFP8: max relative error {err:.2e} vs float32 (bound low_precision.rtol={rtol:g})",
+                      "low_precision: MXFP8 logits differ from float32 by {err:.2e} (relative), "
+                      "more than low_precision.rtol={rtol:g}")
     return done + lowered

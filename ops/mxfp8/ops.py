@@ -121,12 +121,18 @@ def _dequantize_ref(data, scales, axis: str = "rows", out_dtype: str = "float32"
 
 
 # -- matmuls ----------------------------------------------------------------------------------
-def _matmul_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    _n_inputs(ins, 4, "mx_matmul")
+def _operands(ins: list[TensorSpec], attrs: dict, op: str) -> str:
+    """Check ``op``'s inputs (a data, a scales, b data, b scales) against its layout; return the layout."""
+    _n_inputs(ins, 4, op)
     layout = attrs.get("layout", "NT")
     ax_a, ax_b = layout_axes(layout)
-    _quantized(ins[0], ins[1], ax_a, "mx_matmul operand a")
-    _quantized(ins[2], ins[3], ax_b, "mx_matmul operand b")
+    _quantized(ins[0], ins[1], ax_a, f"{op} operand a")
+    _quantized(ins[2], ins[3], ax_b, f"{op} operand b")
+    return layout
+
+
+def _matmul_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    layout = _operands(ins, attrs, "mx_matmul")
     a, b = ins[0].shape, ins[2].shape
     if len(a) != 2 or len(b) != 2:
         raise GraphError(f"mx_matmul takes 2-D operands, got {a} and {b}")
@@ -138,11 +144,7 @@ def _matmul_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 
 def _grouped_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    _n_inputs(ins, 4, "mx_grouped_matmul")
-    layout = attrs.get("layout", "NT")
-    ax_a, ax_b = layout_axes(layout)
-    _quantized(ins[0], ins[1], ax_a, "mx_grouped_matmul operand a")
-    _quantized(ins[2], ins[3], ax_b, "mx_grouped_matmul operand b")
+    layout = _operands(ins, attrs, "mx_grouped_matmul")
     offs = check_offsets(attrs.get("group_offsets", []))
     a, b = ins[0].shape, ins[2].shape
     if layout == "TN":

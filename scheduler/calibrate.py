@@ -93,6 +93,6 @@ def write_profile(profile: HardwareProfile, path: str | os.PathLike | None = Non
     """Write ``profile`` as YAML atomically (default: the user profile directory)."""
     out = Path(path) if path is not None else user_profile_dir() / f"{profile.name}.yaml"
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = f"# written by `megaloom calibrate`\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False)
+    text = "# written by `megaloom calibrate`\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False)
     atomic_write(out, text.encode())
     return out

@@ -17,6 +17,6 @@ from megaloom.ops.dvm.split import Limits, SegNode, split
 
 __all__ = [
     "cache_size", "clear_cache", "compile_program", "configure", "find_clusters", "fuse", "Instr",
-    "instr", "Jit", "jit", "Limits", "Options", "options", "pattern", "primitive", "primitive_of",
+    "instr", "Jit", "jit", "l2_cache_bytes", "Limits", "Options", "options", "pattern", "primitive", "primitive_of",
     "PRIMITIVES", "Program", "program_of", "SegNode", "split", "trace",
 ]

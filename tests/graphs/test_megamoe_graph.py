@@ -68,10 +68,9 @@ def test_routing_permutation_and_counts():
 
 
 def test_counts_offsets_of_an_imbalanced_ep_routing():
-    spec = spec_of(ep=2)  # 3 local experts per rank
     counts = ((5, 0, 1, 2, 0, 72), (0, 0, 0, 40, 40, 0))
     from megaloom.graphs.megamoe_spec import Counts
-    c = Counts(1, 2, 3, counts)
+    c = Counts(1, 2, 3, counts)  # 3 local experts per rank
     assert c.send_rows == 80 and c.recv_rows == 2 + 0 + 72 + 40 + 0 + 40
     assert c.send_block(1, 0) == (0, 40) and c.send_block(1, 1) == (40, 80)
     assert c.recv_block(0, 0) == (0, 2) and c.recv_block(0, 1) == (2, 42) and c.expert_rows(2) == (82, 154)

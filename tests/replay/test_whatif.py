@@ -6,8 +6,8 @@ import torch
 
 from megaloom.cli import main
 from megaloom.demo import build_demo_graph, demo_inputs
-from megaloom.runtime import ConfigError, ThreadExecutor, Trace
-from megaloom.scheduler import CostModel, Simulator, load_profile
+from megaloom.runtime import ConfigError, ThreadExecutor
+from megaloom.scheduler import CostModel, load_profile
 from megaloom.scheduler.fit import calibrated_profile, fit_traces
 from megaloom.scheduler.profile import read_profile
 from megaloom.scheduler.replay import device_ratio, replay

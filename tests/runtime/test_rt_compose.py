@@ -23,7 +23,7 @@ def test_two_layers_chained_through_bound_buffers():
     mid, out = g.buffer("mid", (8, 4)), g.output("out", (8, 4))
     blk = block()
     l0 = g.compose(blk, prefix="l0.", bind={"x": x, "w": w, "y": mid})
-    l1 = g.compose(blk, prefix="l1.", bind={"x": mid, "w": w, "y": out})
+    g.compose(blk, prefix="l1.", bind={"x": mid, "w": w, "y": out})
     assert [t.name for t in l0.tasks] == ["l0.mm", "l0.act", "l0.res", "l0.mark"]
     assert set(g.buffers) == {"x", "w", "mid", "out", "l0.h", "l1.h"}
     assert l0["h"].buffer.name == "l0.h" and l0["y"].buffer is mid

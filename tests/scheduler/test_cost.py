@@ -47,9 +47,9 @@ def test_comm_alpha_beta_per_link(cm):
 
 def test_comm_link_from_task_tags_and_measured_duration(cm):
     g = TaskGraph("c")
-    intra = g.task("noop", engine="comm", cost=Cost(comm_bytes=1e6))
-    inter = g.task("noop", engine="comm", cost=Cost(comm_bytes=1e6), tags={"link": "inter"})
-    measured = g.task("noop", engine="cube", cost=Cost(flops=1e15), attrs={"duration": 0.125})
+    g.task("noop", engine="comm", cost=Cost(comm_bytes=1e6))
+    g.task("noop", engine="comm", cost=Cost(comm_bytes=1e6), tags={"link": "inter"})
+    g.task("noop", engine="cube", cost=Cost(flops=1e15), attrs={"duration": 0.125})
     d = cm.durations(g)
     assert d[0] == cm.duration(Cost(comm_bytes=1e6), "comm", "intra")
     assert d[1] == cm.duration(Cost(comm_bytes=1e6), "comm", "inter") > d[0]

@@ -25,7 +25,7 @@ ROUTINGS = ("balanced", "random", "skewed")
 
 __all__ = [
     "BWD_STAGES", "Counts", "build_graph", "FWD_STAGES", "MegaMoE", "MegaMoEFunction", "MegaMoERunner", "MegaMoESpec",
-    "MemoryEstimate", "ROUTINGS", "Routing", "build_backward", "build_forward", "build_from_options",
+    "MemoryEstimate", "ROUTINGS", "Routing", "build_backward", "build_forward", "build_from_options", "build_world",
     "estimate_memory", "local_counts", "make_routing", "measured_bytes", "moe_reference", "synthetic_counts",
 ]
 
@@ -80,3 +80,14 @@ def build_graph(spec: str | None = None, **options: Any) -> TaskGraph:
     """``megaloom simulate --graph megamoe:k=v,...`` entry point. ``spec``: a YAML file of
     options (at top level or under a ``megamoe:`` key); ``options`` override it."""
     return build_from_options(load_options(spec, "megamoe", options))
+
+
+def build_world(spec: str | None = None, **options: Any) -> list[TaskGraph]:
+    """``megaloom simulate --graph megamoe:... --world`` entry point: every EP rank's graph
+    (``rank = 0 .. ep - 1``, same options and routing), for
+    :func:`megaloom.scheduler.world.simulate_world`."""
+    opts = load_options(spec, "megamoe", options)
+    if "rank" in opts:
+        raise ConfigError(f"option rank={opts['rank']!r} conflicts with a world simulation, which builds every rank")
+    ep = MegaMoESpec.from_dict({k: v for k, v in opts.items() if k in MegaMoESpec.__dataclass_fields__}).ep
+    return [build_from_options({**opts, "rank": r}) for r in range(ep)]

@@ -119,6 +119,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph", default=None, metavar="SPEC", help="a graph file, or a builder NAME[:key=value,...]")
     p.add_argument("--profile", default="ascend-910b", help="hardware profile name or YAML path (default: ascend-910b)")
     add_common(p)
+    p.add_argument("--world", action="store_true",
+                   help="simulate every rank of a builder with a world hook (e.g. megamoe:...,ep=N), collectives synchronised")
+    p.add_argument("--slowdown", default=None, metavar="RANK=FACTOR,...",
+                   help="with --world: multiply every duration of these ranks, e.g. 3=1.5")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
     bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
@@ -130,11 +134,44 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.graph_file is None) == (args.graph is None):
         raise ConfigError("give exactly one graph: GRAPH_FILE or --graph SPEC")
+    if args.world or args.slowdown:
+        return run_world(args)
     graph = resolve_graph(args.graph_file or args.graph)
     policy, units = policy_and_units(args)
     show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(graph) >= 100_000)
     sim = Simulator(args.profile, units, policy, progress=progress_bar() if show else None)
     result = sim.run(graph)
     print(summary(result.trace))
+    write_outputs(result.trace, args)
+    return 0
+
+
+def resolve_world(spec: str) -> list[TaskGraph]:
+    """Every rank's graph from a builder whose module defines ``build_world(**options)``."""
+    name, opts = parse_spec(spec)
+    builder = graph_builders().get(name)
+    hook = getattr(sys.modules.get(builder.__module__), "build_world", None) if builder is not None else None
+    if hook is None:
+        raise ConfigError(f"--world needs a graph builder with a world hook (a build_world function beside it), "
+                          f"got {spec!r}")
+    try:
+        return hook(**opts)
+    except TypeError as e:
+        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
+
+
+def run_world(args: argparse.Namespace) -> int:
+    from megaloom.scheduler.world import simulate_world, world_summary
+
+    if not args.world or args.graph is None:
+        raise ConfigError("--world takes --graph NAME[:key=value,...] of a builder with a world hook; --slowdown needs --world")
+    slowdown = {}
+    for k, v in parse_spec(":" + (args.slowdown or ""))[1].items():
+        if not isinstance(k, str) or not k.isdigit():
+            raise ConfigError(f"bad --slowdown item {k}={v}: expected RANK=FACTOR")
+        slowdown[int(k)] = v
+    policy, units = policy_and_units(args)
+    result = simulate_world(resolve_world(args.graph), args.profile, units, policy, slowdown=slowdown)
+    print(world_summary(result.trace))
     write_outputs(result.trace, args)
     return 0

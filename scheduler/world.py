@@ -1,0 +1,271 @@
+"""Simulate every rank of an expert-parallel (or any SPMD) step at once: the world graph.
+
+``simulate_world(graphs, profile)`` takes one graph per rank (``graphs[r]`` is rank r's)
+and builds one *world graph* that the ordinary :class:`~megaloom.scheduler.simulator.Simulator`
+runs (same Core, same policies, the compiled loop when the policy allows):
+
+- every rank's tasks, named ``r{rank}/{name}``, on engine kinds ``{kind}@{rank}`` (each rank
+  has its own pools with the profile's unit counts, or ``units``), with the rank's edges;
+- durations precomputed per rank with the cost model, times ``slowdown.get(rank, 1.0)``, and
+  carried as ``attrs['duration']`` (which the cost model honours);
+- one zero-duration **rendezvous** task per collective instance, on engine ``sync`` (one unit
+  per rendezvous, so it never queues): it waits for the predecessors of that collective on
+  every rank, and the collective of every rank waits for it. So a collective starts on no
+  rank before every participant has reached it, and a slow rank delays the others exactly
+  there. With ``sync_end`` (default) every participant's copy lasts as long as the slowest
+  one (a collective completes together), so it also ends at the same time on every rank.
+
+Matching: collectives (ops in :data:`COLLECTIVE_OPS`) are matched across ranks by the
+order each rank issues them: a topological order of its graph, ties by task id, which is
+the ``chain`` order when the collectives are chained (:func:`megaloom.comm.ops.chain`, as
+real ranks must). Every rank must issue the same number of collectives with the same ops
+in that order, else :class:`ScheduleError` names the first mismatch. All collectives span
+the whole world (sub-groups are not modelled). Point-to-point ``send``/``recv`` pairs are
+matched by (source, destination, ``tag``) in issue order and rendezvous pairwise; one
+without its partner raises ScheduleError. Orders that would deadlock real ranks (a cycle
+through rendezvous) raise ScheduleError too.
+
+The result maps back to the ranks: each event has ``rank`` r, its original engine kind,
+task name and task id (``deps`` are the rank's own edges). Rendezvous tasks are dropped
+from the trace (their instants are the collectives' start times).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
+from typing import Mapping, Sequence
+
+from megaloom.runtime.core import Policy
+from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
+from megaloom.runtime.executors.base import RunResult, events_of
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.metrics import summary
+from megaloom.runtime.registry import Cost
+from megaloom.runtime.trace import Trace
+from megaloom.scheduler.cost import DURATION_ATTR, CostModel
+from megaloom.scheduler.profile import HardwareProfile
+from megaloom.scheduler.simulator import Simulator
+
+COLLECTIVE_OPS = frozenset({"all_to_all", "all_gather", "reduce_scatter", "all_reduce",
+                            "shard_all_gather", "shard_reduce_scatter"})
+"""Ops that every rank joins (matched by issue order)."""
+P2P_OPS = frozenset({"send", "recv"})
+"""Point-to-point ops (matched by source, destination and tag)."""
+SYNC_ENGINE = "sync"
+"""Engine kind of the rendezvous tasks."""
+
+
+def rank_engine(kind: str, rank: int) -> str:
+    """The world engine kind of rank ``rank``'s ``kind`` units, e.g. ``cube@3``."""
+    return f"{kind}@{rank}"
+
+
+@dataclass(slots=True)
+class Rendezvous:
+    """One collective (or send/recv pair) instance: its label and the ``(rank, task id)`` that join it."""
+
+    label: str
+    members: list[tuple[int, int]]
+
+
+@dataclass(slots=True)
+class World:
+    """A world graph and how it maps back: ``owner[world id]`` is ``(rank, task id)``, or
+    None for a rendezvous; ``offset[r]`` is the world id of rank r's task 0."""
+
+    graph: TaskGraph
+    units: dict[str, int]
+    owner: list[tuple[int, int] | None]
+    offset: list[int]
+    rendezvous: list[Rendezvous]
+
+
+def issue_order(graph: TaskGraph) -> list[int]:
+    """Task ids in a topological order, ready ties broken by the smaller id (Kahn with a heap)."""
+    unmet = [len(p) for p in graph.pred]
+    ready = [i for i, n in enumerate(unmet) if n == 0]
+    heapify(ready)
+    out: list[int] = []
+    while ready:
+        t = heappop(ready)
+        out.append(t)
+        for s in graph.succ[t]:
+            unmet[s] -= 1
+            if unmet[s] == 0:
+                heappush(ready, s)
+    if len(out) != len(graph.tasks):
+        graph.topological_order()  # raises GraphError naming the cycle
+    return out
+
+
+def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
+    """Every collective instance (by issue order) and send/recv pair (by peer and tag)."""
+    world = len(graphs)
+    orders = [issue_order(g) for g in graphs]
+    colls = [[t for t in order if g.tasks[t].op in COLLECTIVE_OPS] for g, order in zip(graphs, orders)]
+    out: list[Rendezvous] = []
+    for k in range(max(map(len, colls), default=0)):
+        ref = graphs[0].tasks[colls[0][k]] if k < len(colls[0]) else None
+        for r in range(world):
+            mine = graphs[r].tasks[colls[r][k]] if k < len(colls[r]) else None
+            if ref is None or mine is None or mine.op != ref.op:
+                def say(rank: int, t) -> str:
+                    return f"rank {rank} issues {t.op} {t.name!r}" if t is not None else \
+                           f"rank {rank} issues none (it has {len(colls[rank])} collectives)"
+                raise ScheduleError(f"collective #{k} does not match across ranks: {say(0, ref)}, {say(r, mine)}")
+        out.append(Rendezvous(f"{ref.op}#{k}", [(r, colls[r][k]) for r in range(world)]))
+    sends: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
+    recvs: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
+    for r, (g, order) in enumerate(zip(graphs, orders)):
+        for t in order:
+            task = g.tasks[t]
+            if task.op not in P2P_OPS:
+                continue
+            peer = task.attrs.get("peer")
+            if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world or peer == r:
+                raise ScheduleError(f"rank {r}: {task.op} {task.name!r} has peer {peer!r}, "
+                                    f"not another rank of a world of {world}")
+            tag = task.attrs.get("tag", 0)
+            if task.op == "send":
+                sends.setdefault((r, peer, tag), []).append((r, t))
+            else:
+                recvs.setdefault((peer, r, tag), []).append((r, t))
+    for key in sorted(set(sends) | set(recvs), key=repr):
+        s, v = sends.get(key, []), recvs.get(key, [])
+        if len(s) != len(v):
+            src, dst, tag = key
+            lone = (s if len(s) > len(v) else v)[min(len(s), len(v))]
+            name = graphs[lone[0]].tasks[lone[1]].name
+            raise ScheduleError(f"rank {src} sends {len(s)} message(s) with tag {tag!r} to rank {dst}, which receives "
+                                f"{len(v)}: {name!r} on rank {lone[0]} has no partner")
+        out += [Rendezvous(f"p2p {key[0]}->{key[1]} tag {key[2]!r} #{i}", [a, b]) for i, (a, b) in enumerate(zip(s, v))]
+    return out
+
+
+def _check_slowdown(slowdown: Mapping[int, float] | None, world: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for r, f in (slowdown or {}).items():
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
+            raise ConfigError(f"slowdown names rank {r!r}, outside a world of {world}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ConfigError(f"slowdown[{r}] must be a positive finite number, got {f!r}")
+        out[r] = float(f)
+    return out
+
+
+def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_model: CostModel,
+                slowdown: Mapping[int, float] | None = None, *, sync_end: bool = True) -> World:
+    """The world graph of ``graphs`` (see the module docstring); ``units`` per rank."""
+    if not graphs:
+        raise ConfigError("simulate_world needs at least one rank's graph")
+    slow = _check_slowdown(slowdown, len(graphs))
+    rdv = match_collectives(graphs)
+    durs = [[d * slow.get(r, 1.0) for d in cost_model.durations(g)] for r, g in enumerate(graphs)]
+    if sync_end:
+        for rv in rdv:
+            longest = max(durs[r][t] for r, t in rv.members)
+            for r, t in rv.members:
+                durs[r][t] = longest
+    w = TaskGraph(f"world[{len(graphs)}]")
+    world_units: dict[str, int] = {}
+    owner: list[tuple[int, int] | None] = []
+    offset: list[int] = []
+    for r, g in enumerate(graphs):
+        offset.append(len(w.tasks))
+        for kind in g.engines():
+            if units.get(kind, 0) <= 0:
+                raise ScheduleError(f"rank {r}: graph {g.name!r} uses engine kind {kind!r} with no units; given {dict(units)}")
+            world_units[rank_engine(kind, r)] = units[kind]
+        costs = g.costs()
+        for t, d in zip(g.tasks, durs[r]):
+            w.task(t.op, name=f"r{r}/{t.name}", engine=rank_engine(t.engine, r), attrs={DURATION_ATTR: d},
+                   priority=t.priority, tags=t.tags, cost=costs[t.id])
+            owner.append((r, t.id))
+        base, wt = offset[r], w.tasks
+        for t, preds in enumerate(g.pred):
+            for p in preds:
+                w.edge(wt[base + p], wt[base + t])
+    for i, rv in enumerate(rdv):
+        sync = w.task("rendezvous", name=f"sync/{i}.{rv.label}", engine=SYNC_ENGINE, attrs={DURATION_ATTR: 0.0},
+                      cost=Cost(), tags={"collective": i})
+        owner.append(None)
+        for r, t in rv.members:
+            for p in graphs[r].pred[t]:
+                w.edge(w.tasks[offset[r] + p], sync)
+            w.edge(sync, w.tasks[offset[r] + t])
+    if rdv:
+        world_units[SYNC_ENGINE] = len(rdv)
+    try:
+        w.topological_order()
+    except GraphError as e:
+        raise ScheduleError(f"the ranks' collectives deadlock (a cycle through rendezvous; check that every rank "
+                            f"issues its collectives and send/recv in a matching order): {e}") from None
+    return World(w, world_units, owner, offset, rdv)
+
+
+def simulate_world(
+    graphs: Sequence[TaskGraph],
+    profile: HardwareProfile | str,
+    units: Mapping[str, int] | None = None,
+    policy: Policy | str | None = None,
+    cost_model: CostModel | None = None,
+    *,
+    slowdown: Mapping[int, float] | None = None,
+    sync_end: bool = True,
+    validate: bool = True,
+) -> RunResult:
+    """Simulate rank r's graph ``graphs[r]`` for every r together, collectives synchronised.
+
+    ``units`` override the profile's unit counts on every rank; ``slowdown[r]`` multiplies
+    every duration of rank r; ``sync_end`` makes each collective last as long as its slowest
+    participant on every rank. Returns one trace of every rank's events (``rank`` set;
+    ``meta['world_size']``, ``meta['slowdown']``, ``meta['collectives']``).
+    """
+    base = Simulator(profile, units, policy, cost_model)
+    if validate:
+        for g in graphs:
+            g.validate()
+    world = world_graph(graphs, base.units, base.cost_model, slowdown, sync_end=sync_end)
+    sim = Simulator(base.profile, world.units, base.policy, base.cost_model)
+    sched = sim.schedule(world.graph)
+    records: list[list[tuple[int, int, float, float]]] = [[] for _ in graphs]
+    for wid in sched.order:
+        own = world.owner[wid]
+        if own is not None:
+            s = sched.start[wid]
+            records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
+    events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]
+    events.sort(key=lambda e: (e.start, e.rank, e.tid))
+    used = {k: n for k, n in base.units.items() if any(k in g.engines() for g in graphs)}
+    meta = {"graph": graphs[0].name if len({g.name for g in graphs}) == 1 else world.graph.name,
+            "graphs": [g.name for g in graphs], "mode": "simulate", "clock": "virtual", "profile": base.profile.name,
+            "units": used, "policy": base.policy.name, "world_size": len(graphs), "loop": sim.last_loop,
+            "slowdown": {str(r): f for r, f in _check_slowdown(slowdown, len(graphs)).items()},
+            "collectives": len(world.rendezvous)}
+    return RunResult({}, Trace(events, meta))
+
+
+def rank_ends(trace: Trace) -> dict[int, float]:
+    """When each rank's last task ends."""
+    out: dict[int, float] = {}
+    for e in trace.events:
+        out[e.rank] = max(out.get(e.rank, 0.0), e.end)
+    return out
+
+
+def world_summary(trace: Trace) -> str:
+    """The summary of each rank's events, then when each rank ends and the world makespan."""
+    ends = rank_ends(trace)
+    names = trace.meta.get("graphs") or []
+    parts = []
+    for r in sorted(ends):
+        meta = {**trace.meta, "graph": names[r] if r < len(names) else trace.meta.get("graph", "?")}
+        parts.append(f"rank {r}: " + summary(Trace([e for e in trace.events if e.rank == r], meta)))
+    slow = trace.meta.get("slowdown") or {}
+    last = max(ends, key=ends.get) if ends else 0
+    parts.append(f"world of {len(ends)} ranks, {trace.meta.get('collectives', 0)} collective instances"
+                 + (f", slowdown {slow}" if slow else "") + "\n"
+                 + "".join(f"  rank {r} ends at {ends[r] * 1e6:.3f} us\n" for r in sorted(ends))
+                 + f"  world makespan      {ends.get(last, 0.0) * 1e6:.3f} us (rank {last} ends last)")
+    return "\n".join(parts)

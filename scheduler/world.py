@@ -39,7 +39,7 @@ from typing import Mapping, Sequence
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
 from megaloom.runtime.executors.base import RunResult, events_of
-from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace
@@ -72,13 +72,15 @@ class Rendezvous:
 @dataclass(slots=True)
 class World:
     """A world graph and how it maps back: ``owner[world id]`` is ``(rank, task id)``, or
-    None for a rendezvous; ``offset[r]`` is the world id of rank r's task 0."""
+    None for a rendezvous; ``offset[r]`` is the world id of rank r's task 0; ``slowdown``
+    the checked factors."""
 
     graph: TaskGraph
     units: dict[str, int]
     owner: list[tuple[int, int] | None]
     offset: list[int]
     rendezvous: list[Rendezvous]
+    slowdown: dict[int, float]
 
 
 def issue_order(graph: TaskGraph) -> list[int]:
@@ -99,6 +101,12 @@ def issue_order(graph: TaskGraph) -> list[int]:
     return out
 
 
+def _issues(rank: int, task: Task | None, colls: list[int]) -> str:
+    if task is None:
+        return f"rank {rank} issues none (it has {len(colls)} collectives)"
+    return f"rank {rank} issues {task.op} {task.name!r}"
+
+
 def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     """Every collective instance (by issue order) and send/recv pair (by peer and tag)."""
     world = len(graphs)
@@ -110,10 +118,8 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
         for r in range(world):
             mine = graphs[r].tasks[colls[r][k]] if k < len(colls[r]) else None
             if ref is None or mine is None or mine.op != ref.op:
-                def say(rank: int, t) -> str:
-                    return f"rank {rank} issues {t.op} {t.name!r}" if t is not None else \
-                           f"rank {rank} issues none (it has {len(colls[rank])} collectives)"
-                raise ScheduleError(f"collective #{k} does not match across ranks: {say(0, ref)}, {say(r, mine)}")
+                raise ScheduleError(f"collective #{k} does not match across ranks: "
+                                    f"{_issues(0, ref, colls[0])}, {_issues(r, mine, colls[r])}")
         out.append(Rendezvous(f"{ref.op}#{k}", [(r, colls[r][k]) for r in range(world)]))
     sends: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
     recvs: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
@@ -201,7 +207,7 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
     except GraphError as e:
         raise ScheduleError(f"the ranks' collectives deadlock (a cycle through rendezvous; check that every rank "
                             f"issues its collectives and send/recv in a matching order): {e}") from None
-    return World(w, world_units, owner, offset, rdv)
+    return World(w, world_units, owner, offset, rdv, slow)
 
 
 def simulate_world(
@@ -241,7 +247,7 @@ def simulate_world(
     meta = {"graph": graphs[0].name if len({g.name for g in graphs}) == 1 else world.graph.name,
             "graphs": [g.name for g in graphs], "mode": "simulate", "clock": "virtual", "profile": base.profile.name,
             "units": used, "policy": base.policy.name, "world_size": len(graphs), "loop": sim.last_loop,
-            "slowdown": {str(r): f for r, f in _check_slowdown(slowdown, len(graphs)).items()},
+            "slowdown": {str(r): f for r, f in world.slowdown.items()},
             "collectives": len(world.rendezvous)}
     return RunResult({}, Trace(events, meta))
 

@@ -46,7 +46,7 @@ def times(events):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("policy", ["fifo", "critical_path"])
+@pytest.mark.parametrize("policy", ["fifo", "critical_path", "rotated", "expert_interleave", "static"])
 def test_identical_ranks_get_the_single_rank_schedule(world, policy):
     for g in (spmd_graph(STEP), random_dag(3, 40)):
         single = by_rank(Simulator("h100", policy=policy).run(g).trace)[0]
@@ -127,14 +127,15 @@ def test_megamoe_ep_world(ep):
         for tid, e in ranks[r].items():
             assert e.task == g.tasks[tid].name and e.deps == g.pred[tid]
             assert all(ranks[r][p].end <= e.start for p in e.deps)
-    rdv = match_collectives(graphs)
-    assert rdv and all(len(rv.members) == ep for rv in rdv)
-    for rv in rdv:
-        starts = {ranks[r][t].start for r, t in rv.members}
-        assert len(starts) == 1, rv.label
+    # the builder names the k-th collective alike on every rank (stage, expert, round, chunk)
+    colls = [{e.task: e for e in ranks[r].values() if e.op == "all_to_all"} for r in range(ep)]
+    assert colls[0] and all(c.keys() == colls[0].keys() for c in colls)
+    assert len(match_collectives(graphs)) == len(colls[0])
+    for name in colls[0]:
+        assert len({c[name].start for c in colls}) == 1, name
         # and no rank starts it before every rank has finished that collective's predecessors
-        ready = max(ranks[r][p].end for r, t in rv.members for p in graphs[r].pred[t])
-        assert starts.pop() >= ready
+        ready = max((ranks[r][p].end for r in range(ep) for p in colls[r][name].deps), default=0.0)
+        assert colls[0][name].start >= ready
     world_end = max(rank_ends(trace).values())
     for g in graphs:
         assert world_end >= Simulator("atlas-a3", policy="critical_path").run(g).trace.makespan

@@ -22,15 +22,11 @@ import zmq
 
 from megaloom.runtime.errors import CommError
 from megaloom.runtime.executors.base import Observer
-from megaloom.runtime.trace import Trace, TraceEvent
+from megaloom.runtime.trace import FIELD_TYPES, REQUIRED_COLUMNS, Trace, TraceEvent
 
 PROTOCOL = 1
 MAX_MESSAGE = 8 << 20
 _FIELDS = [f.name for f in fields(TraceEvent)]
-_INT, _NUM = (int,), (int, float)
-_KINDS = {"tid": _INT, "task": (str,), "op": (str,), "engine": (str,), "unit": _INT, "rank": _INT,
-          "start": _NUM, "end": _NUM, "flops": _NUM, "bytes": _NUM, "comm_bytes": _NUM, "deps": (list,),
-          "tags": (dict,)}
 
 
 class TraceStreamer(Observer):
@@ -198,9 +194,9 @@ def _check(msg: Any) -> tuple[int, str, float, list]:
     if not isinstance(sent, (int, float)) or not isinstance(rows, list):
         raise ValueError("bad header")
     for row in rows:
-        if not isinstance(row, list) or len(row) != len(_FIELDS):
+        if not isinstance(row, list) or not REQUIRED_COLUMNS <= len(row) <= len(_FIELDS):  # older ranks send fewer
             raise ValueError("bad event row")
         for name, v in zip(_FIELDS, row):
-            if not isinstance(v, _KINDS[name]) or isinstance(v, bool):
+            if not isinstance(v, FIELD_TYPES[name]) or isinstance(v, bool):
                 raise ValueError(f"bad field {name}")
     return rank, kind, float(sent), rows

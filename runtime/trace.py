@@ -15,7 +15,7 @@ import msgpack
 from megaloom.runtime.errors import TraceFormatError
 
 TRACE_FORMAT = "megaloom-trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2  # 2: events carry their precision (version 1 files still load)
 
 
 @dataclass(slots=True)
@@ -35,6 +35,7 @@ class TraceEvent:
     comm_bytes: float = 0.0
     deps: list[int] = field(default_factory=list)
     tags: dict[str, Any] = field(default_factory=dict)
+    precision: str = "fp32"
 
     @property
     def duration(self) -> float:
@@ -42,11 +43,11 @@ class TraceEvent:
 
 
 _COLUMNS = [f.name for f in fields(TraceEvent)]
-_REQUIRED = _COLUMNS.index("end") + 1  # the columns without a default
-_TYPES: dict[str, tuple[type, ...]] = {
+REQUIRED_COLUMNS = _COLUMNS.index("end") + 1  # the leading columns without a default
+FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "tid": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
     "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
-    "comm_bytes": (int, float), "deps": (list,), "tags": (dict,),
+    "comm_bytes": (int, float), "deps": (list,), "tags": (dict,), "precision": (str,),
 }
 
 
@@ -91,7 +92,7 @@ class Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
         data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION)
         cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
-        if not isinstance(cols, list) or len(cols) < _REQUIRED or cols != _COLUMNS[: len(cols)] \
+        if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
                 or not isinstance(rows, list) or not isinstance(meta, dict):
             raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r})")
         events = []
@@ -99,7 +100,7 @@ class Trace:
             if not isinstance(row, list) or len(row) != len(cols):
                 raise TraceFormatError(f"{path}: event {i} has {len(row) if isinstance(row, list) else 'no'} fields, expected {len(cols)}")
             for c, v in zip(cols, row):
-                if not isinstance(v, _TYPES[c]) or isinstance(v, bool):
+                if not isinstance(v, FIELD_TYPES[c]) or isinstance(v, bool):
                     raise TraceFormatError(f"{path}: event {i} field {c!r} has type {type(v).__name__}")
             events.append(TraceEvent(*row))
         return Trace(events, meta)

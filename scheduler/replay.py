@@ -37,7 +37,7 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay",
         prio = e.tags.get("priority", 0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
                            attrs={DURATION_ATTR: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0)},
-                           cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes))
+                           cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes, precision=e.precision))
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
         e = by_tid[tid]
         for d in e.deps:
@@ -60,13 +60,13 @@ def recorded_units(trace: Trace) -> dict[str, int]:
 def device_ratio(recorded: HardwareProfile, target: HardwareProfile) -> Callable[[TraceEvent], float]:
     """Per event, the cost model's duration on ``target`` over its duration on ``recorded``.
 
-    The event's flops, bytes and comm bytes are costed at fp32 unless its tags name a
-    ``precision``; engines a profile has no figures for (``host``) keep their duration.
+    The event's flops, bytes and comm bytes are costed at its recorded precision; engines a
+    profile has no figures for (``host``) keep their duration.
     """
     a, b = CostModel(recorded), CostModel(target)
 
     def ratio(e: TraceEvent) -> float:
-        cost = Cost(e.flops, e.bytes, e.comm_bytes, str(e.tags.get("precision", "fp32")))
+        cost = Cost(e.flops, e.bytes, e.comm_bytes, e.precision)
         link = str(e.tags.get("link", "intra"))
         try:
             was, now = a.duration(cost, e.engine, link, op=e.op), b.duration(cost, e.engine, link, op=e.op)

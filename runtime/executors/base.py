@@ -99,7 +99,7 @@ def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
 def _task_rows(graph: TaskGraph) -> list[tuple]:
     """Per task, the trace-event fields that no run changes (cached per graph version)."""
     def make() -> list[tuple]:
-        return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags)
+        return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags, c.precision)
                 for t, c in zip(graph.tasks, graph.costs())]
     return graph._cached("trace_rows", make)
 
@@ -114,9 +114,9 @@ def events_of(graph: TaskGraph, records: list[tuple[int, int, float, float]], ra
     rows = _task_rows(graph)
     out = []
     for tid, unit, start, end in records:
-        i, name, op, engine, flops, nbytes, comm, deps, tags = rows[tid]
+        i, name, op, engine, flops, nbytes, comm, deps, tags, prec = rows[tid]
         out.append(TraceEvent(i, name, op, engine, unit, rank, start, end, flops, nbytes, comm, list(deps),
-                              dict(tags) if tags else {}))
+                              dict(tags) if tags else {}, prec))
     return out
 
 

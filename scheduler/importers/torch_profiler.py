@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from megaloom.ops.basic import precision
 from megaloom.runtime.dtypes import itemsize
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import Trace, TraceEvent
@@ -201,8 +202,8 @@ def _walk(s: _Slice):
 _GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|linear)$")
 
 
-def _work(s: _Slice) -> tuple[float, float, list[list[int]]]:
-    """Flops and bytes of the innermost GEMM in the nest (from recorded shapes), and its dims."""
+def _work(s: _Slice) -> tuple[float, float, list[list[int]], str]:
+    """Flops, bytes, dims and precision of the innermost GEMM in the nest (from recorded shapes)."""
     for n in reversed(list(_walk(s))):
         dims, types = n.args.get("Input Dims"), n.args.get("Input type")
         if not isinstance(dims, list) or not _GEMM.match(n.name):
@@ -214,11 +215,11 @@ def _work(s: _Slice) -> tuple[float, float, list[list[int]]]:
         batch = a[0] if len(a) == 3 else 1
         m, k = a[-2], a[-1]
         nn = b[-2] if n.name == "aten::linear" else b[-1]  # linear's weight is [out, in]
-        size = itemsize(_DTYPE.get(types[0], "float32")) if isinstance(types, list) and types and isinstance(types[0], str) else 4
+        dtype = _DTYPE.get(types[0], "float32") if isinstance(types, list) and types and isinstance(types[0], str) else "float32"
         flops = 2.0 * batch * m * k * nn
-        nbytes = size * batch * (m * k + k * nn + m * nn)
-        return flops, float(nbytes), mats
-    return 0.0, 0.0, []
+        nbytes = itemsize(dtype) * batch * (m * k + k * nn + m * nn)
+        return flops, float(nbytes), mats, precision(dtype)
+    return 0.0, 0.0, [], "fp32"
 
 
 def _enclosing(starts: dict[Any, list[float]], tasks_on: dict[Any, list[int]], top: list[_Slice],
@@ -314,7 +315,7 @@ def import_torch_profiler(path: str | os.PathLike, rank: int = 0) -> tuple[Trace
     names: dict[str, int] = {}
     events = []
     for idx, s in enumerate(top):
-        flops, nbytes, dims = _work(s)
+        flops, nbytes, dims, prec = _work(s)
         eng, unit = engine_of[idx]
         n = names.get(s.name, 0)
         names[s.name] = n + 1
@@ -327,7 +328,7 @@ def import_torch_profiler(path: str | os.PathLike, rank: int = 0) -> tuple[Trace
             tags["opaque"] = True
         events.append(TraceEvent(idx, s.name if n == 0 else f"{s.name}#{n}", "opaque" if tags.get("opaque") else s.name,
                                  eng, unit, rank, (s.start - t0) * 1e-6, (s.end - t0) * 1e-6, flops, nbytes, 0.0,
-                                 sorted(deps[idx]), tags))
+                                 sorted(deps[idx]), tags, prec))
     report.tasks = len(events)
     meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": "torch.profiler",
             "clock": "wall", "units": units, "world_size": 1, "rank": rank}

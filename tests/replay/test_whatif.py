@@ -6,8 +6,8 @@ import torch
 
 from megaloom.cli import main
 from megaloom.demo import build_demo_graph, demo_inputs
-from megaloom.runtime import ConfigError, ThreadExecutor
-from megaloom.scheduler import CostModel, load_profile
+from megaloom.runtime import ConfigError, ThreadExecutor, Trace
+from megaloom.scheduler import CostModel, Simulator, load_profile
 from megaloom.scheduler.fit import calibrated_profile, fit_traces
 from megaloom.scheduler.profile import read_profile
 from megaloom.scheduler.replay import device_ratio, replay
@@ -90,3 +90,27 @@ def test_cli_calibrate_from_traces_and_replay_imported_profile(tmp_path, execute
     assert "recorded" in text and "replayed" in text
     assert json.loads(perfetto.read_text())["traceEvents"]
     assert main(["replay", str(tmp_path / "missing.json")]) == 2
+
+
+def test_events_carry_precision_and_version_1_traces_still_load(tmp_path):
+    import msgpack
+
+    from megaloom.runtime import TaskGraph
+    from megaloom.runtime.trace import FIELD_TYPES
+
+    g = TaskGraph("bf16")
+    a, b, y = g.input("a", (64, 64), "bfloat16"), g.input("b", (64, 64), "bfloat16"), g.output("y", (64, 64), "bfloat16")
+    g.task("matmul", [a, b], [y])
+    trace = Simulator("h100").run(g).trace
+    assert trace.events[0].precision == "bf16"
+    h100, cpu = load_profile("h100"), load_profile("cpu")
+    cost = g.costs()[0]
+    want = CostModel(cpu).duration(cost, "cube", op="matmul") / CostModel(h100).duration(cost, "cube", op="matmul")
+    assert device_ratio(h100, cpu)(trace.events[0]) == pytest.approx(want)
+    old_cols = [c for c in FIELD_TYPES if c != "precision"]
+    e = trace.events[0]
+    old = {"format": "megaloom-trace", "version": 1, "meta": {}, "columns": old_cols,
+           "events": [[getattr(e, c) for c in old_cols]]}
+    p = tmp_path / "v1.mlt"
+    p.write_bytes(msgpack.packb(old))
+    assert Trace.load(p).events[0].precision == "fp32"

@@ -138,7 +138,7 @@ def test_trace_round_trip(tmp_path):
     (lambda d: d.update(columns=7), "bad trace layout"),
     (lambda d: d.update(columns=["tid", "task"]), "bad trace layout"),
     (lambda d: d.update(columns=["tid", "op"] + d["columns"][2:]), "bad trace layout"),
-    (lambda d: d["events"][0].pop(), "event 0 has 12 fields, expected 13"),
+    (lambda d: d["events"][0].pop(), "event 0 has 13 fields, expected 14"),
     (lambda d: d["events"][1].__setitem__(6, "x"), "event 1 field 'start' has type str"),
     (lambda d: d["events"][1].__setitem__(0, True), "event 1 field 'tid' has type bool"),
     (lambda d: d.update(events={}), "bad trace layout"),

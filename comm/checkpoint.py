@@ -5,8 +5,13 @@ row offset and real size, so standard tooling reads it (``dcp_to_torch_save`` gi
 the full state dict) and a load at another world size reads exactly the rows each
 rank's new shard covers (save on 4 ranks, load on 3 or 2, bit-exact).
 
-Keys: ``model.<param>`` for parameter shards, ``optim.<param>.<state>`` for optimizer
-state (sharded like its parameter when it has the shard's shape, else replicated).
+Keys: ``model.<param>`` for parameters (shards, or whole when replicated) and buffers,
+``optim.<param>.<state>`` for optimizer state (sharded like its parameter when it has
+the shard's shape, else replicated). :func:`save` / :func:`load` take a ShardedModule;
+:func:`save_params` / :func:`load_params` take any ``{name: (local tensor, layout or
+None)}`` map (the trainer's whole model: FSDP shards, expert-parallel slices, replicated
+weights). ``extra`` is one small msgpack value per rank (step, RNG states, ...), saved as
+``megaloom.extra`` inside the same atomic save and returned as ``manifest["extra"]``.
 
 Safety. DCP writes into ``<path>.partial``; rank 0 then adds ``megaloom.manifest``
 (msgpack: layouts and the size and SHA-256 of every file) and swaps the folder in with
@@ -43,8 +48,11 @@ from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import atomic_write, read_msgpack
 
-MANIFEST = "megaloom.manifest"
+MANIFEST, EXTRA = "megaloom.manifest", "megaloom.extra"
 FORMAT, VERSION = "megaloom-checkpoint", 1
+
+
+Params = dict[str, tuple[torch.Tensor, ShardLayout | None]]  # name -> (local tensor, its layout; None: replicated)
 
 
 class CheckpointError(TraceFormatError):
@@ -103,28 +111,42 @@ class _LoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]
 
 
-def state_of(model: ShardedModule, optimizer: torch.optim.Optimizer | None = None
+def params_of(model: ShardedModule) -> Params:
+    """The shards of a ShardedModule with their layouts."""
+    return {fqn: (model.shard(fqn), lay) for fqn, lay in model.layouts.items()}
+
+
+def state_of(params: Params, optimizer: torch.optim.Optimizer | None = None
              ) -> tuple[dict[str, torch.Tensor], dict[str, ShardLayout]]:
-    """The flat state dict of local shards (views, not copies) and the layout of each sharded key."""
+    """The flat state dict of local tensors (views, not copies) and the layout of each sharded key."""
     state: dict[str, torch.Tensor] = {}
     layouts: dict[str, ShardLayout] = {}
-    for fqn, lay in model.layouts.items():
-        state[f"model.{fqn}"], layouts[f"model.{fqn}"] = model.shard(fqn).detach(), lay
+    for fqn, (t, lay) in params.items():
+        state[f"model.{fqn}"] = t.detach()
+        if lay is not None:
+            layouts[f"model.{fqn}"] = lay
         if optimizer is None:
             continue
-        for key, v in optimizer.state.get(model.shard(fqn), {}).items():
+        for key, v in optimizer.state.get(t, {}).items():
             if isinstance(v, torch.Tensor):
                 state[f"optim.{fqn}.{key}"] = v.detach()
-                if v.dim() and tuple(v.shape) == lay.local_shape:
+                if lay is not None and v.dim() and tuple(v.shape) == lay.local_shape:
                     layouts[f"optim.{fqn}.{key}"] = lay
     return state, layouts
 
 
-def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Save the shards of ``model`` (and ``optimizer`` state) atomically; a collective."""
-    comm, path = model.comm, os.fspath(path)
+def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None) -> None:
+    """Save the shards of ``model`` (and ``optimizer`` state, and ``extra``) atomically; a collective."""
+    save_params(path, model.comm, params_of(model), optimizer, extra)
+
+
+def save_params(path: str | os.PathLike, comm: Any, params: Params, optimizer: torch.optim.Optimizer | None = None,
+                extra: Any = None) -> None:
+    """Save ``params`` (and their ``optimizer`` state) atomically; ``extra``: this rank's msgpack value. A collective."""
+    path = os.fspath(path)
     tmp = path + ".partial"
-    state, layouts = state_of(model, optimizer)
+    state, layouts = state_of(params, optimizer)
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
@@ -132,7 +154,10 @@ def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(layouts),
              process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
     shards = comm.exchange({k: [lay.offset, lay.size] for k, lay in layouts.items()})
+    extras = comm.exchange(extra, "checkpoint extra") if extra is not None else None
     if comm.rank == 0:
+        if extras is not None:
+            atomic_write(os.path.join(tmp, EXTRA), msgpack.packb(extras, use_bin_type=True))
         tensors = {k: {"shape": list(t.shape) if k not in layouts else list(layouts[k].shape),
                        "dtype": dtype_name(t.dtype),
                        "shards": [s[k] for s in shards] if k in layouts else None} for k, t in state.items()}
@@ -189,7 +214,13 @@ def load(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
 
     Optimizer state named in the checkpoint is created for the new layout and filled.
     """
-    comm = model.comm
+    return load_params(path, model.comm, params_of(model), optimizer)
+
+
+def load_params(path: str | os.PathLike, comm: Any, params: Params, optimizer: torch.optim.Optimizer | None = None
+                ) -> dict[str, Any]:
+    """Load into ``params`` (any saved world size and layout); returns the manifest, with ``extra``:
+    the list of every saving rank's extra value (None if none was saved). A collective."""
     man: dict[str, Any] | None = None
     err = ""
     try:
@@ -200,9 +231,10 @@ def load(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
     if errors:
         raise CheckpointError(errors[0])
     assert man is not None
+    man["extra"] = _read_extra(man)
     if optimizer is not None:
-        _make_optimizer_state(man["tensors"], model, optimizer)
-    state, layouts = state_of(model, optimizer)
+        _make_optimizer_state(man["tensors"], params, optimizer)
+    state, layouts = state_of(params, optimizer)
     missing = sorted(k for k in state if k not in man["tensors"])
     if missing:
         raise CheckpointError(f"{man['path']}: checkpoint has no entry for {', '.join(missing[:5])}")
@@ -215,13 +247,23 @@ def load(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.O
     return man
 
 
-def _make_optimizer_state(tensors: dict[str, Any], model: ShardedModule, optimizer: torch.optim.Optimizer) -> None:
+def _read_extra(man: dict[str, Any]) -> Any:
+    if EXTRA not in man["files"]:
+        return None
+    with open(os.path.join(man["path"], EXTRA), "rb") as f:  # its hash was checked by verify()
+        return msgpack.unpackb(f.read(), raw=False)
+
+
+def _make_optimizer_state(tensors: dict[str, Any], params: Params, optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state named in the checkpoint, created (zeros) in the shape the new layout gives it."""
     for key, info in tensors.items():
         if not key.startswith("optim."):
             continue
         fqn, name = key[len("optim."):].rsplit(".", 1)
-        if fqn not in model.layouts:
+        if fqn not in params:
             raise CheckpointError(f"checkpoint entry {key!r} names parameter {fqn!r}, which the model lacks")
-        lay = model.layouts[fqn]
-        shape = lay.local_shape if info.get("shards") is not None else tuple(info["shape"])
-        optimizer.state[model.shard(fqn)][name] = torch.zeros(shape, dtype=torch_dtype(info["dtype"]))
+        t, lay = params[fqn]
+        shape = tuple(info["shape"])
+        if lay is not None and shape == lay.shape:  # sharded like its parameter (whatever the saved layout)
+            shape = lay.local_shape
+        optimizer.state[t][name] = torch.zeros(shape, dtype=torch_dtype(info["dtype"]))

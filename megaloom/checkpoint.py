@@ -1,13 +1,16 @@
-"""Training checkpoints: model, optimizer, RNG and data position, one file per rank.
+"""Training checkpoints in the comm layer's DCP format (:mod:`megaloom.comm.checkpoint`).
 
-Layout: ``<dir>/step_<k>/rank<r>.pt`` (``torch.save`` of tensors, numbers and strings
-only; read back with ``weights_only=True``, never unpickled) and ``<dir>/latest.json``
-naming the newest complete step, written last (atomically) once every rank has saved,
-so a crash mid-save leaves the previous checkpoint the latest.
+Layout: ``<dir>/step_<k>/`` is one DCP checkpoint (written atomically, SHA-256
+manifest) holding every parameter, persistent buffer and optimizer state tensor as a
+global tensor (FSDP shards and expert-parallel slices as chunks at their row offsets),
+so it loads at any world size and parallel layout. The trainer's own state rides in
+the same atomic save as ``megaloom.extra`` (msgpack, one entry per saving rank: step,
+world size, CPU RNG state). Data position and lr schedule are functions of the step.
+``<dir>/latest.json`` names the newest complete step; it is written after every rank
+saved, so a crash mid-save leaves the previous checkpoint the latest.
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -25,15 +28,34 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def save_rank(root: str, step: int, rank: int, state: dict[str, Any]) -> str:
-    """Write this rank's state for ``step``; returns the file path."""
-    d = step_dir(root, step)
-    os.makedirs(d, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    path = os.path.join(d, f"rank{rank}.pt")
-    atomic_write(path, buf.getvalue())
+def save(root: str, step: int, parallel: Any, optimizer: torch.optim.Optimizer, keep: int) -> str:
+    """Save model, optimizer and trainer state of ``step`` (a collective), mark it latest, prune; returns its directory."""
+    from megaloom.comm.checkpoint import save_params  # imports torch.distributed.checkpoint
+
+    path, comm = step_dir(root, step), parallel.comm
+    extra = {"step": step, "world_size": comm.world_size, "rng": torch.get_rng_state().numpy().tobytes()}
+    save_params(path, comm, parallel.checkpoint_params(), optimizer, extra)
+    if comm.rank == 0:
+        mark_latest(root, step, comm.world_size, keep)
+    comm.barrier()
     return path
+
+
+def load(path: str, parallel: Any, optimizer: torch.optim.Optimizer) -> int:
+    """Load a step directory saved at any world size into ``parallel``'s model and ``optimizer`` (a collective).
+
+    Restores this rank's RNG state (rank ``r`` of a run resumed at another world size
+    takes saved rank ``r mod W_saved``'s) and returns the saved step.
+    """
+    from megaloom.comm.checkpoint import CheckpointError, load_params
+
+    man = load_params(path, parallel.comm, parallel.checkpoint_params(), optimizer)
+    extras = man["extra"]
+    if not isinstance(extras, list) or not extras or not all(isinstance(e, dict) for e in extras):
+        raise CheckpointError(f"{man['path']}: not a training checkpoint (no trainer state in it)")
+    mine = extras[parallel.comm.rank % len(extras)]
+    torch.set_rng_state(torch.frombuffer(bytearray(mine["rng"]), dtype=torch.uint8))
+    return int(mine["step"])
 
 
 def mark_latest(root: str, step: int, world_size: int, keep: int) -> None:
@@ -64,16 +86,3 @@ def find(resume: bool | str, root: str) -> str | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"checkpoint: {latest} is unreadable ({e}); pass checkpoint.resume=<step dir>") from None
     return step_dir(root, step)
-
-
-def load_rank(path: str, rank: int) -> dict[str, Any]:
-    """This rank's state from a step directory (safe load: tensors and plain data only)."""
-    f = os.path.join(path, f"rank{rank}.pt")
-    if not os.path.exists(f):
-        have = sorted(n for n in os.listdir(path) if n.endswith(".pt")) if os.path.isdir(path) else []
-        raise ConfigError(f"checkpoint.resume: {path} has no state for rank {rank} (files: {have or 'none'}); "
-                          "resume with the world size the checkpoint was saved with")
-    try:
-        return torch.load(f, weights_only=True, map_location="cpu")
-    except Exception as e:  # torch raises several types on corrupt files
-        raise ConfigError(f"checkpoint.resume: {f} is corrupt or not a megaloom checkpoint ({type(e).__name__}: {e})") from None

@@ -11,6 +11,8 @@ or the world size (EP x DP sub-groups are not supported yet). Gradients:
 - every other parameter is replicated: its gradient is all-reduced and averaged.
 
 The global gradient norm sums the squares of sharded gradients over ranks.
+:meth:`Parallel.checkpoint_params` names every tensor with its shard layout, so
+checkpoints hold global tensors and load under another world size or layout.
 """
 from __future__ import annotations
 
@@ -62,15 +64,28 @@ class Parallel:
             self.comm.all_reduce(t, "sum")
         return float(t[0] / self.world)
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        # clones: torch.save of a view (EP expert slices) would write its whole storage
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, Any]]:
+        """Every parameter and persistent buffer under its unwrapped-model name, with its ShardLayout
+        (FSDP shard, expert-parallel slice) or None (replicated): what ``megaloom.comm.checkpoint`` saves."""
+        from megaloom.comm.fsdp import ShardedModule
+        from megaloom.comm.sharding import ShardLayout
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ConfigError(f"checkpoint.resume: state does not fit the model (missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}); was it saved with another model or parallel config?")
+        out: dict[str, tuple[torch.Tensor, Any]] = {}
+        wrapped: set[int] = set()
+        for path, mod in self.model.named_modules():
+            if isinstance(mod, ShardedModule):
+                out |= {f"{path}.{fqn}": (mod.shard(fqn), lay) for fqn, lay in mod.layouts.items()}
+                out |= {f"{path}.{k}": (b, None) for k, b in mod.inner.state_dict(keep_vars=True).items()
+                        if not isinstance(b, nn.Parameter)}
+                wrapped |= {id(p) for p in mod.parameters()}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) in wrapped:
+                continue
+            lay = None
+            if getattr(t, "megaloom_ep_sharded", False):  # this rank's experts: rows rank*E/ep of E
+                lay = ShardLayout.of((t.shape[0] * self.ep_size, *t.shape[1:]), self.ep_size, self.comm.rank, name)
+            out[name] = (t, lay)
+        return out
 
 
 def _all_reduce_mean(comm: Any, grads: list[torch.Tensor], world: int) -> None:

@@ -27,7 +27,6 @@ from megaloom.config import Config
 from megaloom.data import make_stream
 from megaloom.hf_moe import build_model
 from megaloom.progress import MetricsLog, Progress, memory_mib
-from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.step_trace import GraphTraces, StepTracer
 from megaloom.swaps import MegaMoEBlock
@@ -197,28 +196,14 @@ class Trainer:
         return records
 
     # -- checkpoints and traces ---------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        return {"step": self.step, "model": self.parallel.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "rng": torch.get_rng_state(), "world_size": self.world}
-
     def save(self) -> str:
-        path = ckpt.save_rank(self.ckpt_dir, self.step, self.rank, self.state())
-        self.comm.barrier()
-        if self.rank == 0:
-            ckpt.mark_latest(self.ckpt_dir, self.step, self.world, self.cfg["checkpoint"]["keep"])
-        self.comm.barrier()
-        self.log(f"saved checkpoint of step {self.step} to {os.path.dirname(path)}")
+        """Checkpoint this step (DCP, see :mod:`megaloom.checkpoint`); a collective. Returns the step directory."""
+        path = ckpt.save(self.ckpt_dir, self.step, self.parallel, self.optimizer, self.cfg["checkpoint"]["keep"])
+        self.log(f"saved checkpoint of step {self.step} to {path}")
         return path
 
     def _load(self, path: str) -> None:
-        state = ckpt.load_rank(path, self.rank)
-        if state.get("world_size") != self.world:
-            raise ConfigError(f"checkpoint.resume: {path} was saved by {state.get('world_size')} ranks, "
-                              f"this run has {self.world}")
-        self.parallel.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
-        self.step = int(state["step"])
+        self.step = ckpt.load(path, self.parallel, self.optimizer)
         self.log(f"resumed from {path} at step {self.step}")
 
     def _write_trace(self) -> None:

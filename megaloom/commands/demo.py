@@ -6,9 +6,10 @@ import os
 
 import torch
 
+from megaloom.commands import require_positive, write_file
 from megaloom.demo import build_demo_graph, demo_inputs
-from megaloom.runtime import ReferenceExecutor, ThreadExecutor, summary, write_chrome
-from megaloom.runtime.errors import ExecutionError
+from megaloom.runtime import ReferenceExecutor, ThreadExecutor, Trace, summary, write_chrome
+from megaloom.runtime.errors import ConfigError, ExecutionError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +24,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from megaloom.scheduler import Simulator, load_profile
 
-    os.makedirs(args.out, exist_ok=True)
+    require_positive(args, "tokens", "tile")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create output folder {args.out}: {e.strerror or e}") from e
     graph = build_demo_graph(tokens=args.tokens, tile=args.tile).validate()
     print(graph.summary(), end="\n\n")
 
@@ -44,10 +49,10 @@ def run(args: argparse.Namespace) -> int:
         "simulated": os.path.join(args.out, f"simulated-{profile.name}.json"),
         "executed": os.path.join(args.out, "executed-cpu.json"),
     }
-    write_chrome(sim.trace, paths["simulated"])
-    write_chrome(real.trace, paths["executed"])
-    sim.trace.save(os.path.join(args.out, "simulated.mlt"))
-    real.trace.save(os.path.join(args.out, "executed.mlt"))
+    write_file(write_chrome, sim.trace, paths["simulated"])
+    write_file(write_chrome, real.trace, paths["executed"])
+    write_file(Trace.save, sim.trace, os.path.join(args.out, "simulated.mlt"))
+    write_file(Trace.save, real.trace, os.path.join(args.out, "executed.mlt"))
     for what, path in paths.items():
         print(f"wrote {what} Perfetto trace: {path}  (open in https://ui.perfetto.dev)")
     return 0

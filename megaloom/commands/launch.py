@@ -4,12 +4,14 @@ Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MAST
 (so ``TorchCommunicator()`` joins the world) and, with ``--trace``, ``MEGALOOM_TRACE``
 (the collector endpoint for :class:`megaloom.comm.stream.TraceStreamer`). When a rank
 fails, the others are stopped after ``--grace`` seconds; the exit code is the first
-failure's.
+failure's
+(128 + N for a rank killed by signal N, as a shell reports it).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--trace", default=None, help="collector endpoint passed to ranks as MEGALOOM_TRACE")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds to let other ranks stop after one fails")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to let other ranks stop after one fails (default 10)")
     p.add_argument("script", help="Python script each rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -43,14 +45,30 @@ def run(args: argparse.Namespace) -> int:
             env["MEGALOOM_TRACE"] = args.trace
         procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
     code, failed_at = 0, None
-    while any(p.poll() is None for p in procs):
+    while True:
+        running = any(p.poll() is None for p in procs)
         for rank, p in enumerate(procs):
             if p.returncode and not code:
-                code, failed_at = p.returncode, time.monotonic()
-                print(f"megaloom launch: rank {rank} exited with code {p.returncode}", file=sys.stderr)
+                code, failed_at = _exit_code(p.returncode), time.monotonic()
+                print(f"megaloom launch: rank {rank} {_how(p.returncode)}", file=sys.stderr)
+        if not running:
+            return code
         if failed_at is not None and time.monotonic() - failed_at > args.grace:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.05)
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def _exit_code(returncode: int) -> int:
+    """A rank's exit status as a shell reports it: 128 + N when killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _how(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name} (exit code {_exit_code(returncode)})"
+        except ValueError:
+            pass
+    return f"exited with code {_exit_code(returncode)}"

@@ -14,10 +14,12 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any, Callable
 
+from megaloom.commands import write_file
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
+from megaloom.runtime.trace import Trace
 
 GraphBuilder = Callable[..., TaskGraph]
 _BUILDERS: dict[str, GraphBuilder] = {}
@@ -106,10 +108,10 @@ def policy_and_units(args: argparse.Namespace):
 
 def write_outputs(trace, args: argparse.Namespace) -> None:
     if args.trace:
-        trace.save(args.trace)
+        write_file(Trace.save, trace, args.trace)
         print(f"wrote trace: {args.trace}")
     if args.perfetto:
-        write_chrome(trace, args.perfetto)
+        write_file(write_chrome, trace, args.perfetto)
         print(f"wrote Perfetto trace: {args.perfetto}  (open in https://ui.perfetto.dev)")
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megaloom.runtime.errors import ConfigError
+from megaloom.commands import write_file
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.trace import Trace
@@ -36,13 +36,6 @@ def _out(args: argparse.Namespace, suffix: str) -> str:
     return args.out or os.path.splitext(args.trace)[0] + suffix
 
 
-def _write(what, trace: Trace, out: str, **kw) -> None:
-    try:
-        what(trace, out, **kw)
-    except OSError as e:
-        raise ConfigError(f"cannot write {out}: {e.strerror or e}") from e
-
-
 def run_summary(args: argparse.Namespace) -> int:
     print(summary(Trace.load(args.trace)))
     return 0
@@ -51,7 +44,7 @@ def run_summary(args: argparse.Namespace) -> int:
 def run_convert(args: argparse.Namespace) -> int:
     trace = Trace.load(args.trace)
     out = _out(args, ".json")
-    _write(write_chrome, trace, out)
+    write_file(write_chrome, trace, out)
     print(f"wrote {out} ({len(trace.events)} tasks; open it in https://ui.perfetto.dev)")
     return 0
 
@@ -61,6 +54,6 @@ def run_plot(args: argparse.Namespace) -> int:
 
     trace = Trace.load(args.trace)
     out = _out(args, ".png")
-    _write(plot_gantt, trace, out, title=args.title)
+    write_file(plot_gantt, trace, out, title=args.title)
     print(f"wrote {out} ({len(trace.events)} tasks)")
     return 0

@@ -118,6 +118,13 @@ def test_launch_sets_rank_env_and_propagates_failure(tmp_path):
     assert len({v[1] for v in seen.values()}) == 1
 
 
+def test_launch_reports_a_rank_killed_by_a_signal_as_the_shell_does(tmp_path, capsys):
+    script = tmp_path / "abort.py"
+    script.write_text("import os, signal\nif os.environ['RANK'] == '1':\n    os.kill(os.getpid(), signal.SIGABRT)\n")
+    assert main(["launch", "-n", "2", str(script)]) == 128 + 6
+    assert "rank 1 was killed by SIGABRT (exit code 134)" in capsys.readouterr().err
+
+
 def test_launch_rejects_missing_script(capsys):
     assert main(["launch", "-n", "2", "/nonexistent/script.py"]) == 2
     assert "does not exist" in capsys.readouterr().err

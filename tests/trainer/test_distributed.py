@@ -1,40 +1,64 @@
-"""Two gloo ranks: data parallel, FSDP (uneven shards) and expert parallel (MegaMoE), and resume."""
+"""Two gloo ranks: data parallel, FSDP (uneven shards) and expert parallel (MegaMoE), and resume
+(same world size bit-exact; from 2 ranks to 1 and from 1 to 2 through the resharding checkpoints)."""
 import json
 
 import pytest
+import torch
 
 from megaloom.comm.spawn import run_world
-from megaloom.trainer import Trainer
+from megaloom.trainer import Trainer, causal_lm_loss
 
 from .tiny import tiny_config
 
 MOE = {"rules": [{"match": "model.layers.*.mlp", "with": "mega_moe", "options": {"gate": "mega_gate"}}]}
 UNEVEN = {"config": {"vocab_size": 129}}  # embedding / lm_head rows split 65 + 64
+EP_FSDP = {"ep_size": 2, "fsdp": True}
+
+
+def _trainer(comm, out_dir, steps, **sections):
+    return Trainer(tiny_config(out_dir, steps=steps, model=UNEVEN, **sections), comm=comm)
 
 
 def _losses(comm, out_dir, steps, **sections):
-    return [r.loss for r in Trainer(tiny_config(out_dir, steps=steps, model=UNEVEN, **sections), comm=comm).fit()]
+    return [r.loss for r in _trainer(comm, out_dir, steps, **sections).fit()]
 
 
-def world_runs(comm, tmp):
-    rank_dir = f"{tmp}/r"  # shared by the ranks: checkpoints hold one file per rank
+def _batch_losses(trainer, step, ranks):
+    """Loss of data rank ``r``'s batch of 0-based ``step`` under the current weights, for each ``r``."""
+    with torch.no_grad():
+        return [float(causal_lm_loss(trainer.model, trainer.data.batch(step, r, 2))) for r in ranks]
+
+
+def world_runs(comm, tmp, one_rank_ckpt):
+    rank_dir = f"{tmp}/r"  # shared by the ranks: one DCP checkpoint per step
     out = {
         "dp": _losses(comm, f"{tmp}/dp", 4),
         "fsdp": _losses(comm, f"{tmp}/fsdp", 4, parallel={"fsdp": True}),
-        "ep_fsdp": _losses(comm, f"{tmp}/ep", 4, parallel={"ep_size": 2, "fsdp": True}, replace=MOE,
-                           trace={"steps": [2]}),
+        "ep_fsdp": _losses(comm, f"{tmp}/ep", 4, parallel=EP_FSDP, replace=MOE, trace={"steps": [2]}),
     }
-    ck = {"interval": 1, "stop_after": 2}
-    first = _losses(comm, rank_dir, 4, parallel={"ep_size": 2, "fsdp": True}, replace=MOE, checkpoint=ck)
-    rest = _losses(comm, rank_dir, 4, parallel={"ep_size": 2, "fsdp": True}, replace=MOE,
-                   checkpoint={"interval": 1, "resume": True})
-    out["resumed"] = first + rest
+    first = _trainer(comm, rank_dir, 4, parallel=EP_FSDP, replace=MOE, checkpoint={"interval": 1, "stop_after": 2})
+    losses = [r.loss for r in first.fit()]
+    out["step3_batch0"] = _batch_losses(first, 2, [0])[0]  # what a 1-rank resume must see at step 3
+    rest = _losses(comm, rank_dir, 4, parallel=EP_FSDP, replace=MOE,
+                   checkpoint={"interval": 1, "resume": True, "keep": 4})  # keep step 2 for the 1-rank resume
+    out["resumed"] = losses + rest
+    # a checkpoint saved by 1 rank: resumed here with EP + FSDP, saved again at once, then step 3
+    two = _trainer(comm, f"{tmp}/from1", 4, parallel=EP_FSDP, replace=MOE,
+                   checkpoint={"interval": 1, "stop_after": 3, "resume": one_rank_ckpt})
+    out["from1_step"] = two.step
+    two.save()
+    out["from1"] = [r.loss for r in two.fit()]
     return out
 
 
 @pytest.mark.dist
 def test_two_ranks_dp_fsdp_ep_and_resume(tmp_path):
-    ranks = run_world(world_runs, 2, str(tmp_path), timeout=120, comm_timeout=30)
+    one = _trainer(None, tmp_path / "one", 4, replace=MOE, checkpoint={"interval": 1, "stop_after": 2})
+    one_losses = [r.loss for r in one.fit()]
+    one_next = _batch_losses(one, 2, [0, 1])
+    one_ckpt = str(tmp_path / "one" / "checkpoints" / "step_00000002")
+
+    ranks = run_world(world_runs, 2, str(tmp_path), one_ckpt, timeout=180, comm_timeout=30)
     r0, r1 = ranks
     assert r0 == r1  # every rank logs the same (all-reduced) loss
     dp = r0["dp"]
@@ -42,6 +66,22 @@ def test_two_ranks_dp_fsdp_ep_and_resume(tmp_path):
     for name in ("fsdp", "ep_fsdp"):
         assert r0[name] == pytest.approx(dp, rel=1e-5), name  # same maths, other parallel layout
     assert r0["resumed"] == r0["ep_fsdp"]  # bit-exact after stopping at step 2 and resuming
+
+    # 1 rank -> 2 ranks (EP + FSDP): step 3 averages both data ranks' losses under the 1-rank weights
+    assert r0["from1_step"] == 2
+    assert r0["from1"][0] == pytest.approx(sum(one_next) / 2, rel=1e-5)
+    # 2 ranks (EP + FSDP) -> 1 rank: step 3 is data rank 0's batch under the 2-rank weights
+    to1 = _trainer(None, tmp_path / "to1", 4, replace=MOE,
+                   checkpoint={"stop_after": 3, "resume": str(tmp_path / "r" / "checkpoints" / "step_00000002")})
+    assert to1.step == 2
+    assert to1.fit()[0].loss == pytest.approx(r0["step3_batch0"], rel=1e-5)
+    # 1 -> 2 -> 1 ranks (saved again by the 2 ranks right after loading): weights, optimizer state
+    # and RNG come back bit-exact, so the 1-rank run goes on exactly as if never interrupted
+    back = _trainer(None, tmp_path / "back", 4, replace=MOE,
+                    checkpoint={"resume": str(tmp_path / "from1" / "checkpoints" / "step_00000002")})
+    full = [r.loss for r in _trainer(None, tmp_path / "full", 4, replace=MOE).fit()]
+    assert one_losses + [r.loss for r in back.fit()] == full
+
     trace0 = json.loads((tmp_path / "ep" / "traces" / "step2.rank1.json").read_text())
     engines = {ev["args"]["name"].split(".")[0] for ev in trace0["traceEvents"] if ev.get("name") == "thread_name"}
     assert {"host", "cube", "vector", "comm"} <= engines  # MegaMoE graph tasks sit beside the module spans

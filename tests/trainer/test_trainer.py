@@ -51,15 +51,20 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, kind):
 
 
 def test_resume_errors(tmp_path):
+    from megaloom.comm.checkpoint import EXTRA, CheckpointError
+
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         Trainer(tiny_config(tmp_path, checkpoint={"resume": str(tmp_path / "none")}))
     Trainer(tiny_config(tmp_path, steps=1)).fit()
     step_dir = tmp_path / "checkpoints" / "step_00000001"
-    (step_dir / "rank0.pt").write_bytes(b"garbage")
-    with pytest.raises(ConfigError, match="corrupt"):
+    data = next(step_dir.glob("*.distcp"))
+    good = data.read_bytes()
+    data.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
         Trainer(tiny_config(tmp_path, checkpoint={"resume": True}))
-    with pytest.raises(ConfigError, match="no state for rank 0"):
-        (step_dir / "rank0.pt").unlink()
+    data.write_bytes(good)
+    (step_dir / EXTRA).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=f"file '{EXTRA}' has 7 bytes"):
         Trainer(tiny_config(tmp_path, checkpoint={"resume": str(step_dir)}))
 
 

@@ -75,6 +75,7 @@ def test_documented_command_lines_run(tmp_path, monkeypatch, capsys):
     (["collect", "--ranks", "0"], "--ranks must be > 0"),
     (["simulate", "--graph", MOE, "--trace", "no-such-dir/run.mlt"], "cannot write no-such-dir/run.mlt"),
     (["replay", "missing.mlt", "--perfetto", "no-such-dir/x.json"], "missing.mlt"),
+    (["simulate", "--graph", MOE, "--units", "cueb=2"], "unknown engine(s) cueb; known: cube, vector, comm"),
 ])
 def test_bad_input_exits_2_naming_the_problem(argv, needle, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

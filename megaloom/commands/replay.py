@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from megaloom.runtime.metrics import summary
-from megaloom.commands.simulate import add_common, policy_and_units, write_outputs
+from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
 
     recorded = load_trace(args.trace_file)
     policy, units = policy_and_units(args)
+    check_units(units, [e.engine for e in recorded.events])
     result = replay(recorded, args.profile, units, policy, args.recorded_profile)
     print(summary(result.trace))
     print()

@@ -106,6 +106,16 @@ def policy_and_units(args: argparse.Namespace):
     return policy, units
 
 
+def check_units(units: dict[str, int] | None, engines) -> None:
+    """``--units`` may name the standard engine kinds and those the tasks use; anything else is a typo."""
+    from megaloom.runtime.registry import ENGINE_KINDS
+
+    known = dict.fromkeys([*ENGINE_KINDS, *engines])
+    bad = [e for e in units or () if e not in known]
+    if bad:
+        raise ConfigError(f"--units names unknown engine(s) {', '.join(bad)}; known: {', '.join(known)}")
+
+
 def write_outputs(trace, args: argparse.Namespace) -> None:
     if args.trace:
         write_file(Trace.save, trace, args.trace)
@@ -140,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         return run_world(args)
     graph = resolve_graph(args.graph_file or args.graph)
     policy, units = policy_and_units(args)
+    check_units(units, graph.engines())
     show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(graph) >= 100_000)
     sim = Simulator(args.profile, units, policy, progress=progress_bar() if show else None)
     result = sim.run(graph)
@@ -173,7 +184,9 @@ def run_world(args: argparse.Namespace) -> int:
             raise ConfigError(f"bad --slowdown item {k}={v}: expected RANK=FACTOR")
         slowdown[int(k)] = v
     policy, units = policy_and_units(args)
-    result = simulate_world(resolve_world(args.graph), args.profile, units, policy, slowdown=slowdown)
+    graphs = resolve_world(args.graph)
+    check_units(units, [e for g in graphs for e in g.engines()])
+    result = simulate_world(graphs, args.profile, units, policy, slowdown=slowdown)
     print(world_summary(result.trace))
     write_outputs(result.trace, args)
     return 0

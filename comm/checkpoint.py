@@ -24,9 +24,11 @@ its hash matches the manifest written alongside it).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
+import warnings
 from typing import Any
 
 import msgpack
@@ -58,6 +60,15 @@ Params = dict[str, tuple[torch.Tensor, ShardLayout | None]]  # name -> (local te
 class CheckpointError(TraceFormatError):
     """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
 
+
+
+@contextlib.contextmanager
+def _single_process_ok():
+    """Without a process group DCP warns that it assumes one process; a world of one is meant."""
+    with warnings.catch_warnings():
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 def _chunk(lay: ShardLayout) -> ChunkStorageMetadata:
     offsets = torch.Size([lay.offset] + [0] * (len(lay.shape) - 1))
@@ -151,8 +162,9 @@ def save_params(path: str | os.PathLike, comm: Any, params: Params, optimizer: t
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     comm.barrier()
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(layouts),
-             process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
+    with _single_process_ok():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner(layouts),
+                 process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
     shards = comm.exchange({k: [lay.offset, lay.size] for k, lay in layouts.items()})
     extras = comm.exchange(extra, "checkpoint extra") if extra is not None else None
     if comm.rank == 0:
@@ -242,8 +254,9 @@ def load_params(path: str | os.PathLike, comm: Any, params: Params, optimizer: t
              if tuple(man["tensors"][k]["shape"]) != (shape := layouts[k].shape if k in layouts else tuple(t.shape))]
     if wrong:
         raise CheckpointError(f"{man['path']}: " + "; ".join(wrong[:5]))
-    dcp.load(state, storage_reader=dcp.FileSystemReader(man["path"]), planner=_LoadPlanner(layouts),
-             process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
+    with _single_process_ok():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(man["path"]), planner=_LoadPlanner(layouts),
+                 process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
     return man
 
 

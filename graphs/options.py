@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import load_yaml
 
 
 def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -13,13 +14,7 @@ def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> di
     """
     opts: dict[str, Any] = {}
     if path is not None:
-        import yaml
-
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"cannot read {key} spec {path!r}: {e}") from None
+        data = load_yaml(path, f"{key} spec") or {}
         data = data.get(key, data) if isinstance(data, dict) else data
         if not isinstance(data, dict):
             raise ConfigError(f"{key} spec {path!r}: must hold a mapping of options")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.trace import atomic_write
+from megaloom.runtime.files import atomic_write
 
 LATEST = "latest.json"
 

@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import yaml
 
 from megaloom.runtime.errors import ConfigError
-
-
-class _Loader(yaml.SafeLoader):
-    """Safe YAML loading that also reads YAML 1.2 floats: ``1e-3`` is a number, not a string."""
-
-
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float",
-                              re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-                              list("-+0123456789."))
+from megaloom.runtime.files import load_yaml, parse_yaml
 
 
 @dataclass(slots=True, frozen=True)
@@ -235,7 +226,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             raise ConfigError(f"bad override {arg!r}: expected --section.key=value (sections: {', '.join(SCHEMA)})")
         path, text = arg[2:].split("=", 1)
         try:
-            value = yaml.load(text, _Loader) if text else ""
+            value = parse_yaml(text) if text else ""
         except yaml.YAMLError as e:
             raise ConfigError(f"override {arg!r}: value is not valid YAML ({e.problem})") from None
         *parents, leaf = path.split(".")
@@ -263,13 +254,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | di
     """Read a YAML file (or nothing: all defaults), apply overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = yaml.load(f, _Loader) or {}
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot read config: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        raw = load_yaml(path, "config") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: config must be a mapping of sections, got {type(raw).__name__}")
     if overrides:

@@ -39,7 +39,11 @@ class CommError(MegaloomError):
     """A collective failed, timed out, or its ranks disagreed on sizes or dtypes."""
 
 
-class TraceFormatError(MegaloomError):
+class FileFormatError(MegaloomError):
+    """A file megaloom reads is corrupt, truncated, or of an unsupported schema version."""
+
+
+class TraceFormatError(FileFormatError):
     """A trace or graph file is corrupt, truncated, or of an unsupported schema version."""
 
 

@@ -6,13 +6,13 @@ trace alone is enough to compute the critical path and to replay the run.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 import msgpack
 
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.files import atomic_write, read_msgpack
 
 TRACE_FORMAT = "megaloom-trace"
 TRACE_VERSION = 2  # 2: events carry their precision (version 1 files still load)
@@ -90,7 +90,7 @@ class Trace:
     @staticmethod
     def load(path: str | os.PathLike) -> Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
-        data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION)
+        data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION, TraceFormatError)
         cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
         if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
                 or not isinstance(rows, list) or not isinstance(meta, dict):
@@ -104,45 +104,6 @@ class Trace:
                     raise TraceFormatError(f"{path}: event {i} field {c!r} has type {type(v).__name__}")
             events.append(TraceEvent(*row))
         return Trace(events, meta)
-
-
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync, then rename over it."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def read_msgpack(path: str | os.PathLike, fmt: str, version: int) -> dict[str, Any]:
-    """Decode a versioned megaloom msgpack file, turning every failure into TraceFormatError."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        hint = " (it looks like JSON; megaloom writes its own files as msgpack)" if raw[:1] in (b"{", b"[") else ""
-        raise TraceFormatError(f"{path}: not a valid msgpack file ({type(e).__name__}: {e}){hint}") from None
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise TraceFormatError(f"{path}: not a {fmt} file")
-    v = data.get("version")
-    if not isinstance(v, int) or v < 1:
-        raise TraceFormatError(f"{path}: missing or bad schema version {v!r}")
-    if v > version:
-        raise TraceFormatError(f"{path}: schema version {v} is newer than this megaloom reads ({version})")
-    return data
 
 
 def merge(traces: Iterable[Trace]) -> Trace:

@@ -77,7 +77,7 @@ def make_gate(router: nn.Module, **options: Any) -> nn.Module:
     Its graphs run on a ThreadExecutor whose traces ``gate.graph_traces`` (a GraphTraces) keeps.
     """
     from megaloom.runtime.executors import ThreadExecutor
-    from megaloom.step_trace import GraphTraces
+    from megaloom.train.step_trace import GraphTraces
 
     problems = gate_problems(router)
     if problems:

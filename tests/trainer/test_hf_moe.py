@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megaloom.config import validate
+from megaloom.train.config import validate
 from megaloom.hf_moe import block_forward, block_parts, build_model, experts_forward, is_moe_block
 from megaloom.runtime.errors import ConfigError
 

@@ -4,10 +4,10 @@ import json
 import pytest
 
 from megaloom.cli import main
-from megaloom.config import validate
+from megaloom.train.config import validate
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.trace import Trace
-from megaloom.trainer import Trainer, lr_factor
+from megaloom.train.trainer import Trainer, lr_factor
 
 from .tiny import tiny_config, tiny_raw
 

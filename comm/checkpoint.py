@@ -10,7 +10,8 @@ Keys: ``model.<param>`` for parameters (shards, or whole when replicated) and bu
 the shard's shape, else replicated). :func:`save` / :func:`load` take a ShardedModule;
 :func:`save_params` / :func:`load_params` take any ``{name: (local tensor, layout or
 None)}`` map (the trainer's whole model: FSDP shards, expert-parallel slices, replicated
-weights). ``extra`` is one small msgpack value per rank (step, RNG states, ...), saved as
+weights; DTensors, such as FSDP2 and tensor-parallel parameters, carry their own layout and
+are written and read as the chunks they hold). ``extra`` is one small msgpack value per rank (step, RNG states, ...), saved as
 ``megaloom.extra`` inside the same atomic save and returned as ``manifest["extra"]``.
 
 Safety. DCP writes into ``<path>.partial``; rank 0 then adds ``megaloom.manifest``
@@ -43,6 +44,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megaloom.comm.fsdp import ShardedModule
 from megaloom.comm.sharding import ShardLayout
@@ -95,7 +98,8 @@ class _SavePlanner(DefaultSavePlanner):
         return self.plan
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        return self.state_dict[index.fqn]
+        t = self.state_dict[index.fqn]
+        return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -114,12 +118,20 @@ class _LoadPlanner(DefaultLoadPlanner):
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != shape:
                 got = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "nothing"
                 raise CheckpointError(f"checkpoint entry {fqn!r} holds {got}, the model expects {shape}")
-            chunk = _chunk(lay) if lay else ChunkStorageMetadata(torch.Size([0] * t.dim()), t.shape)
+            chunk = _chunk(lay) if lay else _dtensor_chunk(t) if isinstance(t, DTensor) else \
+                ChunkStorageMetadata(torch.Size([0] * t.dim()), t.shape)
             items += create_read_items_for_chunk_list(fqn, md, [chunk])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        return self.state_dict[index.fqn]
+        t = self.state_dict[index.fqn]
+        return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _dtensor_chunk(t: DTensor) -> ChunkStorageMetadata:
+    """Where this rank's piece of a DTensor (FSDP2 or tensor-parallel shard, or a replica) lies."""
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
 
 
 def params_of(model: ShardedModule) -> Params:
@@ -277,6 +289,9 @@ def _make_optimizer_state(tensors: dict[str, Any], params: Params, optimizer: to
             raise CheckpointError(f"checkpoint entry {key!r} names parameter {fqn!r}, which the model lacks")
         t, lay = params[fqn]
         shape = tuple(info["shape"])
+        if isinstance(t, DTensor) and shape == tuple(t.shape):  # a DTensor like its parameter
+            optimizer.state[t][name] = torch.zeros_like(t, dtype=torch_dtype(info["dtype"]))
+            continue
         if lay is not None and shape == lay.shape:  # sharded like its parameter (whatever the saved layout)
             shape = lay.local_shape
         optimizer.state[t][name] = torch.zeros(shape, dtype=torch_dtype(info["dtype"]))

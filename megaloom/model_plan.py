@@ -117,8 +117,8 @@ def config_plans(model: nn.Module, cfg: dict, comm: Any = None) -> tuple[Replace
     problems: list[str] = []
     ep = cfg["parallel"]["ep_size"]
     if ep > 1 and getattr(comm, "world_size", 1) != ep:
-        problems.append(f"parallel.ep_size: {ep} must equal the world size ({getattr(comm, 'world_size', 1)}) "
-                        "for MegaMoE expert parallelism (EP x DP groups are not supported yet)")
+        problems.append(f"parallel.ep_size: {ep} must equal the size of the expert-parallel group "
+                        f"({getattr(comm, 'world_size', 1)} ranks) MegaMoE is given")
     types = {type(m).__name__: type(m) for m in model.modules()}
     rules = [_rule(i, r, types, comm if ep > 1 else None, problems) if isinstance(r, dict) else None
              for i, r in enumerate(cfg["replace"]["rules"])]

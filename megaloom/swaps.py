@@ -9,8 +9,8 @@ state_dict keys, optimizer state and checkpoints are unchanged:
   transformers weights ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` as
   transposed *views* (MegaMoE's layout is ``[E, H, 2I]`` / ``[E, I, H]``): no copy.
   Under expert parallelism, :meth:`MegaMoEBlock.keep_local_experts` (run after the
-  swap) re-registers each rank's ``E / ep`` experts as Parameters that are views of the
-  same storage: no copy, but the full tensor's storage stays allocated.
+  swap) re-registers each rank's ``E / ep`` experts as Parameters of their own (a copy of
+  those rows), so the full tensor is freed once nothing else holds it.
 - :class:`MegaGateRouter` is a MegaGate around the router's own ``weight`` Parameter
   (and DeepSeek's ``e_score_correction_bias`` buffer), returning the transformers
   router's ``(logits, weights, indices)``.
@@ -129,13 +129,13 @@ class MegaMoEBlock(nn.Module):
         self.local_experts = ep == 1  # under EP, true once keep_local_experts() ran
 
     def keep_local_experts(self) -> None:
-        """Under EP: re-register the expert weights as views of this rank's experts only (no copy)."""
+        """Under EP: re-register the expert weights as this rank's experts only (copied, the full tensors dropped)."""
         spec, rank = self.runner.spec, self.runner.rank
         if self.local_experts:
             return
         lo, n = rank * spec.experts_local, spec.experts_local
         for name in ("gate_up_proj", "down_proj"):
-            local = nn.Parameter(getattr(self.experts, name).detach()[lo:lo + n])  # shares storage
+            local = nn.Parameter(getattr(self.experts, name).detach()[lo:lo + n].clone())
             local.megaloom_ep_sharded = True
             setattr(self.experts, name, local)
         self.local_experts = True

@@ -16,25 +16,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value, e.g. --optimizer.lr=3e-4")
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
+    p.add_argument("--plot", action="store_true",
+                   help="after training, write <run.out_dir>/metrics.png: loss and tokens/s per step (needs matplotlib)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from megaloom.train.config import load_config
 
-    overrides = [o for o in args.overrides if o != "--print-config"]  # REMAINDER also takes the flag
+    flags = {"--print-config", "--plot"}  # REMAINDER also takes flags written after the config
+    overrides = [o for o in args.overrides if o not in flags]
     cfg = load_config(args.config, overrides)
-    if args.print_config or len(overrides) != len(args.overrides):
+    if args.print_config or "--print-config" in args.overrides:
         print(cfg.to_yaml(), end="")
         return 0
+    if args.plot or "--plot" in args.overrides:
+        from megaloom.runtime.plot import _pyplot
+        _pyplot()  # no matplotlib: say so before training, not after
     from megaloom.train.trainer import Trainer
 
     trainer = Trainer(cfg, log=_log)
     records = trainer.fit()
     if trainer.rank == 0 and records:
         first, last = records[0], records[-1]
+        metrics = os.path.join(cfg["run"]["out_dir"], "metrics.jsonl")
         print(f"trained steps {first.step}..{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}; "
-              f"metrics in {cfg['run']['out_dir']}/metrics.jsonl")
+              f"metrics in {metrics}")
+        if args.plot or "--plot" in args.overrides:
+            from megaloom.train.plot import plot_metrics
+            png = os.path.join(cfg["run"]["out_dir"], "metrics.png")
+            plot_metrics(metrics, png)
+            print(f"plot of loss and throughput: {png}")
     return 0
 
 

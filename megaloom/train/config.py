@@ -63,6 +63,12 @@ def _str_list(v: Any) -> str | None:
     return None if all(isinstance(s, str) for s in v) else "must be a list of strings"
 
 
+def _recompute(v: Any) -> str | None:
+    if isinstance(v, str):
+        return None if v in ("none", "full") else "expected 'none', 'full' or a list of module-name globs"
+    return None if v and all(isinstance(s, str) and s for s in v) else "must be a non-empty list of module-name globs"
+
+
 def _rules(v: Any) -> str | None:
     return None if all(isinstance(r, dict) for r in v) else "must be a list of mappings (one per rule)"
 
@@ -76,6 +82,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "out_dir": Key("runs/train", (str,), doc="metrics.jsonl, traces and (by default) checkpoints go here"),
         "log_interval": Key(1, (int,), check=_positive, doc="steps between progress/metrics lines"),
         "progress": Key(True, (bool,), doc="draw the progress bar on stderr (rank 0)"),
+        "hardware": Key("cpu", _OPT_STR, doc="hardware profile whose peak matmul rate per rank is MFU's denominator "
+                                             "(null: no MFU)"),
     },
     "model": {
         "kind": Key("qwen3_moe", (str,), choices=("qwen3_moe", "deepseek_v3", "path"),
@@ -92,13 +100,18 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "branching": Key(2, (int,), check=_positive, doc="synthetic stream: successors per token (lower = easier)"),
     },
     "optimizer": {
-        "name": Key("adamw", (str,), choices=("adamw", "sgd")),
+        "name": Key("adamw", (str,), choices=("adamw", "sgd", "muon"),
+                    doc="muon: Muon for weight matrices (and stacked expert matrices), AdamW for the rest"),
         "lr": Key(1e-3, _NUM, check=_positive),
         "weight_decay": Key(0.0, _NUM, check=_non_negative),
         "betas": Key([0.9, 0.95], (list,), check=_betas),
         "eps": Key(1e-8, _NUM, check=_positive),
         "momentum": Key(0.0, _NUM, check=_fraction, doc="sgd only"),
         "grad_clip": Key(1.0, _NUM, check=_non_negative, doc="max global grad norm; 0 disables"),
+        "grad_accum_steps": Key(1, (int,), check=_positive, doc="micro-batches per optimizer step and data rank"),
+        "muon_momentum": Key(0.95, _NUM, check=_fraction, doc="muon only"),
+        "muon_adjust_lr": Key("match_rms_adamw", (str,), choices=("match_rms_adamw", "original"),
+                              doc="muon only: lr scaling per matrix shape (match_rms_adamw: one lr fits AdamW and Muon)"),
     },
     "schedule": {
         "steps": Key(20, (int,), check=_positive, doc="total optimizer steps"),
@@ -107,8 +120,18 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "min_lr_ratio": Key(0.1, _NUM, check=_fraction, doc="final lr / peak lr for linear and cosine decay"),
     },
     "parallel": {
-        "ep_size": Key(1, (int,), check=_positive, doc="expert-parallel group size (divides world size and expert count)"),
-        "fsdp": Key(False, (bool,), doc="shard non-expert parameters over the data-parallel ranks (uneven shards allowed)"),
+        "tp_size": Key(1, (int,), check=_positive, doc="tensor parallel: attention heads and dense MLPs split over this many ranks"),
+        "cp_size": Key(1, (int,), check=_positive, doc="context parallel: each sequence split over this many ranks"),
+        "ep_size": Key(1, (int,), check=_positive, doc="expert parallel: experts split over this many data / context ranks"),
+        "fsdp": Key(False, (bool,), doc="shard parameters over the data and context ranks (torch FSDP2, uneven shards)"),
+        "recompute": Key("none", (str, list), check=_recompute,
+                         doc="activation recomputation: none, full (every decoder layer) or module-name globs"),
+        "fsdp_param_dtype": Key(None, _OPT_STR, choices=(None, "float32", "bfloat16"),
+                                doc="FSDP mixed precision: dtype of gathered parameters (null: the model's)"),
+        "fsdp_reduce_dtype": Key(None, _OPT_STR, choices=(None, "float32", "bfloat16"),
+                                 doc="FSDP mixed precision: dtype of gradient reduction (null: as param_dtype)"),
+        "reshard_after_forward": Key(True, (bool,), doc="FSDP: free gathered weights after forward (gathered again for backward)"),
+        "prefetch": Key(1, (int,), check=_non_negative, doc="FSDP: layers whose weight gather is issued ahead"),
         "backend": Key("gloo", (str,), choices=("gloo", "nccl"), doc="torch.distributed backend under torchrun"),
         "timeout_s": Key(60, _NUM, check=_positive, doc="collective timeout"),
     },
@@ -212,6 +235,13 @@ def _cross_checks(cfg: Config) -> list[str]:
         problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
     if d.get("source") == "text" and not d.get("path"):
         problems.append("data.path: required when data.source is 'text'")
+    par, lp = cfg["parallel"], cfg["low_precision"]
+    cp, seq = par.get("cp_size"), d.get("seq_len")
+    if isinstance(cp, int) and isinstance(seq, int) and cp > 0 and seq % cp:
+        problems.append(f"parallel.cp_size: {cp} does not divide data.seq_len={seq} (each rank takes an equal part)")
+    if isinstance(par.get("tp_size"), int) and par["tp_size"] > 1 and (lp.get("linear") or lp.get("format")) == "mxfp8":
+        problems.append("parallel.tp_size: tensor parallelism splits nn.Linear layers, which low_precision.format=mxfp8 "
+                        "replaces; use one or the other")
     for i, step in enumerate(cfg["trace"].get("steps") or []):
         if isinstance(step, int) and isinstance(cfg["schedule"].get("steps"), int) and not 1 <= step <= cfg["schedule"]["steps"]:
             problems.append(f"trace.steps[{i}]: step {step} outside 1..{cfg['schedule']['steps']} (schedule.steps)")

@@ -9,15 +9,31 @@ from typing import Any, TextIO
 import torch
 
 
-def memory_mib() -> float:
-    """Peak accelerator memory when on CUDA, else this process's resident set size, in MiB."""
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window (CUDA allocator peak; on Linux CPU, the resident-set high-water mark)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (Linux >= 4.0)
+            f.write("5")
+    except OSError:
+        pass  # then the peak is the process's lifetime peak
+
+
+def peak_memory_mib() -> float:
+    """Peak memory since :func:`reset_peak_memory`, in MiB: CUDA's allocated peak, else the peak resident set."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
     except (OSError, ValueError, IndexError):
-        return 0.0
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class Progress:
@@ -33,7 +49,9 @@ class Progress:
             return
         done = int(self.width * rec["step"] / max(self.total, 1))
         line = (f"[{'#' * done}{'.' * (self.width - done)}] step {rec['step']}/{self.total} "
-                f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f} mem {rec['mem_mib']:.0f} MiB")
+                f"loss {rec['loss']:.4f} lr {rec['lr']:.2e} tok/s {rec['tokens_per_s']:.0f} "
+                f"peak mem {rec['peak_mem_mib']:.0f} MiB comm {rec['comm_s'] * 1e3:.0f} ms"
+                + (f" MFU {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""))
         self.stream.write(("\r" + line) if self.tty else line + "\n")
         self.stream.flush()
 

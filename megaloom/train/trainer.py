@@ -1,9 +1,11 @@
 """The trainer: a YAML config in, a trained model, metrics, traces and checkpoints out.
 
-    config ──> build model (seeded) ──> replacement plan (validated, then applied,
-    outputs checked) ──> parallel set-up (EP / FSDP / data parallel) ──> optimizer
-    ──> for each step: batch(step, rank) -> forward -> loss -> backward -> grad sync
-        -> clip -> lr(step) -> optimizer step -> metrics / progress / trace / checkpoint
+    config ──> build model (seeded) ──> device mesh ──> replacement plan (validated, then
+    applied, outputs checked; MegaMoE gets the expert-parallel group) ──> parallel set-up
+    (TP, CP, recomputation, FSDP2) ──> optimizer
+    ──> for each step: for each micro-batch: batch(step, data rank) -> this rank's part
+        -> forward -> loss -> backward;  then grad sync -> clip -> lr(step) -> optimizer step
+        -> metrics (loss, tokens/s, peak memory, MFU, comm time) / progress / trace / checkpoint
 
 Every random choice is derived from ``run.seed`` and the step number, so a run that
 stops after step k and resumes from its checkpoint reproduces the losses of an
@@ -22,19 +24,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom.hf_moe import build_model
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.perfetto import write_chrome
+from megaloom.swaps import MegaMoEBlock
 from megaloom.train import checkpoint as ckpt
 from megaloom.train.config import Config
 from megaloom.train.data import make_stream
-from megaloom.hf_moe import build_model
-from megaloom.train.progress import MetricsLog, Progress, memory_mib
-from megaloom.runtime.perfetto import write_chrome
+from megaloom.train.flops import flops_per_token, peak_flops
+from megaloom.train.optim import make_optimizer
+from megaloom.train.parallel import mesh as meshes
+from megaloom.train.parallel.clock import CommClock, TimedCommunicator
+from megaloom.train.parallel.context import split
+from megaloom.train.progress import MetricsLog, Progress, peak_memory_mib, reset_peak_memory
 from megaloom.train.step_trace import GraphTraces, StepTracer
-from megaloom.swaps import MegaMoEBlock
 
 
 @dataclass(slots=True)
 class StepRecord:
-    """What one optimizer step produced (loss averaged over all data-parallel ranks)."""
+    """What one optimizer step produced: loss averaged over every rank's tokens, tokens of all data ranks,
+    this rank's peak memory (MiB), comm time (s with a collective in flight) and MFU (None: no hardware profile)."""
 
     step: int
     loss: float
@@ -42,7 +51,9 @@ class StepRecord:
     grad_norm: float
     tokens: int
     tokens_per_s: float
-    mem_mib: float
+    peak_mem_mib: float
+    comm_s: float
+    mfu: float | None
     time_s: float
 
     def as_dict(self) -> dict[str, Any]:
@@ -61,17 +72,16 @@ def lr_factor(step: int, sched: dict) -> float:
     return floor + (1.0 - floor) * shape
 
 
-def make_optimizer(params: list[nn.Parameter], opt: dict) -> torch.optim.Optimizer:
-    if opt["name"] == "sgd":
-        return torch.optim.SGD(params, lr=opt["lr"], momentum=opt["momentum"], weight_decay=opt["weight_decay"])
-    return torch.optim.AdamW(params, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
-                             weight_decay=opt["weight_decay"], foreach=False)
-
-
 def causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy of ``tokens [B, S+1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
-    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    return lm_loss(model, *split(tokens, 0, 1))
+
+
+def lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor,
+            positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean cross entropy of ``model``'s logits for ``inputs`` against ``labels`` (part of a sequence: ``positions``)."""
+    logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 class Trainer:
@@ -87,13 +97,21 @@ class Trainer:
         self.rank, self.world = self.comm.rank, self.comm.world_size
         run = cfg["run"]
         self.seed = run["seed"]
+        par = cfg["parallel"]
+        self.dims = meshes.MeshDims.of(par, self.world)
+        self.accum = cfg["optimizer"]["grad_accum_steps"]
+        self.clock = CommClock()
         self.base_model = build_model(cfg["model"], self.seed)
         self.vocab = int(self.base_model.config.vocab_size)
-        self.swaps = self._apply_plan()
-        self.parallel = _setup_parallel(self.base_model, cfg["parallel"], self.comm)
-        self.model = self.parallel.model  # the base model (FSDP wraps its modules in place)
-        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg["optimizer"])
+        self.flops_per_token = flops_per_token(self.base_model, cfg["data"]["seq_len"])
+        self.peak_flops = self._peak_flops()
         self.data = make_stream(cfg["data"], self.vocab, self.seed)
+        self.mesh = meshes.build(self.dims, self.comm, par["backend"], lambda c: TimedCommunicator(c, self.clock))
+        self.swaps = self._apply_plan()
+        self.parallel = _setup_parallel(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
+                                        self.mesh, self.clock, self.log, self._probe)
+        self.model = self.parallel.model  # the base model (FSDP2 and TP convert its modules in place)
+        self.optimizer = make_optimizer(self.model, cfg["optimizer"])
         self.ckpt_dir = cfg["checkpoint"]["dir"] or os.path.join(run["out_dir"], "checkpoints")
         self.trace_dir = cfg["trace"]["dir"] or os.path.join(run["out_dir"], "traces")
         self.step = 0
@@ -110,21 +128,44 @@ class Trainer:
         if not self.cfg["replace"]["rules"] and (lp["linear"] or lp["format"]) == "none":
             return []
         from megaloom.model_plan import apply_config_plan  # imports the graphs and mxfp8 layers
-        return apply_config_plan(self.base_model, self.cfg, self.log, self.comm)
+        return apply_config_plan(self.base_model, self.cfg, self.log, self.mesh.ep)
+
+    def _peak_flops(self) -> float | None:
+        par, hw = self.cfg["parallel"], self.cfg["run"]["hardware"]
+        try:
+            return peak_flops(hw, par["fsdp_param_dtype"] or self.cfg["model"]["dtype"])
+        except ConfigError as e:
+            raise ConfigError(f"run.hardware: {e}") from None
+
+    def _micro_batch(self, step: int, m: int) -> torch.Tensor:
+        """Micro-batch ``m`` of this data rank at 0-based ``step``: global micro-batch ``data_rank * accum + m``
+        (so one rank accumulating D micro-batches reads what D data ranks read)."""
+        dp, dp_rank = self.dims.dp, self.mesh.coord("dp")
+        return self.data.batch(step, dp_rank * self.accum + m, dp * self.accum)
+
+    def _probe(self) -> torch.Tensor:
+        """Loss of this rank's first micro-batch (for measuring a forward at set-up)."""
+        return lm_loss(self.base_model, *split(self._micro_batch(0, 0), self.mesh.coord("cp"), self.dims.cp))
 
     # -- one step -----------------------------------------------------------------
     def train_step(self) -> StepRecord:
         """Run optimizer step ``self.step + 1`` (1-based in records, 0-based for data and lr)."""
         t0 = time.perf_counter()
+        reset_peak_memory()
+        self.clock.take()
         tracing = self.tracer is not None and self.step + 1 in self.cfg["trace"]["steps"]
+        total = torch.zeros((), dtype=torch.float64)
         with self.tracer.active() if tracing else nullcontext():
             if tracing:
                 self._graph_traces(clear=True)
-            batch = self.data.batch(self.step, self.parallel.data_rank, self.parallel.data_world)
-            with self._phase(tracing, "forward"):
-                loss = causal_lm_loss(self.model, batch)
-            with self._phase(tracing, "backward"):
-                loss.backward()
+            for m in range(self.accum):
+                inputs, labels, positions = self.parallel.inputs(self._micro_batch(self.step, m))
+                self.parallel.set_sync(m == self.accum - 1)
+                with self._phase(tracing, "forward"):
+                    loss = lm_loss(self.model, inputs, labels, positions)
+                with self._phase(tracing, "backward"):
+                    (loss / self.accum if self.accum > 1 else loss).backward()
+                total += loss.detach()
             with self._phase(tracing, "grad_sync"):
                 self.parallel.sync_grads()
             with self._phase(tracing, "optimizer"):
@@ -140,16 +181,17 @@ class Trainer:
         self.step += 1
         if tracing:
             self._write_trace()
-        mean_loss = self.parallel.mean(loss.detach())
+        mean_loss = self.parallel.mean(total / self.accum)
         dt = time.perf_counter() - t0
-        tokens = batch[:, 1:].numel() * self.parallel.data_world
-        return StepRecord(self.step, mean_loss, lr, norm, tokens, tokens / max(dt, 1e-9), memory_mib(), dt)
+        tokens = labels.shape[0] * self.cfg["data"]["seq_len"] * self.accum * self.dims.dp
+        rate = tokens / max(dt, 1e-9)
+        mfu = rate * self.flops_per_token / (self.peak_flops * self.world) if self.peak_flops else None
+        return StepRecord(self.step, mean_loss, lr, norm, tokens, rate, peak_memory_mib(), self.clock.take(), mfu, dt)
 
     def _graph_traces(self, clear: bool = False) -> list[tuple[str, str, Any]]:
         """(module, direction, trace) of the graphs MegaMoE blocks and MegaGate routers ran since the last clear."""
         out = []
         for name, m in self.base_model.named_modules():
-            m = getattr(m, "inner", m)  # under FSDP a router sits inside its ShardedModule
             if isinstance(m, MegaMoEBlock):
                 out += [(name, d, t) for d, t in m.runner.last_trace.items()]
                 if clear:
@@ -224,9 +266,9 @@ def _default_comm(par: dict) -> Any:
     return LocalCommunicator()
 
 
-def _setup_parallel(model: nn.Module, par: dict, comm: Any):
+def _setup_parallel(model: nn.Module, par: dict, comm: Any, mesh: Any, clock: CommClock, log, probe):
     from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
-    return setup(model, par, comm)
+    return setup(model, par, comm, mesh, clock, log, probe)
 
 
 def train(cfg: Config, comm: Any = None, log=None) -> list[StepRecord]:

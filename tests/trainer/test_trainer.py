@@ -23,7 +23,8 @@ def test_loss_decreases_and_metrics_are_logged(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == list(range(1, 11))
     assert [r["loss"] for r in lines] == losses
-    assert all(r["tokens"] == 8 * 16 and r["tokens_per_s"] > 0 and r["mem_mib"] > 0 for r in lines)
+    assert all(r["tokens"] == 8 * 16 and r["tokens_per_s"] > 0 and r["peak_mem_mib"] > 0 for r in lines)
+    assert all(r["comm_s"] == 0 and 0 < r["mfu"] < 1 for r in lines)  # one process: no collectives
     trace = Trace.load(tmp_path / "traces" / "step2.rank0.trace")
     names = {e.task for e in trace.events}
     assert {"forward", "backward", "optimizer", "model.layers.1.mlp", "model.layers.1.mlp.bwd"} <= names
@@ -80,8 +81,10 @@ def test_cli_train_and_errors(tmp_path, capsys):
 
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(tiny_raw(tmp_path / "out", steps=2)))
-    assert main(["train", str(f), "--optimizer.lr=0.01", "--run.log_interval=2"]) == 0
-    assert "trained steps 1..2" in capsys.readouterr().out
+    assert main(["train", str(f), "--optimizer.lr=0.01", "--run.log_interval=2", "--plot"]) == 0
+    out = capsys.readouterr().out
+    assert "trained steps 1..2" in out and "plot of loss and throughput" in out
+    assert (tmp_path / "out" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["train", str(f), "--optimizer.name=lamb", "--data.seq_len=0"]) == 2
     err = capsys.readouterr().err
     assert "optimizer.name: got 'lamb', expected one of 'adamw', 'sgd'" in err and "data.seq_len: got 0" in err

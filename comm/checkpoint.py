@@ -7,17 +7,17 @@ rank's new shard covers (save on 4 ranks, load on 3 or 2, bit-exact).
 
 Keys: ``model.<param>`` for parameters (shards, or whole when replicated) and buffers,
 ``optim.<param>.<state>`` for optimizer state (sharded like its parameter when it has
-the shard's shape, else replicated). :func:`save` / :func:`load` take a ShardedModule;
-:func:`save_params` / :func:`load_params` take any ``{name: (local tensor, layout or
-None)}`` map (the trainer's whole model: FSDP shards, expert-parallel slices, replicated
-weights; DTensors, such as FSDP2 and tensor-parallel parameters, carry their own layout and
-are written and read as the chunks they hold). ``extra`` is one small msgpack value per rank (step, RNG states, ...), saved as
-``megaloom.extra`` inside the same atomic save and returned as ``manifest["extra"]``.
+the shard's shape, else replicated). :func:`save_params` / :func:`load_params` take a
+``{name: (local tensor, layout or None)}`` map (the trainer's whole model: expert-parallel
+slices, replicated weights; DTensors, such as FSDP2 and tensor-parallel parameters, carry
+their own layout and are written and read as the chunks they hold). ``extra`` is one small
+msgpack value per rank (step, RNG states, ...), saved as ``megaloom.extra`` inside the same
+atomic save and returned as ``manifest["extra"]``.
 
 Safety. DCP writes into ``<path>.partial``; rank 0 then adds ``megaloom.manifest``
 (msgpack: layouts and the size and SHA-256 of every file) and swaps the folder in with
 two renames (old -> ``<path>.old``, new -> ``<path>``). A crash at any point leaves
-either the previous or the new checkpoint complete; :func:`load` falls back to
+either the previous or the new checkpoint complete; :func:`load_params` falls back to
 ``<path>.old`` when ``<path>`` is missing. Before DCP opens anything, every file is
 checked against the manifest, so a truncated or tampered checkpoint is refused with
 :class:`CheckpointError` (DCP's own metadata file is a pickle: it is only read once
@@ -47,7 +47,6 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from megaloom.comm.fsdp import ShardedModule
 from megaloom.comm.sharding import ShardLayout
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import FileFormatError
@@ -134,11 +133,6 @@ def _dtensor_chunk(t: DTensor) -> ChunkStorageMetadata:
     return ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
 
 
-def params_of(model: ShardedModule) -> Params:
-    """The shards of a ShardedModule with their layouts."""
-    return {fqn: (model.shard(fqn), lay) for fqn, lay in model.layouts.items()}
-
-
 def state_of(params: Params, optimizer: torch.optim.Optimizer | None = None
              ) -> tuple[dict[str, torch.Tensor], dict[str, ShardLayout]]:
     """The flat state dict of local tensors (views, not copies) and the layout of each sharded key."""
@@ -156,12 +150,6 @@ def state_of(params: Params, optimizer: torch.optim.Optimizer | None = None
                 if lay is not None and v.dim() and tuple(v.shape) == lay.local_shape:
                     layouts[f"optim.{fqn}.{key}"] = lay
     return state, layouts
-
-
-def save(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None,
-         extra: Any = None) -> None:
-    """Save the shards of ``model`` (and ``optimizer`` state, and ``extra``) atomically; a collective."""
-    save_params(path, model.comm, params_of(model), optimizer, extra)
 
 
 def save_params(path: str | os.PathLike, comm: Any, params: Params, optimizer: torch.optim.Optimizer | None = None,
@@ -231,14 +219,6 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{path}: file {name!r} does not match its SHA-256 in the manifest (tampered?)")
     man["path"] = path
     return man
-
-
-def load(path: str | os.PathLike, model: ShardedModule, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """Load into ``model``'s shards (any saved world size); returns the manifest. A collective.
-
-    Optimizer state named in the checkpoint is created for the new layout and filled.
-    """
-    return load_params(path, model.comm, params_of(model), optimizer)
 
 
 def load_params(path: str | os.PathLike, comm: Any, params: Params, optimizer: torch.optim.Optimizer | None = None

@@ -22,7 +22,7 @@ rank issues its collectives in the same order (:func:`megaloom.comm.ops.chain`).
 Graph buffers: inputs ``x`` [tokens, dims[0]], ``w{l}`` (this rank's shard) and, with
 ``backward``, ``dy`` [tokens, dims[-1]]; outputs ``y`` and, with ``backward``, ``dx``
 and ``dw{l}`` (this rank's shard of the weight gradient, reduced over ranks by
-``reduce_op``: ``avg`` as :func:`fully_shard`, or ``sum``).
+``reduce_op``: ``avg`` as FSDP averages data-parallel gradients, or ``sum``).
 """
 from __future__ import annotations
 

@@ -93,27 +93,29 @@ def test_comm_task_without_communicator_in_a_bigger_world_fails_by_name():
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_world_of_one_fully_shard_and_checkpoint_round_trip(tmp_path):
+def test_world_of_one_checkpoint_round_trip(tmp_path):
     from torch import nn
 
-    from megaloom.comm import fully_shard
-    from megaloom.comm.checkpoint import CheckpointError, load, save
+    from megaloom.comm.checkpoint import CheckpointError, load_params, save_params
 
-    torch.manual_seed(0)
-    model = fully_shard(nn.Linear(3, 4), LocalCommunicator())
+    def linear(seed, out=4):
+        torch.manual_seed(seed)
+        lin = nn.Linear(3, out)
+        return lin, {n: (p, None) for n, p in lin.named_parameters()}
+
+    comm = LocalCommunicator()
+    model, params = linear(0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
-    save(tmp_path / "ck", model, opt)
-    torch.manual_seed(1)
-    other = fully_shard(nn.Linear(3, 4), LocalCommunicator())
+    save_params(tmp_path / "ck", comm, params, opt)
+    other, other_params = linear(1)
     opt2 = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    assert load(tmp_path / "ck", other, opt2)["world_size"] == 1
-    for fqn in ("weight", "bias"):
-        assert torch.equal(other.shard(fqn), model.shard(fqn))
-        assert torch.equal(opt2.state[other.shard(fqn)]["momentum_buffer"], opt.state[model.shard(fqn)]["momentum_buffer"])
+    assert load_params(tmp_path / "ck", comm, other_params, opt2)["world_size"] == 1
+    for a, b in zip(other.parameters(), model.parameters()):
+        assert torch.equal(a, b) and torch.equal(opt2.state[a]["momentum_buffer"], opt.state[b]["momentum_buffer"])
     with pytest.raises(CheckpointError, match="no checkpoint"):
-        load(tmp_path / "missing", other)
+        load_params(tmp_path / "missing", comm, other_params)
 
     # a crash in the middle of the next save leaves the previous checkpoint whole
     import torch.distributed.checkpoint as dcp
@@ -122,20 +124,20 @@ def test_world_of_one_fully_shard_and_checkpoint_round_trip(tmp_path):
         open(f"{storage_writer.path}/__0_0.distcp", "wb").write(b"half")
         raise KeyboardInterrupt("killed mid-save")
 
-    before = model.shard("weight").detach().clone()
+    before = model.weight.detach().clone()
     with torch.no_grad():
-        model.shard("weight").add_(1.0)
+        model.weight.add_(1.0)
     real_save, dcp.save = dcp.save, crash
     try:
         with pytest.raises(KeyboardInterrupt):
-            save(tmp_path / "ck", model, opt)
+            save_params(tmp_path / "ck", comm, params, opt)
     finally:
         dcp.save = real_save
-    load(tmp_path / "ck", other, opt2)
-    assert torch.equal(other.shard("weight"), before)
-    wrong = fully_shard(nn.Linear(3, 5), LocalCommunicator())
+    load_params(tmp_path / "ck", comm, other_params, opt2)
+    assert torch.equal(other.weight, before)
+    _, wrong = linear(2, out=5)
     with pytest.raises(CheckpointError, match=r"'model.weight' holds \(4, 3\), the model expects \(5, 3\)"):
-        load(tmp_path / "ck", wrong)
+        load_params(tmp_path / "ck", comm, wrong)
 
 
 def test_simulator_prices_comm_tasks_with_the_link_model():

@@ -14,15 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from megaloom.comm import fully_shard, gather_uneven, reduce_scatter_uneven, shard_offsets, shard_sizes
-from megaloom.comm.checkpoint import CheckpointError, load, save, verify
+from megaloom.comm import ShardLayout, gather_uneven, reduce_scatter_uneven, shard_offsets, shard_sizes
+from megaloom.comm.checkpoint import CheckpointError, load_params, save_params, verify
 from megaloom.comm.ops import chain
 from megaloom.comm.spawn import run_world
 from megaloom.comm.stream import Collector, TraceStreamer
 from megaloom.runtime import CommError, ExecContext, ReferenceExecutor, TaskGraph, ThreadExecutor
 
 pytestmark = pytest.mark.dist
-BATCH, STEPS = 12, 3
+STEPS = 3
 
 
 def _data(rank: int, rows: int, cols: int = 3, dtype=torch.float32) -> torch.Tensor:
@@ -150,49 +150,34 @@ def _check_graph(comm, streamer=None) -> None:
     assert torch.equal(ref["full"], _data(7, 7))
 
 
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, 6, generator=g), torch.randn(BATCH, 5, generator=g)
-
-
-def _check_training(comm):
-    """fully_shard on this world equals unsharded training on the whole batch, step for step."""
-    r, w = comm.rank, comm.world_size
-    ref = _mlp()
-    model = fully_shard(_mlp(), comm)
-    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x, y = _batch()
-    per = BATCH // w
-    xs, ys = x[r * per:(r + 1) * per], y[r * per:(r + 1) * per]
-    for _ in range(STEPS):
-        opt_ref.zero_grad()
-        nn.functional.mse_loss(ref(x), y).backward()
-        opt_ref.step()
-        opt.zero_grad()
-        nn.functional.mse_loss(model(xs), ys).backward()
+def _sharded(comm, seed: int):
+    """This rank's uneven dim-0 shards of an MLP's parameters (as FSDP keeps them) after STEPS Adam steps
+    on gradients every rank draws alike, and the optimizer: ``({name: (shard, layout)}, optimizer)``."""
+    torch.manual_seed(seed)
+    mlp = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
+    params = {}
+    for fqn, p in mlp.named_parameters():
+        lay = ShardLayout.of(tuple(p.shape), comm.world_size, comm.rank, fqn)
+        params[fqn] = (nn.Parameter(lay.shard(p.detach()).clone()), lay)
+    opt = torch.optim.Adam([t for t, _ in params.values()], lr=1e-2)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(seed * 100 + step)
+        for t, lay in params.values():
+            t.grad = lay.shard(torch.randn(lay.shape, generator=g)).clone()
         opt.step()
-        for fqn, p in ref.named_parameters():
-            lay = model.layouts[fqn]
-            assert torch.allclose(model.shard(fqn), lay.shard(p.detach()), atol=1e-6), f"{fqn} diverged on {w} ranks"
-    return model, opt
+    return params, opt
 
 
-def _full_state(model, opt) -> dict[str, list]:
+def _full_state(comm, params, opt) -> dict[str, list]:
     """Every full tensor of the sharded state (gathered), as nested lists."""
-    out = {f"model.{k}": v.tolist() for k, v in model.full_parameters().items()}
-    for fqn, lay in model.layouts.items():
-        for key, v in opt.state[model.shard(fqn)].items():
+    out = {}
+    for fqn, (t, lay) in params.items():
+        for key, v in [("", t.detach()), *opt.state[t].items()]:
             if v.dim():
                 full = torch.empty(lay.shape, dtype=v.dtype)
-                gather_uneven(model.comm, v, list(lay.sizes), full)
+                gather_uneven(comm, v.contiguous(), list(lay.sizes), full)
                 v = full
-            out[f"optim.{fqn}.{key}"] = v.tolist()
+            out[f"optim.{fqn}.{key}" if key else f"model.{fqn}"] = v.tolist()
     return out
 
 
@@ -202,14 +187,13 @@ def world_four(comm, ckpt: str):
     for rows in (7, 6):
         _check_uneven(comm, rows)
     _check_graph(comm)
-    model, opt = _check_training(comm)
-    save(ckpt, model, opt)
-    save(ckpt, model, opt)  # overwriting an existing checkpoint swaps it in whole
-    again = fully_shard(nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)), comm)
-    opt2 = torch.optim.Adam(again.parameters(), lr=1e-2)
-    load(ckpt, again, opt2)  # same world size
-    assert _full_state(again, opt2) == _full_state(model, opt)
-    return {"errors": errors, "state": _full_state(model, opt)}
+    params, opt = _sharded(comm, 0)
+    save_params(ckpt, comm, params, opt)
+    save_params(ckpt, comm, params, opt)  # overwriting an existing checkpoint swaps it in whole
+    again, opt2 = _sharded(comm, 1)
+    load_params(ckpt, comm, again, opt2)  # same world size
+    assert _full_state(comm, again, opt2) == _full_state(comm, params, opt)
+    return {"errors": errors, "state": _full_state(comm, params, opt)}
 
 
 def world_reload(comm, ckpt: str, endpoint: str | None, bad: str | None):
@@ -219,18 +203,15 @@ def world_reload(comm, ckpt: str, endpoint: str | None, bad: str | None):
         streamer = TraceStreamer(endpoint, r)
         _check_graph(comm, streamer)
         streamer.close()
-    _check_training(comm)
-    torch.manual_seed(123 + r)  # a model different from the saved one, to be overwritten
-    model = fully_shard(nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5)), comm)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    params, opt = _sharded(comm, 123)  # other values than the saved ones, to be overwritten
     bad_error = ""
     if bad:
         try:
-            load(bad, model, opt)
+            load_params(bad, comm, params, opt)
         except CheckpointError as e:
             bad_error = str(e)
-    man = load(ckpt, model, opt)
-    return {"state": _full_state(model, opt), "saved_world": man["world_size"], "bad_error": bad_error}
+    man = load_params(ckpt, comm, params, opt)
+    return {"state": _full_state(comm, params, opt), "saved_world": man["world_size"], "bad_error": bad_error}
 
 
 def world_dead_peer(comm):
@@ -288,7 +269,7 @@ def _tensor(v) -> torch.Tensor:
     return torch.tensor(v, dtype=torch.float32)
 
 
-def test_four_ranks_collectives_mismatch_sharding_training(saved):
+def test_four_ranks_collectives_mismatch_and_sharding(saved):
     _, results = saved
     for res in results:
         split_err, dtype_err, gather_err = res["errors"]

@@ -1,5 +1,6 @@
 """Two gloo ranks: data parallel, FSDP (uneven shards) and expert parallel (MegaMoE), and resume
-(same world size bit-exact; from 2 ranks to 1 and from 1 to 2 through the resharding checkpoints)."""
+(same world size bit-exact; from 2 ranks to 1 and from 1 to 2 through the resharding checkpoints;
+tensor parallel on 2 ranks to 1)."""
 import json
 
 import pytest
@@ -48,6 +49,11 @@ def world_runs(comm, tmp, one_rank_ckpt):
     out["from1_step"] = two.step
     two.save()
     out["from1"] = [r.loss for r in two.fit()]
+    # tensor parallel (DTensor shards of heads and MLP columns) saved here, resumed by one process
+    tp = _trainer(comm, f"{tmp}/tp", 4, parallel={"tp_size": 2}, checkpoint={"stop_after": 2})
+    tp.fit()
+    with torch.no_grad():  # a collective: both ranks run the one data rank's batch
+        out["tp_step3"] = float(causal_lm_loss(tp.model, tp.data.batch(2, 0, 1)))
     return out
 
 
@@ -81,6 +87,11 @@ def test_two_ranks_dp_fsdp_ep_and_resume(tmp_path):
                     checkpoint={"resume": str(tmp_path / "from1" / "checkpoints" / "step_00000002")})
     full = [r.loss for r in _trainer(None, tmp_path / "full", 4, replace=MOE).fit()]
     assert one_losses + [r.loss for r in back.fit()] == full
+
+    # tp 2 -> 1 rank: the DTensor shards load as whole tensors; step 3 is the same batch under the same weights
+    tp1 = _trainer(None, tmp_path / "tp1", 4,
+                   checkpoint={"stop_after": 3, "resume": str(tmp_path / "tp" / "checkpoints" / "step_00000002")})
+    assert tp1.step == 2 and tp1.fit()[0].loss == pytest.approx(r0["tp_step3"], rel=1e-5)
 
     trace0 = json.loads((tmp_path / "ep" / "traces" / "step2.rank1.json").read_text())
     engines = {ev["args"]["name"].split(".")[0] for ev in trace0["traceEvents"] if ev.get("name") == "thread_name"}

@@ -45,6 +45,7 @@ LAYOUTS = {  # trainer layouts on 2 ranks (dp is what tp and cp leave)
     "fsdp": {"parallel": {"fsdp": True}},
     "tp2": {"parallel": {"tp_size": 2}},
     "cp2+fsdp": {"parallel": {"cp_size": 2, "fsdp": True}},
+    "mega_moe+fsdp": {"parallel": {"fsdp": True}, **MOE},  # the experts EP runs, without EP
     "ep2+fsdp": {"parallel": {"ep_size": 2, "fsdp": True}, **MOE},
     "fsdp+recompute": {"parallel": {"fsdp": True, "recompute": "full"}},
 }

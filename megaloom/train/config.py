@@ -82,8 +82,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "out_dir": Key("runs/train", (str,), doc="metrics.jsonl, traces and (by default) checkpoints go here"),
         "log_interval": Key(1, (int,), check=_positive, doc="steps between progress/metrics lines"),
         "progress": Key(True, (bool,), doc="draw the progress bar on stderr (rank 0)"),
-        "hardware": Key("cpu", _OPT_STR, doc="hardware profile whose peak matmul rate per rank is MFU's denominator "
-                                             "(null: no MFU)"),
+        "hardware": Key("auto", _OPT_STR, doc="hardware profile whose peak matmul rate per rank is MFU's denominator "
+                                              "(auto: cpu, or the profile named in the GPU's name; null: no MFU)"),
     },
     "model": {
         "kind": Key("qwen3_moe", (str,), choices=("qwen3_moe", "deepseek_v3", "path"),

@@ -11,6 +11,7 @@ appendix B), also under a causal mask. Embedding look-ups are free. Counted on t
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from megaloom.hf_moe import block_parts, is_moe_block
@@ -40,9 +41,16 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 def peak_flops(hardware: str | None, dtype: str) -> float | None:
-    """Peak matmul FLOP/s of one rank from hardware profile ``hardware`` (None: no MFU)."""
+    """Peak matmul FLOP/s of one rank from hardware profile ``hardware`` (None: no MFU). ``auto``: ``cpu``
+    without CUDA, else the profile whose name is in the GPU's name (``h100`` in "NVIDIA H100 80GB HBM3"), or None."""
+    from megaloom.scheduler.profile import list_profiles, load_profile
+
+    if hardware == "auto":
+        if torch.cuda.is_available():
+            gpu = torch.cuda.get_device_name().lower()
+            hardware = next((p for p in list_profiles() if p != "cpu" and p in gpu), None)
+        else:
+            hardware = "cpu"
     if hardware is None:
         return None
-    from megaloom.scheduler.profile import load_profile
-
     return load_profile(hardware).peak("cube", {"float32": "fp32", "bfloat16": "bf16"}[dtype])

@@ -1,7 +1,8 @@
 """Every parallel layout trains like one process: (tp, cp, ep, dp, fsdp, recompute) on 2 and 4 gloo
 ranks against the single-process run that accumulates the same global batch."""
+import re
+
 import pytest
-import torch
 
 from megaloom.comm.spawn import run_world
 from megaloom.runtime.errors import ConfigError
@@ -129,3 +130,17 @@ def test_config_only_mesh_errors(tmp_path):
         from megaloom.hf_moe import build_model
         from megaloom.train.parallel.tensor import plan
         plan(build_model(tiny_config(tmp_path)["model"], 0), 4)
+
+
+def test_recompute_runs_forward_again_and_logs_what_it_saves(tmp_path):
+    logs = []
+    trainer = Trainer(tiny_config(tmp_path, steps=1, parallel={"recompute": ["model.layers.*.mlp"]}), log=logs.append)
+    line = next(m for m in logs if m.startswith("recompute 2 module(s) (model.layers.0.mlp, ...)"))
+    kept, less, saved = map(float, re.search(r"micro-batch ([\d.]+) MiB -> ([\d.]+) MiB \(([\d.]+) MiB saved", line).groups())
+    assert 0 < less < kept and saved == pytest.approx(kept - less, abs=0.02), line
+    calls = []
+    trainer.model.model.layers[0].mlp.gate.register_forward_hook(lambda *a: calls.append(1))
+    trainer.train_step()
+    assert len(calls) == 2  # forward, then again in backward
+    with pytest.raises(ConfigError, match="model.layers.0.mlp lies inside model.layers.0, which is recomputed already"):
+        Trainer(tiny_config(tmp_path / "b", steps=1, parallel={"recompute": ["model.layers.0", "model.layers.0.mlp"]}))

@@ -36,8 +36,12 @@ def world_runs(comm, tmp, one_rank_ckpt):
         "dp": _losses(comm, f"{tmp}/dp", 4),
         "fsdp": _losses(comm, f"{tmp}/fsdp", 4, parallel={"fsdp": True}),
         "ep_fsdp": _losses(comm, f"{tmp}/ep", 4, parallel=EP_FSDP, replace=MOE, trace={"steps": [2]}),
+        "fsdp_bf16": _losses(comm, f"{tmp}/bf16", 4, parallel={"fsdp": True, "fsdp_param_dtype": "bfloat16",
+                                                             "fsdp_reduce_dtype": "float32"}),
     }
     first = _trainer(comm, rank_dir, 4, parallel=EP_FSDP, replace=MOE, checkpoint={"interval": 1, "stop_after": 2})
+    # each rank holds only its experts: their storage is the local rows, the full tensors are gone
+    out["expert_storage"] = [p.untyped_storage().nbytes() / (p.numel() * p.element_size()) for p in first.parallel.ep_params]
     losses = [r.loss for r in first.fit()]
     out["step3_batch0"] = _batch_losses(first, 2, [0])[0]  # what a 1-rank resume must see at step 3
     rest = _losses(comm, rank_dir, 4, parallel=EP_FSDP, replace=MOE,
@@ -72,6 +76,9 @@ def test_two_ranks_dp_fsdp_ep_and_resume(tmp_path):
     for name in ("fsdp", "ep_fsdp"):
         assert r0[name] == pytest.approx(dp, rel=1e-5), name  # same maths, other parallel layout
     assert r0["resumed"] == r0["ep_fsdp"]  # bit-exact after stopping at step 2 and resuming
+    assert r0["expert_storage"] == [1.0] * 4  # 2 layers x (gate_up, down), this rank's 4 of 8 experts
+    # FSDP2 mixed precision: bfloat16 weights in the matmuls, float32 gradient reduction
+    assert r0["fsdp_bf16"] == pytest.approx(dp, rel=2e-2) and r0["fsdp_bf16"] != dp
 
     # 1 rank -> 2 ranks (EP + FSDP): step 3 averages both data ranks' losses under the 1-rank weights
     assert r0["from1_step"] == 2

@@ -46,6 +46,7 @@ def test_stream_wait_by_event_record_or_inferred_from_timing(tmp_path, record):
     trace, rep, ev = load(tmp_path, _wait_trace(record))
     assert ev["A"].tid in ev["B"].deps and ev["B"].tags["delay"] == pytest.approx(1e-6)
     assert (rep.deps.get("event wait"), rep.inferred.get("event wait (from timing)")) == ((1, None) if record else (None, 1))
+    assert ev["B"].tags.get("inferred") == (None if record else [ev["A"].tid])
     out = by_name(replay(trace, whatif=K2).trace)
     assert out["A"] == (3, 13) and out["B"] == (14, 17)
 
@@ -88,13 +89,25 @@ def test_synchronous_copy_waits_for_its_copy(tmp_path):
     assert out["cudaLaunchKernel"] == (23.5, 25.5) and out["K"] == (26.5, 36.5)
 
 
+def test_async_copy_to_pageable_memory_is_synchronous_other_async_copies_are_not(tmp_path):
+    trace, rep, ev = load(tmp_path, [
+        call("cudaMemcpyAsync", 0, 30, 1), kernel("Memcpy DtoH (Device -> Pageable)", 2, 23, 1, cat="gpu_memcpy"),
+        call("cudaMemsetAsync", 31, 9, 2), kernel("Memset (Device)", 33, 2, 2, cat="gpu_memset"),  # done before it returns
+        call("cudaMemcpyAsync", 41, 9, 3), kernel("Memcpy DtoD (Device -> Device)", 43, 2, 3, cat="gpu_memcpy"),
+    ])
+    assert rep.deps["synchronous_copy"] == 1 and ev["cudaMemcpyAsync#2"].tags["sync"] == "synchronous_copy"
+    assert [e.task for e in trace.events if e.tags.get("sync")] == ["cudaMemcpyAsync#2"]
+
+
 def test_item_copy_then_stream_sync_without_sync_records(tmp_path):
     trace, rep, ev = load(tmp_path, [
         cpu("aten::item", 0, 40), cpu("aten::_local_scalar_dense", 0.5, 39),
         call("cudaMemcpyAsync", 1, 4, 1), kernel("Memcpy DtoH (Device -> Pinned)", 6, 20, 1, cat="gpu_memcpy"),
         call("cudaStreamSynchronize", 5, 25, 2),
     ])
-    assert rep.inferred == {"stream_sync": 1} and ev["Memcpy DtoH (Device -> Pinned)"].tid in ev["cudaStreamSynchronize#1"].deps
+    copy = ev["Memcpy DtoH (Device -> Pinned)"].tid
+    assert rep.inferred == {"stream_sync": 1} and copy in ev["cudaStreamSynchronize#1"].deps
+    assert ev["cudaStreamSynchronize#1"].tags["inferred"] == [copy]
     assert ev["cudaMemcpyAsync"].tags["op"] == "aten::_local_scalar_dense"
     out = by_name(replay(trace, whatif=WhatIf(speedup={"memcpy": 2})).trace)
     assert out["cudaStreamSynchronize#1"] == (16, 20)

@@ -7,9 +7,11 @@ one file per rank into one trace whose collectives replay together. The dependen
 in :mod:`.model` and docs/replay.md; classes in :mod:`.classes`; work figures in :mod:`.work`.
 
 Events carry, in their tags: ``delay`` (seconds of untraced time between the moment their
-dependencies were met and their recorded start, which replay keeps), ``class`` (the class
-table's label), ``stream`` or ``thread``, ``annotations`` (the annotations over them) and,
-for device ops, ``blocks`` (their grid) when the trace records it.
+dependencies were met and their recorded start, which replay keeps), ``cpu`` (the part of a
+host call's delay spent inside CPU ops), ``class`` (the class table's label), ``stream`` or
+``thread``, ``annotations`` (the annotations over them), ``inferred`` (the dependencies
+inferred from timing) and, for device ops, ``blocks`` (their grid) when the trace records it.
+The trace's ``meta['t0_us']`` is its time origin on the file's clock.
 """
 from __future__ import annotations
 
@@ -83,11 +85,14 @@ def _order(tasks: list[Task]) -> list[int]:
     return out
 
 
-def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport) -> tuple[list[TraceEvent], dict[str, int]]:
+def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
+            inferred: dict[int, list[int]]) -> tuple[list[TraceEvent], dict[str, int]]:
     order = _order(tasks)
     new = [0] * len(tasks)
     for k, i in enumerate(order):
         new[i] = k
+    for consumer, producers in inferred.items():
+        tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
     units: dict[str, int] = {}
     unit_of: dict[tuple[str, tuple], int] = {}
     names: dict[str, int] = {}
@@ -152,9 +157,10 @@ def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, I
     model = Model(raw, report, world)
     tasks = model.build()
     profile = _device(raw, tasks, report) if model.has_device else None
-    events, units = _events(tasks, model.t0 if t0 is None else t0, rank, report)
+    origin = model.t0 if t0 is None else t0
+    events, units = _events(tasks, origin, rank, report, model.inferred)
     meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": SOURCE, "clock": "wall",
-            "units": units, "world_size": world or 1, "rank": rank}
+            "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin}
     if profile:
         meta["profile"] = profile
     if not model.has_device:

@@ -69,8 +69,8 @@ SYNC_CALLS: tuple[tuple[str, str], ...] = (
     ("wait", r"^(?:cuda|hip)StreamWaitEvent$|^cuStreamWaitEvent"),
 )
 """Host runtime calls by what they wait for: ``device`` (all streams), ``stream`` or ``event``
-(one stream's work), ``copy`` (its own copy; an async copy that returns after its copy ended
-waited too), ``wait`` (a stream waits for an event: a GPU-side wait)."""
+(one stream's work), ``copy`` (its own copy; so does an async copy from device to pageable
+host memory), ``wait`` (a stream waits for an event: a GPU-side wait)."""
 
 COLLECTIVES: tuple[tuple[str, str], ...] = (
     ("all_reduce", r"all_?reduce"),

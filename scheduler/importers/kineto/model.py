@@ -67,6 +67,7 @@ class _Call:
     cuts: list[float] = field(default_factory=list)
     waits: list[int] = field(default_factory=list)  # device-op indices a sync waits for
     wait_kind: str = ""
+    wait_inferred: bool = False
     launched: list[int] = field(default_factory=list)  # device-op indices
     pieces: list[int] = field(default_factory=list)  # task ids, in time order
 
@@ -90,6 +91,12 @@ def _spans(bounds: list[float], shrink_last: bool = False) -> list[tuple[float, 
     return out
 
 
+def _to_pageable(copy: str) -> bool:
+    """A device-to-host copy into pageable memory: CUDA returns from even an async copy call
+    only once such a copy has completed (CUDA runtime API, "API synchronization behavior")."""
+    return "DtoH" in copy and "Pageable" in copy
+
+
 def _corr(s: Slice | dict) -> int | None:
     args = s.args if isinstance(s, Slice) else s.get("args")
     c = args.get("correlation") if isinstance(args, dict) else None
@@ -97,7 +104,7 @@ def _corr(s: Slice | dict) -> int | None:
 
 
 class Model:
-    """Builds the tasks of one trace; ``tasks`` and ``units`` once :meth:`build` ran."""
+    """Builds the tasks of one trace (:meth:`build`); ``inferred`` names the edges inferred from timing."""
 
     def __init__(self, raw: RawTrace, report: ImportReport, world_size: int | None):
         self.raw, self.report, self.world_size = raw, report, world_size
@@ -109,6 +116,7 @@ class Model:
         self.thread_busy: dict[tuple, list[list[float]]] = {}
         self.stream_ops: dict[tuple, list[int]] = {}
         self.track_tasks: dict[tuple, list[int]] = {}
+        self.inferred: dict[int, list[int]] = {}  # consumer task -> producers of its inferred edges
         self.t0 = 0.0
 
     # -- sweeps ----------------------------------------------------------------------
@@ -283,7 +291,7 @@ class Model:
                          if w is not None and self.ops[w].s.end <= call.s.end]
                 if cands:
                     self._wait(ci, [max(cands, key=lambda w: self.ops[w].s.end)], f"{kind}_sync", inferred=True)
-            elif copies and (kind == "copy" or any(self.ops[i].s.end <= call.s.end for i in copies)):
+            elif copies and (kind == "copy" or any(_to_pageable(self.ops[i].s.name) for i in copies)):
                 done = [i for i in copies if self.ops[i].s.end <= call.s.end]
                 if done:
                     self._wait(ci, done, "synchronous_copy", inferred=False)
@@ -293,7 +301,7 @@ class Model:
     def _wait(self, ci: int, ops: list[int], kind: str, inferred: bool = False) -> None:
         call = self.calls[ci]
         call.waits.extend(ops)
-        call.wait_kind = kind
+        call.wait_kind, call.wait_inferred = kind, inferred
         self.report.count("inferred" if inferred else "deps", kind)
 
     # -- tasks -----------------------------------------------------------------------
@@ -463,6 +471,8 @@ class Model:
         if waits:
             t = self.tasks[call.pieces[wait_piece]]
             t.deps.extend(waits)
+            if call.wait_inferred:
+                self.inferred.setdefault(call.pieces[wait_piece], []).extend(waits)
             t.tags = dict(t.tags, sync=call.wait_kind)
 
     # -- dependencies ----------------------------------------------------------------
@@ -550,6 +560,7 @@ class Model:
                         best = tids[k]
                 if best is not None:
                     t.deps.append(best)
+                    self.inferred.setdefault(op.task, []).append(best)
                     self.report.count("inferred", "event wait (from timing)")
                 else:
                     self.report.count("skipped", "stream wait with nothing to wait for")

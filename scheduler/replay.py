@@ -28,11 +28,12 @@ from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, TraceFormatError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.registry import Cost
+from megaloom.runtime.registry import ENGINE_KINDS, Cost
 from megaloom.runtime.trace import Trace, TraceEvent, merge
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
+from megaloom.scheduler.importers.kineto.classes import labels
 from megaloom.scheduler.profile import HardwareProfile, load_profile
-from megaloom.scheduler.simulator import Simulator
+from megaloom.scheduler.simulator import Simulator, gc_paused
 from megaloom.scheduler.world import COLLECTIVE_OPS, match_collectives, simulate_world
 
 DELAY_TAG = "delay"
@@ -144,6 +145,11 @@ class WhatIf:
     speedup: dict[str, float] = field(default_factory=dict)
 
     def check(self) -> None:
+        known = [*ENGINE_KINDS, "copy", "host", *labels()]
+        unknown = sorted(k for k in self.speedup if k not in known)
+        if unknown:
+            raise ConfigError(f"speedup names unknown class(es) {', '.join(map(repr, unknown))}; "
+                              f"known: {', '.join(dict.fromkeys(known))}")
         for name, f in (("comm speedup", self.comm_speedup), ("link bandwidth", self.link_bandwidth),
                         *((f"speedup of {k!r}", v) for k, v in self.speedup.items())):
             if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
@@ -216,6 +222,13 @@ def replay(
     change what its dependencies serialise). ``policy`` defaults to the recorded policy name,
     else FIFO. ``whatif`` applies :class:`WhatIf` knobs.
     """
+    with gc_paused():  # tens of thousands of tasks: collections would dominate
+        return _replay(trace, profile, units, policy, recorded_profile, whatif)
+
+
+def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[str, int] | None,
+            policy: Policy | str | None, recorded_profile: HardwareProfile | str | None,
+            whatif: WhatIf | None) -> RunResult:
     meta = trace.meta
     recorded = load_profile(recorded_profile if recorded_profile is not None else meta.get("profile") or "cpu")
     prof = load_profile(profile) if profile is not None else recorded

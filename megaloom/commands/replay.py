@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     for rep in reports:
         print(rep.text())
         print()
+    if len(reports) == 1 and reports[0].world_size > 1:
+        print(f"notice: rank {reports[0].rank} of {reports[0].world_size} alone: its comm kernels' recorded "
+              "durations include waiting for the other ranks; give every rank's file to split wait and transfer\n")
     policy, units = policy_and_units(args)
     check_units(units, [e.engine for e in recorded.events])
     whatif = WhatIf(args.comm_speedup, args.link_bandwidth * 1e9 if args.link_bandwidth is not None else None,

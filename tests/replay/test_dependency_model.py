@@ -199,3 +199,32 @@ def test_gzipped_trace_loads(tmp_path):
     p = write(tmp_path / "t.json.gz", [call("cudaLaunchKernel", 0, 2, 1), kernel("A", 3, 5, 1)], gz=True)
     trace, rep = import_torch_profiler(p)
     assert rep.device_ops == 1 and trace.meta["profile"] == "a100"
+
+
+def test_ranks_on_other_clocks_are_aligned_on_collective_ends(tmp_path):
+    skewed = [dict(e, ts=e["ts"] + 1000) for e in _rank(40, 1)]  # rank 1's host clock runs 1 ms ahead
+    paths = [write(tmp_path / "r0.json", _rank(10, 0), rank=0, world=2), write(tmp_path / "r1.json", skewed, rank=1, world=2)]
+    trace, reports = import_ranks(paths)
+    assert trace.meta["clock_offsets_us"] == {"1": pytest.approx(1000)} and "clock shifted by -1000.000 us" in reports[1].notes[0]
+    nccl = "ncclKernel_AllReduce_RING_LL_Sum_float"
+    assert by_name(trace, 0)[nccl] == (14, 60) and by_name(trace, 1)[nccl] == (44, 60)
+    identity(trace)
+
+
+def test_collectives_match_by_process_group_and_sequence_number(tmp_path):
+    def rank(order):  # two groups' all-reduces, issued in the given order
+        events, t = [], 0
+        for i, (pg, seq) in enumerate(order):
+            events += [cpu("record_param_comms", t, 3, **{"Collective name": "allreduce", "Process Group Name": pg,
+                                                          "Seq": seq, "In msg nelems": 4, "dtype": "Float", "Group size": 2}),
+                       call("cudaLaunchKernel", t + 1, 1, i + 1), kernel(f"ncclKernel_AllReduce_{pg}", 10 + 30 * i, 20, i + 1,
+                                                                            stream=14 if pg == "a" else 15)]
+            t += 5
+        return events
+    paths = [write(tmp_path / "r0.json", rank([("a", 1), ("b", 1)]), rank=0, world=2),
+             write(tmp_path / "r1.json", rank([("b", 1), ("a", 1)]), rank=1, world=2)]
+    trace, _ = import_ranks(paths)
+    out = replay(trace).trace  # by order, a would meet b
+    got = {(e.rank, e.task): (round(e.start * 1e6, 6), round(e.end * 1e6, 6)) for e in out.events if e.engine == "comm"}
+    assert got[(0, "ncclKernel_AllReduce_a")][1] == got[(1, "ncclKernel_AllReduce_a")][1]
+    assert got[(0, "ncclKernel_AllReduce_b")][1] == got[(1, "ncclKernel_AllReduce_b")][1]

@@ -50,6 +50,7 @@ def test_several_ranks_and_a_directory(tmp_path, capsys):
     (["replay", "EMPTY_DIR"], "no .json or .json.gz trace files"),
     (["replay", "T", "--speedup", "flash"], "bad --speedup 'flash'"),
     (["replay", "T", "--speedup", "flash=-1"], "bad --speedup"),
+    (["replay", "T", "--speedup", "flsh=2"], "unknown class(es) 'flsh'; known: cube"),
     (["replay", "T", "--comm-speedup", "0"], "comm speedup must be a positive"),
     (["replay", "T", "--profile", "tpu9"], "unknown hardware profile 'tpu9'"),
 ])

@@ -16,6 +16,7 @@ The trace's ``meta['t0_us']`` is its time origin on the file's clock.
 from __future__ import annotations
 
 import os
+import statistics
 from typing import Any, Iterable
 
 from megaloom.runtime.errors import TraceFormatError
@@ -26,6 +27,7 @@ from megaloom.scheduler.importers.kineto.read import RawTrace, read
 from megaloom.scheduler.importers.kineto.report import ImportReport
 from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
+from megaloom.scheduler.world import COLLECTIVE_OPS
 
 __all__ = ["ImportReport", "import_ranks", "import_torch_profiler", "op_class"]
 
@@ -168,10 +170,43 @@ def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, I
     return Trace(events, meta), report
 
 
+def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str, float]:
+    """Shift each rank's clock so its collectives end when the lowest rank's do (the median
+    difference over the collectives they share: matched by process group and sequence number,
+    else by order). A collective ends together on every rank; ranks on other hosts have other
+    clocks. Returns the shift per rank in microseconds."""
+    def ends(t: Trace) -> dict[tuple, float]:
+        out, n = {}, 0
+        for e in sorted(t.events, key=lambda e: e.tid):
+            if e.engine == "comm" and e.op in COLLECTIVE_OPS:
+                key = (e.tags["pg"], e.tags["seq"]) if "pg" in e.tags and "seq" in e.tags else ("", n)
+                n += key[0] == ""
+                out[key] = e.end
+        return out
+
+    order = sorted(range(len(traces)), key=lambda i: traces[i].meta["rank"])
+    ref = ends(traces[order[0]])
+    offsets: dict[str, float] = {}
+    for i in order[1:]:
+        mine = ends(traces[i])
+        diffs = [mine[k] - ref[k] for k in mine.keys() & ref.keys()]
+        if not diffs:
+            continue
+        off = statistics.median(diffs)
+        if off:
+            for e in traces[i].events:
+                e.start, e.end = e.start - off, e.end - off
+            offsets[str(traces[i].meta["rank"])] = off * 1e6
+            reports[i].notes.append(f"clock shifted by {-off * 1e6:.3f} us so its {len(diffs)} collectives end with "
+                                    f"rank {traces[order[0]].meta['rank']}'s (median difference)")
+    return offsets
+
+
 def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[ImportReport]]:
     """One trace of several ranks' files: ranks from ``distributedInfo`` (else file order), one
-    time origin for all (ranks recorded on one clock keep their skew), collectives tagged for
-    matching (process group and sequence number where recorded)."""
+    time origin for all, clocks aligned on collective ends (:func:`_align_clocks`; ranks on
+    one clock keep their skew), collectives tagged for matching (process group and sequence
+    number where recorded)."""
     paths = list(paths)
     if not paths:
         raise TraceFormatError("no trace files given")
@@ -190,14 +225,23 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
             for e in t.events:
                 e.rank = i
             t.meta["rank"], rep.rank = i, i
+    offsets = _align_clocks(traces, reports)
     events = [e for t in traces for e in t.events]
+    shift = min((e.start for e in events), default=0.0)
+    for e in events:  # one origin again: the earliest event of any rank, aligned
+        e.start, e.end = e.start - shift, e.end - shift
+        if not e.deps:
+            e.tags.pop("delay", None)
+            if e.start > 0:
+                e.tags["delay"] = e.start
     units: dict[str, int] = {}
     for t in traces:
         for k, n in t.meta["units"].items():
             units[k] = max(units.get(k, 0), n)
     profiles = {t.meta.get("profile") for t in traces}
     meta = {"graph": ",".join(os.path.basename(os.fspath(p)) for p in paths), "mode": "import", "source": SOURCE,
-            "clock": "wall", "units": units, "world_size": len(traces), "graphs": [t.meta["graph"] for t in traces]}
+            "clock": "wall", "units": units, "world_size": len(traces), "graphs": [t.meta["graph"] for t in traces],
+            "t0_us": t0 + shift * 1e6, "clock_offsets_us": offsets}
     if len(profiles) == 1 and None not in profiles:
         meta["profile"] = profiles.pop()
     return Trace(events, meta), reports

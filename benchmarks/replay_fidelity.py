@@ -7,6 +7,8 @@ import's figures side by side with Holistic Trace Analysis (HTA) on the same fil
 TRACES_DIR defaults to ``$MEGALOOM_TRACES``, else the first ``shared/traces`` beside the
 repository or one of its parents. Prints one JSON line per figure:
 
+* per trace, ``device_delay``: the time before each device op that its dependencies leave
+  unexplained (launch and queue latency; large values would mean missing dependencies);
 * per trace, identity replay: ``span_error`` (device span, target |e| <= 2%),
   ``exposed_comm_error`` (target |e| <= 10% of the recorded exposed comm or 1% of the span),
   ``on_time`` (device ops starting within 1% of the span of their recorded start, target >= 95%);
@@ -139,6 +141,11 @@ def fidelity_figures(path: Path) -> None:
          replayed_us=f.replayed.exposed_comm * 1e6, target=0.10, ok=abs(f.error("exposed_comm")) <= 0.10)
     emit(trace=name, figure="on_time", value=f.on_time, worst_start_us=f.worst_start * 1e6, target=0.95,
          ok=f.on_time >= 0.95)
+    delays = sorted(e.tags.get("delay", 0.0) for e in trace.events if e.engine not in HOST_ENGINES)
+    if delays:  # what the dependencies leave unexplained before each device op: launch and queue latency
+        emit(trace=name, figure="device_delay", median_us=statistics.median(delays) * 1e6,
+             p99_us=delays[int(0.99 * (len(delays) - 1))] * 1e6, max_us=delays[-1] * 1e6,
+             share_of_device_busy=sum(delays) / sum(v for k, v in m.busy.items() if k not in HOST_ENGINES))
     emit(trace=name, figure="critical_path_le_span", critical_path_us=m.critical_path * 1e6,
          device_span_us=m.device_span * 1e6, ok=m.critical_path <= m.device_span * (1 + 1e-9))
     try:

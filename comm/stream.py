@@ -21,7 +21,7 @@ import msgpack
 import zmq
 
 from megaloom.runtime.errors import CommError
-from megaloom.runtime.executors.base import Observer
+from megaloom.runtime.record import Observer
 from megaloom.runtime.trace import FIELD_TYPES, REQUIRED_COLUMNS, Trace, TraceEvent
 
 PROTOCOL = 1

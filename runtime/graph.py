@@ -175,7 +175,9 @@ class TaskGraph:
         self._version = 0  # bumped by every change; keys the caches below
         self._cache: dict[str, tuple[int, object]] = {}
 
-    def _cached(self, key: str, make):
+    def cached(self, key: str, make):
+        """``make()``, computed once per graph version under ``key`` (any change to the graph
+        recomputes it)."""
         hit = self._cache.get(key)
         if hit is not None and hit[0] == self._version:
             return hit[1]
@@ -358,12 +360,12 @@ class TaskGraph:
         """Check every rule; raise GraphError naming the tasks of the first broken rule."""
         from megaloom.runtime.validate import validate
 
-        self._cached("validated", lambda: validate(self) or True)
+        self.cached("validated", lambda: validate(self) or True)
         return self
 
     def costs(self) -> list[Cost]:
         """Every task's cost, by task id (computed once per graph version)."""
-        return self._cached("costs", lambda: [self._compute_cost(t) for t in self.tasks])
+        return self.cached("costs", lambda: [self._compute_cost(t) for t in self.tasks])
 
     def task_cost(self, t: Task) -> Cost:
         """The task's cost: its own override, else the op's cost function."""

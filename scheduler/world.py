@@ -38,9 +38,10 @@ from typing import Mapping, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
-from megaloom.runtime.executors.base import RunResult, events_of
+from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.metrics import summary
+from megaloom.runtime.record import events_of
 from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel

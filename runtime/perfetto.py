@@ -40,7 +40,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": f"{engine}.{unit}"}})
         out.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
     for e in trace.events:
-        args: dict[str, Any] = {"task_id": e.tid, "op": e.op, **{str(k): v for k, v in e.tags.items()}}
+        args: dict[str, Any] = {"task_id": e.task_id, "op": e.op, **{str(k): v for k, v in e.tags.items()}}
         for k in ("flops", "bytes", "comm_bytes"):
             if getattr(e, k):
                 args[k] = getattr(e, k)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+from megaloom.runtime.dtypes import itemsize
 from megaloom.runtime.errors import GraphError
 
 ENGINE_KINDS = ("cube", "vector", "comm")
@@ -34,8 +35,6 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        from megaloom.runtime.dtypes import itemsize
-
         return self.numel * itemsize(self.dtype)
 
 

@@ -11,7 +11,7 @@ UNITS = {"cube": 2, "vector": 3, "comm": 1}
 
 
 def placement(trace):
-    return sorted((e.tid, e.engine, e.unit, e.start, e.end) for e in trace.events)
+    return sorted((e.task_id, e.engine, e.unit, e.start, e.end) for e in trace.events)
 
 
 @pytest.mark.parametrize("policy", ["fifo", "critical_path", "static", "expert_interleave:2", "rotated"])

@@ -20,7 +20,7 @@ from megaloom.graphs.megamoe_graph import build_backward, build_forward
 from megaloom.graphs.megamoe_spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.executors import ExecContext, Executor, ReferenceExecutor, ThreadExecutor
+from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Trace
@@ -32,8 +32,9 @@ SAVED = ("xr", "gu", "a", "yc")
 class MegaMoERunner:
     """Routes, builds (cached by spec and counts) and runs the forward and backward graphs.
 
-    ``executor``: ``"thread"`` (ThreadExecutor with ``units`` and ``policy``),
-    ``"reference"``, or a callable ``ctx -> Executor``. ``cache_size`` bounds the graph cache.
+    ``executor``: an executor name (see :data:`~megaloom.runtime.executors.EXECUTORS`:
+    ``"thread"`` runs with ``units`` and ``policy``, ``"reference"`` alone), or a callable
+    ``ctx -> Executor``. ``cache_size`` bounds the graph cache.
     """
 
     def __init__(self, spec: MegaMoESpec, comm: Any = None, *,
@@ -47,8 +48,8 @@ class MegaMoERunner:
                               "its collectives in one order")
         self.spec, self.comm = spec, comm
         self.ctx = ExecContext(rank=getattr(comm, "rank", 0), world_size=world, comm=comm)
-        if executor not in ("thread", "reference") and not callable(executor):
-            raise ConfigError(f"executor must be 'thread', 'reference' or a callable, got {executor!r}")
+        if not callable(executor):
+            EXECUTORS.get(executor)  # an unknown name raises ConfigError listing the known ones
         self.executor, self.units, self.policy = executor, dict(units or DEFAULT_UNITS), policy
         self.cache_size = cache_size
         self._graphs: dict[tuple, TaskGraph] = {}
@@ -57,11 +58,12 @@ class MegaMoERunner:
     def make_executor(self) -> Executor:
         if callable(self.executor):
             return self.executor(self.ctx)
-        if self.executor == "reference":
-            return ReferenceExecutor(self.ctx)
+        cls = EXECUTORS.get(self.executor)
+        if cls is ReferenceExecutor:
+            return cls(self.ctx)
         from megaloom.scheduler import make_policy
 
-        return ThreadExecutor(self.units, policy=make_policy(self.policy), ctx=self.ctx)
+        return cls(self.units, policy=make_policy(self.policy), ctx=self.ctx)
 
     def route(self, topk_ids: torch.Tensor) -> tuple[MegaMoESpec, Routing]:
         """Host routing: this rank's counts, exchanged with every rank when ``ep > 1``."""

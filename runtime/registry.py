@@ -3,18 +3,19 @@
 An entry holds everything any executor needs to treat the op: which engine kinds may
 run it, a torch reference (the oracle), a kernel that runs one task for real, a shape
 rule and a cost function. Plug-ins register ops in the ``megaloom.ops`` entry-point
-group; they are loaded the first time a name is looked up and not found.
+group; they are loaded the first time a name is looked up and not found (the one
+:class:`~megaloom.runtime.plugins.Registry` every named plug-in kind uses).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Callable
 
 import torch
 
 from megaloom.runtime.dtypes import itemsize
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.plugins import Registry
 
 ENGINE_KINDS = ("cube", "vector", "comm")
 
@@ -85,52 +86,26 @@ class OpDef:
         return self.engines[0]
 
 
-_REGISTRY: dict[str, OpDef] = {}
-_plugins_loaded = False
+OPS: Registry[OpDef] = Registry("op", "megaloom.ops", error=GraphError)
+"""Every op by name; the ``megaloom.ops`` entry points (modules that register ops) load on
+the first lookup of a name not registered yet."""
 
 
 def register(op: OpDef, *, replace: bool = False) -> OpDef:
     """Add ``op`` to the registry; a second entry of the same name needs ``replace=True``."""
     if not op.engines:
         raise GraphError(f"op {op.name!r} names no engine kind")
-    if op.name in _REGISTRY and not replace and _REGISTRY[op.name] is not op:
-        raise GraphError(f"op {op.name!r} is already registered")
-    _REGISTRY[op.name] = op
-    return op
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for ep in entry_points(group="megaloom.ops"):
-        ep.load()
+    return OPS.register(op.name, op, replace=replace)
 
 
 def get_op(name: str) -> OpDef:
     """The entry for ``name``; raises GraphError naming the op when there is none."""
-    op = _REGISTRY.get(name)
-    if op is None:
-        _load_plugins()
-        op = _REGISTRY.get(name)
-    if op is None:
-        raise GraphError(f"unknown op {name!r}")
-    return op
-
-
-def has_op(name: str) -> bool:
-    try:
-        get_op(name)
-    except GraphError:
-        return False
-    return True
+    return OPS.get(name)
 
 
 def all_ops() -> dict[str, OpDef]:
     """Every registered op, plug-ins included."""
-    _load_plugins()
-    return dict(_REGISTRY)
+    return OPS.items()
 
 
 def run_reference(op: OpDef, inputs: list[torch.Tensor], attrs: dict[str, Any], ctx: Any = None):

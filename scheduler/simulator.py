@@ -31,6 +31,7 @@ from megaloom.runtime.core import Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.plugins import parse_options
 from megaloom.runtime.record import Observer, Recorder, gc_paused
 from megaloom.scheduler import fastpath
 from megaloom.scheduler.cost import CostModel
@@ -57,12 +58,10 @@ class Schedule:
 
 def parse_units(text: str) -> dict[str, int]:
     """``"cube=24,vector=48,comm=4"`` as a dict; bad items raise ConfigError."""
-    out: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        k, sep, v = item.partition("=")
-        if not sep or not k.strip() or not v.strip().isdigit() or int(v) <= 0:
-            raise ConfigError(f"bad unit count {item!r}: expected ENGINE=N with N a positive integer")
-        out[k.strip()] = int(v)
+    out = parse_options(text, what="unit count")
+    for k, v in out.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ConfigError(f"bad unit count '{k}={v}': expected ENGINE=N with N a positive integer")
     if not out:
         raise ConfigError(f"no unit counts in {text!r}: expected e.g. cube=24,vector=48,comm=4")
     return out

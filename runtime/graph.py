@@ -21,6 +21,7 @@ from graphlib import CycleError, TopologicalSorter
 from typing import Any, Iterable, Sequence
 
 from megaloom.runtime.compose import Composed, compose
+from megaloom.runtime.dot import to_dot
 from megaloom.runtime.dtypes import dtype_name, itemsize
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.region import Box, BoxIndex, box_shape, box_size, full_box, in_bounds
@@ -431,6 +432,11 @@ class TaskGraph:
         :class:`~megaloom.runtime.compose.Composed` (its tasks, ``precede``/``succeed``,
         and ``unit["buf"]``: the region standing for a sub-graph buffer)."""
         return compose(self, sub, prefix, bind)
+
+    def to_dot(self) -> str:
+        """The graph as Graphviz DOT: tasks labelled with name and op, filled by engine kind
+        (see :mod:`megaloom.runtime.dot`)."""
+        return to_dot(self)
 
     def to_dict(self) -> dict[str, Any]:
         """The graph as stored in a file (see :mod:`megaloom.runtime.serialize`)."""

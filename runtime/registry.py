@@ -8,6 +8,7 @@ group; they are loaded the first time a name is looked up and not found (the one
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -57,6 +58,33 @@ CostFn = Callable[[list[TensorSpec], list[TensorSpec], dict[str, Any]], Cost]
 Kernel = Callable[..., Any]
 
 
+@dataclass(frozen=True, slots=True)
+class GradOf:
+    """What a backward op computes in terms of its forward op ``op``, so that tests hold it
+    against ``torch.autograd`` of the forward reference (:func:`megaloom.runtime.testing.check_grads`).
+
+    ``inputs`` names each operand of the backward op: ``x<i>`` the forward op's input i,
+    ``y<j>`` its output j, ``dy<j>`` a gradient arriving for output j (several add up),
+    ``dx<i>`` a gradient of input i summed so far, which the op adds to. ``outputs`` names
+    each of its outputs ``dx<i>``: the gradient of input i (a per-tile partial may add
+    leading dims of size 1). Both take a space-separated string.
+    """
+
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __init__(self, op: str, inputs: str, outputs: str):
+        for sym in (*inputs.split(), *outputs.split()):
+            if not re.fullmatch(r"(x|y|dy|dx)[0-9]+", sym):
+                raise GraphError(f"grad_of {op!r}: bad operand {sym!r}; expected x<i>, y<j>, dy<j> or dx<i>")
+        if not all(s.startswith("dx") for s in outputs.split()):
+            raise GraphError(f"grad_of {op!r}: outputs must be input gradients dx<i>, got {outputs!r}")
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "inputs", tuple(inputs.split()))
+        object.__setattr__(self, "outputs", tuple(outputs.split()))
+
+
 @dataclass(slots=True)
 class OpDef:
     """One registry entry.
@@ -67,7 +95,8 @@ class OpDef:
     With ``context=True`` both also receive ``ctx=`` (rank, communicator, device).
     ``extra["in_place"] = True`` says the kernel may write an output over an input equal to
     it (element-wise ops); the thread executor otherwise hands the kernel a copy of any
-    input that a task's outputs overlap.
+    input that a task's outputs overlap. ``grad_of`` (a backward op's) names the forward op
+    whose gradient it computes, and how.
     """
 
     name: str
@@ -79,6 +108,7 @@ class OpDef:
     context: bool = False
     doc: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    grad_of: GradOf | None = None
 
     @property
     def engine(self) -> str:

@@ -28,7 +28,8 @@ def test_ops_lists_every_op_with_engines_and_doc(capsys):
 def test_graphs_lists_builders_by_their_module_description(capsys, monkeypatch):
     table = _lines(capsys, "graphs")
     assert {"megamoe", "megagate", "megamhc"} <= set(table)
-    assert "MegaMoE: the fused MoE expert block" in table["megamoe"]
+    assert "MegaMoE forward and backward task graphs" in table["megamoe"]
+    assert "MegaGate: the MoE router as forward and backward task graphs" in table["megagate"]
     monkeypatch.setattr(simulate_cmd, "GRAPH_BUILDERS", Registry("graph builder"))
 
     class Builder:

@@ -33,29 +33,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaloom.graphs import ops_moe  # noqa: F401  (registers the MoE ops)
-from megaloom.graphs.megamoe_spec import Counts, MegaMoESpec
+from megaloom.graphs.common.builder import GraphBuilder
+from megaloom.graphs.common.spec import load_options, parse_spec
+from megaloom.graphs.common.tags import tags
+from megaloom.graphs.common.tiles import split, tile_ranges
+from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
+from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
+from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
 
 FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
 BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
 
 
-def _ranges(lo: int, hi: int, size: int) -> list[tuple[int, int]]:
-    return [(a, min(a + size, hi)) for a in range(lo, hi, size)]
-
-
 def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
     """Chunk ``i`` of ``tile`` rows of a row block (empty past its end)."""
     lo, hi = block
     return min(lo + i * tile, hi), min(lo + (i + 1) * tile, hi)
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` near-equal column blocks of ``[0, n)`` (fewer when ``n < parts``)."""
-    parts = max(1, min(parts, n))
-    edges = [n * i // parts for i in range(parts + 1)]
-    return list(zip(edges[:-1], edges[1:]))
 
 
 class _Builder:
@@ -80,18 +74,14 @@ class _Builder:
         self._stage = name
 
     def tags(self, stage: str, expert: int | None = None, peer: int | None = None) -> dict:
-        t = {"stage": stage, "rank": self.rank, "direction": self.direction}
-        if expert is not None:
-            t.update(expert=expert, group=self.spec.group_of(expert))
-        if peer is not None:
-            t["peer"] = peer
-        return t
+        group = None if expert is None else self.spec.group_of(expert)
+        return tags(stage=stage, rank=self.rank, direction=self.direction, expert=expert, group=group, peer=peer)
 
     def task(self, op: str, ins, outs, name: str, expert: int | None = None, peer: int | None = None,
              engine: str | None = None, attrs: dict | None = None, **more: Any) -> Task:
         prio = 0 if expert is None or self.sequential else -self.spec.group_of(expert)
         t = self.g.task(op, ins, outs, name=f"{self.direction}.{name}", engine=engine, attrs=attrs,
-                        priority=prio, tags={**self.tags(self._stage, expert, peer), **more},
+                        priority=prio, tags={**self.tags(self._stage, expert, peer), **tags(**more)},
                         after=(self._barrier,) if self._barrier is not None else ())
         self._stage_tasks.append(t)
         return t
@@ -103,7 +93,7 @@ class _Builder:
         for p in range(self.W):
             for e in range(self.El):
                 lo, hi = c.send_block(p, e)
-                for a, b in _ranges(lo, hi, tm):
+                for a, b in tile_ranges(hi, tm, lo):
                     if p == self.rank:
                         r0 = c.recv_block(e, p)[0] + a - lo
                         dst = recv[r0:r0 + b - a]
@@ -160,8 +150,8 @@ class _Builder:
         """Row tiles x column blocks of ``out[rows_e] = op_in[rows_e] @ weight[e]`` for every expert."""
         for e in range(self.El):
             lo, hi = self.c.expert_rows(e)
-            for a, b in _ranges(lo, hi, self.spec.tile_m):
-                for c0, c1 in _split(n, self.spec.cube_split):
+            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
+                for c0, c1 in split(n, self.spec.cube_split):
                     # column block c of op_in @ W[e] is op_in @ W[e][:, c]; of op_in @ W[e]^T, op_in @ W[e][c, :]^T
                     w = weight[e:e + 1, c0:c1, :] if trans else weight[e:e + 1, :, c0:c1]
                     self.task("moe_gmm", [op_in[a:b], w], [out[a:b, c0:c1]], f"{stage}.e{e}.{a}.c{c0}",
@@ -171,7 +161,7 @@ class _Builder:
         """A vector op applied to each row tile of every expert."""
         for e in range(self.El):
             lo, hi = self.c.expert_rows(e)
-            for a, b in _ranges(lo, hi, self.spec.tile_m):
+            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
                 self.task(op, [x[a:b] for x in ins], [out[a:b]], f"{stage}.e{e}.{a}", expert=e)
 
     def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
@@ -179,14 +169,14 @@ class _Builder:
         blocks (zeros for an idle expert); the weight gradient stays on this rank."""
         for e in range(self.El):
             lo, hi = self.c.expert_rows(e)
-            for k0, k1 in _split(out.shape[1], self.spec.wgrad_split):
-                for c0, c1 in _split(out.shape[2], self.spec.cube_split):
+            for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
+                for c0, c1 in split(out.shape[2], self.spec.cube_split):
                     self.task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
                               f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube")
 
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
-        for a, b in _ranges(0, self.spec.tokens, self.spec.tile_m):
+        for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
             self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
 
 
@@ -281,5 +271,30 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
 
 
 def _topk_grad(b: _Builder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
-    for lo, hi in _ranges(0, b.spec.tokens, b.spec.tile_m):
+    for lo, hi in tile_ranges(b.spec.tokens, b.spec.tile_m):
         b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}", stage="topk_grad")
+
+
+class MoEGraphBuilder(GraphBuilder):
+    """MegaMoE's graphs: the builders take the per-expert counts after the spec; from plain options
+    they come from ``routing`` (see :func:`synthetic_counts`), ``seed`` and ``rank``."""
+
+    extras = {"direction": "fwd", "routing": "balanced", "seed": 0, "rank": 0}
+
+    def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple:
+        return (synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"])),)
+
+    def world(self, spec: str | None = None, **options: Any) -> list[TaskGraph]:
+        """``megaloom simulate --graph megamoe:... --world``: every EP rank's graph (``rank = 0 .. ep - 1``,
+        same options and routing), for :func:`megaloom.scheduler.world.simulate_world`."""
+        with self.named():
+            opts = load_options(spec, self.name, options)
+            if "rank" in opts:
+                raise ConfigError(f"option rank={opts['rank']!r} conflicts with a world simulation, "
+                                  "which builds every rank")
+            ep = parse_spec(MegaMoESpec, {k: v for k, v in opts.items() if k not in self.extras}, what=self.label,
+                            also=self.extras).ep
+            return [self.from_options({**opts, "rank": r}) for r in range(ep)]
+
+
+MEGAMOE = MoEGraphBuilder("megamoe", "MegaMoE", MegaMoESpec, build_forward, build_backward)

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
-from megaloom.graphs.megagate import GateSpec, build_megagate_backward, build_megagate_forward
-from megaloom.graphs.megagate_mhc_common import GraphRunner
-from megaloom.graphs.ops_proj import acc_dtype
+from megaloom.graphs.common.ops import acc_dtype
+from megaloom.graphs.common.runner import GraphRunner
+from megaloom.graphs.gate.graph import MEGAGATE, GateSpec
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.executors import Executor
 
@@ -25,7 +25,7 @@ class MegaGateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: GateSpec, runner: GraphRunner):
-        out = runner.run(build_megagate_forward, spec, {"x": x, "weight": weight, "bias": bias})
+        out = runner.run(runner.graph(MEGAGATE, spec, "fwd"), {"x": x, "weight": weight, "bias": bias}, "fwd").outputs
         ctx.save_for_backward(x, weight, out["logits"], out["indices"])
         ctx.mark_non_differentiable(out["indices"])
         ctx.spec, ctx.runner = spec, runner
@@ -39,9 +39,9 @@ class MegaGateFunction(torch.autograd.Function):
             g_logits = torch.zeros_like(logits)
         if g_weights is None:
             g_weights = torch.zeros(indices.shape, dtype=logits.dtype, device=logits.device)
-        out = ctx.runner.run(build_megagate_backward, spec, {
+        out = ctx.runner.run(ctx.runner.graph(MEGAGATE, spec, "bwd"), {
             "x": x, "weight": weight, "logits": logits, "indices": indices,
-            "grad_weights": g_weights.to(logits.dtype), "grad_logits": g_logits.to(logits.dtype)})
+            "grad_weights": g_weights.to(logits.dtype), "grad_logits": g_logits.to(logits.dtype)}, "bwd").outputs
         return out["grad_x"], out["grad_weight"], None, None, None
 
 
@@ -70,18 +70,20 @@ class MegaGate(nn.Module):
     correction bias, updated outside autograd) is a float32 buffer.
 
     ``options``: the other :class:`GateSpec` fields (score, scale, renorm, tile_tokens,
-    weight_cols, weight_rows); ``executor``: the megaloom executor that runs the graphs
-    (default: a ThreadExecutor with one unit per engine kind).
+    weight_cols, weight_rows); ``executor``, ``units``, ``policy``: what runs the graphs
+    (see :class:`~megaloom.graphs.common.runner.GraphRunner`; default: a ThreadExecutor with
+    one unit per engine kind).
     """
 
-    def __init__(self, hidden: int, experts: int, top_k: int, *, executor: Executor | None = None,
+    def __init__(self, hidden: int, experts: int, top_k: int, *, executor: str | Executor = "thread",
+                 units: Mapping[str, int] | None = None, policy: Any = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
         self.hidden, self.experts, self.top_k, self.options = hidden, experts, top_k, dict(options)
         GateSpec.from_dict({"tokens": 1, "hidden": hidden, "experts": experts, "top_k": top_k, **options})  # check
         self.weight = nn.Parameter(torch.empty(experts, hidden, device=device, dtype=dtype))
         self.register_buffer("bias", torch.zeros(experts, device=device, dtype=torch.float32))
-        self.runner = GraphRunner(executor)
+        self.runner = GraphRunner(executor, units=units, policy=policy)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

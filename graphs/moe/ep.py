@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from megaloom.graphs.megamoe_module import MegaMoE
-from megaloom.graphs.megamoe_reference import moe_reference
+from megaloom.graphs.moe.module import MegaMoE
+from megaloom.graphs.moe.reference import moe_reference
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.metrics import metrics
 from megaloom.runtime.testing import rel_l2

@@ -20,15 +20,15 @@ from typing import Any, Sequence
 
 import torch
 
-from megaloom.runtime.dtypes import dtype_name
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.runtime.errors import ConfigError
 
 SCHEDULES = ("sequential", "interleaved")
-DTYPES = ("float32", "bfloat16", "float16", "float64")
+ROUTINGS = ("balanced", "random", "skewed")
 
 
 @dataclass(frozen=True, slots=True)
-class MegaMoESpec:
+class MegaMoESpec(GraphSpec):
     """Shapes and tiling of one MoE expert block, per EP rank.
 
     ``tokens``: tokens per rank (T); ``experts``: global expert count (E); ``ep``: EP
@@ -58,9 +58,7 @@ class MegaMoESpec:
     ordered_comm: bool = True
 
     def __post_init__(self) -> None:
-        problems = [f"{f.name} must be a positive integer, got {getattr(self, f.name)!r}"
-                    for f in fields(self) if f.type == "int" and f.name != "comm_tile"
-                    and (not isinstance(getattr(self, f.name), int) or getattr(self, f.name) <= 0)]
+        problems = positive(self, *(f.name for f in fields(self) if f.type == "int" and f.name != "comm_tile"))
         if not isinstance(self.comm_tile, int) or self.comm_tile < 0:
             problems.append(f"comm_tile must be a non-negative integer, got {self.comm_tile!r}")
         if not problems:
@@ -72,15 +70,7 @@ class MegaMoESpec:
             problems.append(f"ordered_comm must be a bool, got {self.ordered_comm!r}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        try:
-            object.__setattr__(self, "dtype", dtype_name(self.dtype))
-        except Exception as e:  # noqa: BLE001  (reported as a config problem)
-            problems.append(str(e))
-        else:
-            if self.dtype not in DTYPES:
-                problems.append(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if problems:
-            raise ConfigError("invalid MegaMoESpec: " + "; ".join(problems))
+        report("MegaMoESpec", problems + dtype_problems(self))
 
     @property
     def experts_local(self) -> int:
@@ -93,14 +83,6 @@ class MegaMoESpec:
 
     def group_of(self, expert: int) -> int:
         return expert // self.group_size
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MegaMoESpec:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ConfigError(f"unknown MegaMoE option(s) {unknown}; known: {sorted(names)}")
-        return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -158,6 +140,9 @@ class Counts:
     def key(self) -> tuple:
         return (self.rank, self.counts)
 
+    def __hash__(self) -> int:  # the derived offsets follow from the key: graphs are cached by counts
+        return hash(self.key())
+
 
 @dataclass(slots=True)
 class Routing:
@@ -201,3 +186,31 @@ def make_routing(topk_ids: torch.Tensor, spec: MegaMoESpec, rank: int = 0,
     pos[flat] = torch.arange(flat.numel())
     return Routing(Counts(rank, spec.ep, spec.experts_local, all_counts), flat // spec.top_k, flat,
                    pos.view(spec.tokens, spec.top_k))
+
+
+def synthetic_counts(spec: MegaMoESpec, routing: str = "balanced", *, rank: int = 0, seed: int = 0,
+                     skew: float = 1.2) -> Counts:
+    """Per-expert counts of every rank for simulation.
+
+    ``balanced``: each rank spreads its ``T * k`` rows evenly (remainders rotated by rank);
+    ``random``: uniform random choices; ``skewed``: Zipf(``skew``) expert popularity over a
+    seeded random expert order (hot experts get many rows, cold ones may get none).
+    """
+    if routing not in ROUTINGS:
+        raise ConfigError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    if not 0 <= rank < spec.ep:
+        raise ConfigError(f"rank {rank} is outside ep={spec.ep}")
+    E, S = spec.experts, spec.rows
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "skewed":
+        probs = torch.arange(1, E + 1, dtype=torch.float64).pow(-skew)[torch.randperm(E, generator=gen)]
+    else:
+        probs = torch.ones(E, dtype=torch.float64)
+    rows = []
+    for s in range(spec.ep):
+        if routing == "balanced":
+            rows.append(tuple(S // E + (1 if (g - s) % E < S % E else 0) for g in range(E)))
+        else:
+            pick = torch.multinomial(probs, S, replacement=True, generator=gen)
+            rows.append(tuple(torch.bincount(pick, minlength=E).tolist()))
+    return Counts(rank, spec.ep, spec.experts_local, tuple(rows))

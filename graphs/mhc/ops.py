@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megaloom.graphs.ops_proj import acc_dtype, up
+from megaloom.graphs.common.ops import acc_dtype, up
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any, TextIO
 
 import torch
@@ -57,15 +56,3 @@ class MetricsLog:
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")
 
-
-class Throughput:
-    """Tokens per second over the interval since the previous call."""
-
-    def __init__(self) -> None:
-        self.t = time.perf_counter()
-
-    def __call__(self, tokens: int) -> float:
-        now = time.perf_counter()
-        rate = tokens / max(now - self.t, 1e-9)
-        self.t = now
-        return rate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaloom.comm.fsdp_graph import build_fsdp_mlp_graph, fsdp_mlp_inputs, fsdp_mlp_reference, weight_layouts
+from megaloom.graphs.fsdp import build_fsdp_mlp_graph, fsdp_mlp_inputs, fsdp_mlp_reference, weight_layouts
 from megaloom.comm.spawn import run_world
 from megaloom.runtime import CommError, ExecContext, GraphError, ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.metrics import metrics

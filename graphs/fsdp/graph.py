@@ -32,6 +32,8 @@ import torch
 
 from megaloom.comm.ops import chain
 from megaloom.comm.sharding import ShardLayout
+from megaloom.graphs.common.tags import tags
+from megaloom.graphs.common.tiles import tile_ranges
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Buffer, Task, TaskGraph
 
@@ -53,7 +55,7 @@ class _Builder:
         self.gathered = 0  # stages whose gather is added
 
     def tags(self, stage: tuple[str, int], kind: str) -> dict:
-        return {"stage": kind, "layer": stage[1], "direction": stage[0], "rank": self.rank}
+        return tags(stage=kind, layer=stage[1], direction=stage[0], rank=self.rank)
 
     def comm_task(self, op: str, src, dst, attrs: dict, stage, kind: str, after=()) -> Task:
         t = self.g.task(op, [src], [dst], attrs=attrs, name=f"{kind}.{stage[0]}{stage[1]}",
@@ -73,11 +75,6 @@ class _Builder:
             self.comm_task("shard_all_gather", self.g.buffers[f"w{i}"], full,
                            {"sizes": list(lay.sizes), "rank": self.rank}, self.stages[j], "gather", wait)
             self.gathered += 1
-
-
-def _tiles(n: int, tile: int | None) -> list[tuple[int, int]]:
-    step = tile or n
-    return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank: int, *, tile: int | None = None,
@@ -106,7 +103,7 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
     y = g.output("y", (tokens, dims[-1]), dtype)
     acts = [x] + [g.buffer(f"a{i}", (tokens, dims[i + 1]), dtype) for i in range(n - 1)] + [y]
     pre = [g.buffer(f"h{i}", (tokens, dims[i + 1]), dtype) for i in range(n - 1)]
-    rows = _tiles(tokens, tile)
+    rows = tile_ranges(tokens, tile or tokens)
     b = _Builder(g, layouts, backward, prefetch, rank)
 
     for s, (_, i) in enumerate(b.stages[:n]):  # forward
@@ -144,7 +141,7 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
             ends.append(g.task("matmul", [dh[lo:hi], b.full[("bwd", i)]], [grads[i][lo:hi]],
                                name=f"matmul.bwd{i}.{lo}", tags=b.tags(stage, "dgrad")))
         dw_full = g.buffer(f"dw{i}.full", layouts[i].shape, dtype)
-        for lo, hi in _tiles(dims[i + 1], tile):  # weight-gradient tiles: rows of dW, all tokens each
+        for lo, hi in tile_ranges(dims[i + 1], tile or dims[i + 1]):  # rows of dW, all tokens each
             ends.append(g.task("matmul", [dh[:, lo:hi], acts[i]], [dw_full[lo:hi]], attrs={"trans_a": True},
                                name=f"wgrad.bwd{i}.{lo}",
                                tags=b.tags(stage, "wgrad")))

@@ -33,17 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
-from megaloom.graphs import ops_mhc, ops_proj  # noqa: F401  (register the ops)
-from megaloom.graphs.megagate_mhc_common import (
-    check_dtype, require, spec_from_mapping, token_tiles, weight_grad_chains,
-)
-from megaloom.graphs.options import load_options
-from megaloom.graphs.ops_proj import acc_dtype, up
+from megaloom.graphs.common.builder import GraphBuilder
+from megaloom.graphs.common.ops import up
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.graphs.common.tags import tags
+from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
+from megaloom.graphs.mhc import ops  # noqa: F401  (registers the MegaMHC ops)
 from megaloom.runtime.graph import TaskGraph
 
 
 @dataclass(frozen=True, slots=True)
-class MHCSpec:
+class MHCSpec(GraphSpec):
     """MegaMHC shape and options; ``iters``: Sinkhorn rounds; ``rms_eps`` is used by both RMS norms;
     ``weight_cols``: columns of phi per gradient chain (chains run in parallel);
     ``weight_rows``: tokens per link of a chain."""
@@ -60,30 +60,17 @@ class MHCSpec:
     weight_rows: int = 1024
 
     def __post_init__(self) -> None:
-        what = "MHCSpec"
-        for name in ("tokens", "hidden", "streams", "tile_tokens", "weight_cols", "weight_rows"):
-            require(getattr(self, name) > 0, what, f"{name} must be positive, got {getattr(self, name)}")
-        require(self.iters >= 0, what, f"iters must be >= 0, got {self.iters}")
-        require(self.rms_eps > 0, what, f"rms_eps must be positive, got {self.rms_eps}")
-        check_dtype(what, self.dtype)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MHCSpec:
-        """From CLI options or a YAML section; unknown keys raise ConfigError."""
-        return spec_from_mapping(cls, data)
-
-    @property
-    def acc(self) -> str:
-        return acc_dtype(self.dtype)
+        problems = positive(self, "tokens", "hidden", "streams", "tile_tokens", "weight_cols", "weight_rows")
+        if not isinstance(self.iters, int) or self.iters < 0:
+            problems.append(f"iters must be >= 0, got {self.iters!r}")
+        if not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
+            problems.append(f"rms_eps must be positive, got {self.rms_eps!r}")
+        report("MHCSpec", problems + dtype_problems(self))
 
     @property
     def logits(self) -> int:
         """Logits per token: n pre + n post + n*n mix."""
         return self.streams * (self.streams + 2)
-
-
-def _tags(stage: str, direction: str, tile: int) -> dict:
-    return {"stage": stage, "direction": direction, "tile": tile}
 
 
 def _inputs(g: TaskGraph, spec: MHCSpec) -> dict:
@@ -108,13 +95,15 @@ def build_megamhc_forward(spec: MHCSpec) -> TaskGraph:
     nxt_res = g.output("next_res", (T, n, n), acc)
     raw, inv = g.output("raw", (T, spec.logits), acc), g.output("inv_rms", (T, 1), acc)
     eps = {"rms_eps": spec.rms_eps}
-    for i, (a, b) in enumerate(token_tiles(T, spec.tile_tokens)):
+    for i, (a, b) in enumerate(tile_ranges(T, spec.tile_tokens)):
         g.task("mhc_mix_norm", [x[k][a:b] for k in ("y", "h", "pre", "post", "res")] + [x["norm_w"]],
-               [new[a:b], inv[a:b], block[a:b]], name=f"mix_norm.{i}", attrs=eps, tags=_tags("mix_norm", "fwd", i))
-        g.task("proj", [new[a:b], x["phi"]], [raw[a:b]], name=f"proj.{i}", tags=_tags("proj", "fwd", i))
+               [new[a:b], inv[a:b], block[a:b]], name=f"mix_norm.{i}", attrs=eps,
+               tags=tags(stage="mix_norm", direction="fwd", tile=i))
+        g.task("proj", [new[a:b], x["phi"]], [raw[a:b]], name=f"proj.{i}",
+               tags=tags(stage="proj", direction="fwd", tile=i))
         g.task("mhc_coeff", [raw[a:b], inv[a:b], x["alpha"], x["bias"]], [nxt_pre[a:b], nxt_post[a:b], nxt_res[a:b]],
                name=f"coeff.{i}", attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps},
-               tags=_tags("coeff", "fwd", i))
+               tags=tags(stage="coeff", direction="fwd", tile=i))
     return g
 
 
@@ -133,7 +122,7 @@ def build_megamhc_backward(spec: MHCSpec) -> TaskGraph:
            "next_pre": g.input("grad_next_pre", (T, n), acc), "next_post": g.input("grad_next_post", (T, n), acc),
            "next_res": g.input("grad_next_res", (T, n, n), acc)}
     out = {k: g.output(f"grad_{k}", b.shape, b.dtype) for k, b in x.items()}
-    tiles = token_tiles(T, spec.tile_tokens)
+    tiles = tile_ranges(T, spec.tile_tokens)
     g_raw, g_inv = g.buffer("g_raw", (T, m), acc), g.buffer("g_inv_rms", (T, 1), acc)
     g_proj = g.buffer("g_new_proj", (T, n, H), acc)
     p_alpha, p_bias = g.buffer("part_alpha", (len(tiles), 3), acc), g.buffer("part_bias", (len(tiles), m), acc)
@@ -143,34 +132,23 @@ def build_megamhc_backward(spec: MHCSpec) -> TaskGraph:
         g.task("mhc_coeff_bwd", [raw[a:b], inv[a:b], x["alpha"], x["bias"], gin["next_pre"][a:b],
                                  gin["next_post"][a:b], gin["next_res"][a:b]],
                [g_raw[a:b], g_inv[a:b], p_alpha[i:i + 1], p_bias[i:i + 1]], name=f"coeff_bwd.{i}",
-               attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps}, tags=_tags("coeff", "bwd", i))
+               attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps},
+               tags=tags(stage="coeff", direction="bwd", tile=i))
         g.task("proj_grad_input", [g_raw[a:b], x["phi"]], [g_proj[a:b]], name=f"dnew_proj.{i}",
-               attrs={"cols": [n, H], "out_dtype": acc}, tags=_tags("proj_dx", "bwd", i))
+               attrs={"cols": [n, H], "out_dtype": acc}, tags=tags(stage="proj_dx", direction="bwd", tile=i))
         fwd_in = [x[k][a:b] for k in ("y", "h", "pre", "post", "res")] + [x["norm_w"], new[a:b], inv[a:b]]
         g.task("mhc_mix_norm_bwd", fwd_in + [gin["new_res"][a:b], g_proj[a:b], gin["block_in"][a:b], g_inv[a:b]],
                [out[k][a:b] for k in ("y", "h", "pre", "post", "res")] + [p_norm_w[i:i + 1]],
-               name=f"mix_norm_bwd.{i}", attrs=eps, tags=_tags("mix_norm", "bwd", i))
+               name=f"mix_norm_bwd.{i}", attrs=eps, tags=tags(stage="mix_norm", direction="bwd", tile=i))
     weight_grad_chains(g, g_raw, new, out["phi"], tiles, spec.weight_cols, spec.weight_rows, acc, "dphi")
     for name, part in (("alpha", p_alpha), ("bias", p_bias), ("norm_w", p_norm_w)):
         g.task("sum_partials", [part], [out[name]], name=f"sum_{name}", attrs={"out_dtype": out[name].dtype},
-               tags={"stage": "reduce", "direction": "bwd"})
+               tags=tags(stage="reduce", direction="bwd"))
     return g
 
 
-def build_megamhc(spec: MHCSpec, direction: str = "fwd") -> TaskGraph:
-    """The forward (``"fwd"``) or backward (``"bwd"``) graph of ``spec``."""
-    builders = {"fwd": build_megamhc_forward, "bwd": build_megamhc_backward}
-    require(direction in builders, "build_megamhc", f"direction must be 'fwd' or 'bwd', got {direction!r}")
-    return builders[direction](spec)
-
-
-def build_graph(spec: str | None = None, direction: str | None = None, **options) -> TaskGraph:
-    """``megaloom simulate --graph megamhc[:direction=bwd,k=v,...]`` entry point. ``spec``: a YAML
-    file of MHCSpec options and ``direction`` (at top level or under a ``megamhc:`` key); ``options``
-    override it; ``direction`` is ``fwd`` unless given."""
-    opts = load_options(spec, "megamhc", options if direction is None else {**options, "direction": direction})
-    direction = opts.pop("direction", "fwd")
-    return build_megamhc(MHCSpec.from_dict(opts), direction)
+MEGAMHC = GraphBuilder("megamhc", "MegaMHC", MHCSpec, build_megamhc_forward, build_megamhc_backward)
+build_megamhc = MEGAMHC.build  # build_megamhc(spec, "fwd" | "bwd")
 
 
 def megamhc_reference(y, h, pre, post, res, phi, alpha, bias, norm_w, *, iters: int = 20,

@@ -125,7 +125,7 @@ def fsdp_leaves(model: nn.Module, comm: Any) -> set[int]:
     directly) and modules without parameters of their own.
     """
     from megaloom.comm.fsdp import fully_shard
-    from megaloom.swaps import MegaMoEBlock
+    from megaloom.models.swaps import MegaMoEBlock
 
     keep = {id(m.experts) for m in model.modules() if isinstance(m, MegaMoEBlock)}
     targets, problems = [], []

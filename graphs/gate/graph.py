@@ -24,18 +24,17 @@ from dataclasses import dataclass
 
 import torch
 
-from megaloom.graphs import ops_gate, ops_proj  # noqa: F401  (register the ops)
-from megaloom.graphs.megagate_mhc_common import (
-    check_dtype, require, spec_from_mapping, token_tiles, weight_grad_chains,
-)
-from megaloom.graphs.options import load_options
-from megaloom.graphs.ops_gate import SCORES, combine, scores
-from megaloom.graphs.ops_proj import acc_dtype, up
+from megaloom.graphs.common.builder import GraphBuilder
+from megaloom.graphs.common.ops import up
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.graphs.common.tags import tags
+from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
+from megaloom.graphs.gate.ops import SCORES, combine, scores  # (registers the gate ops)
 from megaloom.runtime.graph import TaskGraph
 
 
 @dataclass(frozen=True, slots=True)
-class GateSpec:
+class GateSpec(GraphSpec):
     """Router shape and options. ``scale``: routed scaling factor; ``renorm``: renormalise
     the k weights (only when ``top_k > 1``); ``tile_tokens``: rows per token shard;
     ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel);
@@ -54,30 +53,16 @@ class GateSpec:
     weight_rows: int = 1024
 
     def __post_init__(self) -> None:
-        what = "GateSpec"
-        for name in ("tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols", "weight_rows"):
-            require(getattr(self, name) > 0, what, f"{name} must be positive, got {getattr(self, name)}")
-        require(self.top_k <= self.experts, what, f"top_k={self.top_k} exceeds experts={self.experts}")
-        require(self.score in SCORES, what, f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        check_dtype(what, self.dtype)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GateSpec:
-        """From CLI options or a YAML section; unknown keys raise ConfigError."""
-        return spec_from_mapping(cls, data)
-
-    @property
-    def acc(self) -> str:
-        """dtype of logits, weights and gradients in between."""
-        return acc_dtype(self.dtype)
+        problems = positive(self, "tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols", "weight_rows")
+        if not problems and self.top_k > self.experts:
+            problems.append(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if self.score not in SCORES:
+            problems.append(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
+        report("GateSpec", problems + dtype_problems(self))
 
     @property
     def attrs(self) -> dict:
         return {"top_k": self.top_k, "score": self.score, "scale": float(self.scale), "renorm": self.renorm}
-
-
-def _tags(stage: str, direction: str, tile: int) -> dict:
-    return {"stage": stage, "direction": direction, "tile": tile}
 
 
 def build_megagate_forward(spec: GateSpec) -> TaskGraph:
@@ -88,10 +73,10 @@ def build_megagate_forward(spec: GateSpec) -> TaskGraph:
     bias = g.input("bias", (E,), spec.acc)
     logits = g.output("logits", (T, E), spec.acc)
     weights, indices = g.output("weights", (T, k), spec.acc), g.output("indices", (T, k), "int64")
-    for i, (a, b) in enumerate(token_tiles(T, spec.tile_tokens)):
-        g.task("proj", [x[a:b], w], [logits[a:b]], name=f"proj.{i}", tags=_tags("proj", "fwd", i))
+    for i, (a, b) in enumerate(tile_ranges(T, spec.tile_tokens)):
+        g.task("proj", [x[a:b], w], [logits[a:b]], name=f"proj.{i}", tags=tags(stage="proj", direction="fwd", tile=i))
         g.task("gate_topk", [logits[a:b], bias], [weights[a:b], indices[a:b]], name=f"topk.{i}",
-               attrs=spec.attrs, tags=_tags("topk", "fwd", i))
+               attrs=spec.attrs, tags=tags(stage="topk", direction="fwd", tile=i))
     return g
 
 
@@ -105,30 +90,18 @@ def build_megagate_backward(spec: GateSpec) -> TaskGraph:
     g_weights, g_logits = g.input("grad_weights", (T, k), spec.acc), g.input("grad_logits", (T, E), spec.acc)
     g_x, g_w = g.output("grad_x", (T, H), spec.dtype), g.output("grad_weight", (E, H), spec.dtype)
     d_logits = g.buffer("dlogits", (T, E), spec.acc)
-    tiles = token_tiles(T, spec.tile_tokens)
+    tiles = tile_ranges(T, spec.tile_tokens)
     for i, (a, b) in enumerate(tiles):
         g.task("gate_topk_bwd", [logits[a:b], indices[a:b], g_weights[a:b], g_logits[a:b]], [d_logits[a:b]],
-               name=f"topk_bwd.{i}", attrs=spec.attrs, tags=_tags("topk", "bwd", i))
+               name=f"topk_bwd.{i}", attrs=spec.attrs, tags=tags(stage="topk", direction="bwd", tile=i))
         g.task("proj_grad_input", [d_logits[a:b], w], [g_x[a:b]], name=f"dx.{i}",
-               attrs={"out_dtype": spec.dtype}, tags=_tags("proj_dx", "bwd", i))
+               attrs={"out_dtype": spec.dtype}, tags=tags(stage="proj_dx", direction="bwd", tile=i))
     weight_grad_chains(g, d_logits, x, g_w, tiles, spec.weight_cols, spec.weight_rows, spec.acc, "dw")
     return g
 
 
-def build_megagate(spec: GateSpec, direction: str = "fwd") -> TaskGraph:
-    """The forward (``"fwd"``) or backward (``"bwd"``) graph of ``spec``."""
-    builders = {"fwd": build_megagate_forward, "bwd": build_megagate_backward}
-    require(direction in builders, "build_megagate", f"direction must be 'fwd' or 'bwd', got {direction!r}")
-    return builders[direction](spec)
-
-
-def build_graph(spec: str | None = None, direction: str | None = None, **options) -> TaskGraph:
-    """``megaloom simulate --graph megagate[:direction=bwd,k=v,...]`` entry point. ``spec``: a YAML
-    file of GateSpec options and ``direction`` (at top level or under a ``megagate:`` key); ``options``
-    override it; ``direction`` is ``fwd`` unless given."""
-    opts = load_options(spec, "megagate", options if direction is None else {**options, "direction": direction})
-    direction = opts.pop("direction", "fwd")
-    return build_megagate(GateSpec.from_dict(opts), direction)
+MEGAGATE = GraphBuilder("megagate", "MegaGate", GateSpec, build_megagate_forward, build_megagate_backward)
+build_megagate = MEGAGATE.build  # build_megagate(spec, "fwd" | "bwd")
 
 
 def megagate_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int,

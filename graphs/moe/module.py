@@ -11,34 +11,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
-from megaloom.graphs.megamoe_graph import build_backward, build_forward
-from megaloom.graphs.megamoe_spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
+from megaloom.graphs.common.runner import GraphRunner
+from megaloom.graphs.moe.graph import MEGAMOE
+from megaloom.graphs.moe.spec import MegaMoESpec, Routing, local_counts, make_routing
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor
+from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
-from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.trace import Trace
 
-DEFAULT_UNITS = {"cube": 1, "vector": 1, "comm": 1}
 SAVED = ("xr", "gu", "a", "yc")
 
 
-class MegaMoERunner:
-    """Routes, builds (cached by spec and counts) and runs the forward and backward graphs.
+class MegaMoERunner(GraphRunner):
+    """A :class:`GraphRunner` of one MegaMoE spec: host routing, then the forward and backward
+    graphs, built once per (spec, counts). ``executor``, ``units``, ``policy``: as for GraphRunner."""
 
-    ``executor``: an executor name (see :data:`~megaloom.runtime.executors.EXECUTORS`:
-    ``"thread"`` runs with ``units`` and ``policy``, ``"reference"`` alone), or a callable
-    ``ctx -> Executor``. ``cache_size`` bounds the graph cache.
-    """
-
-    def __init__(self, spec: MegaMoESpec, comm: Any = None, *,
-                 executor: str | Callable[[ExecContext], Executor] = "thread",
+    def __init__(self, spec: MegaMoESpec, comm: Any = None, *, executor: str | Executor = "thread",
                  units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
         world = getattr(comm, "world_size", 1)
         if spec.ep != world:
@@ -46,24 +39,8 @@ class MegaMoERunner:
         if world > 1 and not spec.ordered_comm:
             raise ConfigError("MegaMoE on several ranks needs ordered_comm=True: every rank must issue "
                               "its collectives in one order")
-        self.spec, self.comm = spec, comm
-        self.ctx = ExecContext(rank=getattr(comm, "rank", 0), world_size=world, comm=comm)
-        if not callable(executor):
-            EXECUTORS.get(executor)  # an unknown name raises ConfigError listing the known ones
-        self.executor, self.units, self.policy = executor, dict(units or DEFAULT_UNITS), policy
-        self.cache_size = cache_size
-        self._graphs: dict[tuple, TaskGraph] = {}
-        self.last_trace: dict[str, Trace] = {}  # direction -> trace of the latest run
-
-    def make_executor(self) -> Executor:
-        if callable(self.executor):
-            return self.executor(self.ctx)
-        cls = EXECUTORS.get(self.executor)
-        if cls is ReferenceExecutor:
-            return cls(self.ctx)
-        from megaloom.scheduler import make_policy
-
-        return cls(self.units, policy=make_policy(self.policy), ctx=self.ctx)
+        super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
+        self.spec = spec
 
     def route(self, topk_ids: torch.Tensor) -> tuple[MegaMoESpec, Routing]:
         """Host routing: this rank's counts, exchanged with every rank when ``ep > 1``."""
@@ -71,35 +48,20 @@ class MegaMoERunner:
         all_counts = None
         if spec.ep > 1:
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
-        return spec, make_routing(topk_ids.cpu(), spec, self.ctx.rank, all_counts)
-
-    def graph(self, direction: str, spec: MegaMoESpec, counts: Counts, save: bool = True) -> TaskGraph:
-        key = (direction, save, spec, counts.key())
-        g = self._graphs.pop(key, None)
-        if g is None:
-            g = build_forward(spec, counts, save=save) if direction == "fwd" else build_backward(spec, counts)
-            while len(self._graphs) >= self.cache_size:
-                self._graphs.pop(next(iter(self._graphs)))
-        self._graphs[key] = g  # most recently used last
-        return g
+        return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
-        g = self.graph("fwd", spec, routing.counts, save)
-        return self._run("fwd", g, {"x": x, "tok": routing.tok, "pos": routing.pos, "w": w,
-                                    "gate_up": gate_up, "down": down})
+        g = self.graph(MEGAMOE, spec, "fwd", routing.counts, save=save)
+        return self.run(g, {"x": x, "tok": routing.tok, "pos": routing.pos, "w": w, "gate_up": gate_up,
+                            "down": down}, "fwd", contiguous=False)
 
     def backward(self, spec: MegaMoESpec, routing: Routing, dout: torch.Tensor, w: torch.Tensor,
                  saved: Mapping[str, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> RunResult:
-        g = self.graph("bwd", spec, routing.counts)
+        g = self.graph(MEGAMOE, spec, "bwd", routing.counts)
         ws = w.reshape(-1).index_select(0, routing.flat).unsqueeze(1)
-        return self._run("bwd", g, {"dout": dout, "tok": routing.tok, "pos": routing.pos, "ws": ws,
-                                    **saved, "gate_up": gate_up, "down": down})
-
-    def _run(self, direction: str, g: TaskGraph, inputs: dict[str, torch.Tensor]) -> RunResult:
-        res = self.make_executor().run(g, inputs)
-        self.last_trace[direction] = res.trace
-        return res
+        return self.run(g, {"dout": dout, "tok": routing.tok, "pos": routing.pos, "ws": ws, **saved,
+                            "gate_up": gate_up, "down": down}, "bwd", contiguous=False)
 
 
 class MegaMoEFunction(torch.autograd.Function):
@@ -136,7 +98,7 @@ class MegaMoE(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *, comm: Any = None,
                  dtype: torch.dtype | str = torch.float32, device: torch.device | str | None = None,
-                 executor: str | Callable[[ExecContext], Executor] = "thread", units: Mapping[str, int] | None = None,
+                 executor: str | Executor = "thread", units: Mapping[str, int] | None = None,
                  policy: Any = None, **options: Any):
         super().__init__()
         if {"tokens", "ep"} & set(options):

@@ -1,5 +1,5 @@
 """megaloom modules for transformers models: MegaMoE for MoE blocks, MegaGate for their
-routers (MXFP8Linear for ``nn.Linear`` comes from :mod:`megaloom.low_precision`).
+routers (MXFP8Linear for ``nn.Linear`` comes from :mod:`megaloom.models.plan`).
 
 Every swap keeps the model's own Parameters (by identity) under the original names, so
 state_dict keys, optimizer state and checkpoints are unchanged:
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaloom.hf_moe import MoEBlockParts, block_parts
+from megaloom.models.hf_moe import MoEBlockParts, block_parts
 from megaloom.runtime.errors import ConfigError
 
 
@@ -59,7 +59,7 @@ def gate_problems(router: nn.Module) -> list[str]:
 @functools.cache
 def _megagate_cls() -> type:
     """MegaGateRouter, defined on first use (importing the graphs layer only then)."""
-    from megaloom.graphs.megagate_module import MegaGate
+    from megaloom.graphs.gate.module import MegaGate
 
     class MegaGateRouter(MegaGate):
         """MegaGate returning the transformers router's ``(logits, weights, indices)``."""
@@ -77,7 +77,7 @@ def make_gate(router: nn.Module, **options: Any) -> nn.Module:
     Its graphs run on a ThreadExecutor whose traces ``gate.graph_traces`` (a GraphTraces) keeps.
     """
     from megaloom.runtime.executors import ThreadExecutor
-    from megaloom.step_trace import GraphTraces
+    from megaloom.train.step_trace import GraphTraces
 
     problems = gate_problems(router)
     if problems:
@@ -103,14 +103,14 @@ class MegaMoEBlock(nn.Module):
 
     ``comm`` (a megaloom Communicator) with ``world_size > 1`` enables expert
     parallelism: this rank owns experts ``[rank * E/ep, (rank + 1) * E/ep)``.
-    ``options`` go to :class:`megaloom.graphs.megamoe_module.MegaMoERunner`
+    ``options`` go to :class:`megaloom.graphs.moe.module.MegaMoERunner`
     (``executor``, ``units``, ``policy``) or to the spec (``tile_m``, ``schedule``, ...).
     """
 
     def __init__(self, block: nn.Module, comm: Any = None, gate: nn.Module | None = None, **options: Any):
         super().__init__()
-        from megaloom.graphs.megamoe_module import MegaMoERunner
-        from megaloom.graphs.megamoe_spec import MegaMoESpec
+        from megaloom.graphs.moe.module import MegaMoERunner
+        from megaloom.graphs.moe.spec import MegaMoESpec
 
         parts: MoEBlockParts = block_parts(block)
         ep = getattr(comm, "world_size", 1)
@@ -130,7 +130,7 @@ class MegaMoEBlock(nn.Module):
 
     def keep_local_experts(self) -> None:
         """Under EP: re-register the expert weights as views of this rank's experts only (no copy)."""
-        spec, rank = self.runner.spec, self.runner.ctx.rank
+        spec, rank = self.runner.spec, self.runner.rank
         if self.local_experts:
             return
         lo, n = rank * spec.experts_local, spec.experts_local
@@ -141,7 +141,7 @@ class MegaMoEBlock(nn.Module):
         self.local_experts = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from megaloom.graphs.megamoe_module import MegaMoEFunction
+        from megaloom.graphs.moe.module import MegaMoEFunction
 
         if not self.local_experts:
             raise ConfigError("MegaMoEBlock under expert parallelism: call keep_local_experts() before forward")

@@ -1,14 +1,14 @@
 """``MegaMHC``: hyper-connections as a torch module whose forward and backward run the task graphs."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
 
-from megaloom.graphs.megagate_mhc_common import GraphRunner
-from megaloom.graphs.megamhc import GRAD_INPUTS, GRAD_OUTPUTS, MHCSpec, build_megamhc_backward, build_megamhc_forward
-from megaloom.graphs.ops_proj import acc_dtype
+from megaloom.graphs.common.ops import acc_dtype
+from megaloom.graphs.common.runner import GraphRunner
+from megaloom.graphs.mhc.graph import GRAD_INPUTS, GRAD_OUTPUTS, MEGAMHC, MHCSpec
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.executors import Executor
 
@@ -27,7 +27,7 @@ class MegaMHCFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, h, pre, post, res, phi, alpha, bias, norm_w, spec: MHCSpec, runner: GraphRunner):
         inputs = dict(zip(GRAD_INPUTS, (y, h, pre, post, res, phi, alpha, bias, norm_w)))
-        out = runner.run(build_megamhc_forward, spec, inputs)
+        out = runner.run(runner.graph(MEGAMHC, spec, "fwd"), inputs, "fwd").outputs
         ctx.save_for_backward(*inputs.values(), out["new_res"], out["raw"], out["inv_rms"])
         ctx.spec, ctx.runner = spec, runner
         return tuple(out[k] for k in GRAD_OUTPUTS)
@@ -41,13 +41,13 @@ class MegaMHCFunction(torch.autograd.Function):
                 "next_post": inputs["post"], "next_res": inputs["res"]}
         for name, gr in zip(GRAD_OUTPUTS, grads):
             inputs[f"grad_{name}"] = torch.zeros_like(like[name]) if gr is None else gr.to(like[name].dtype)
-        out = ctx.runner.run(build_megamhc_backward, ctx.spec, inputs)
+        out = ctx.runner.run(ctx.runner.graph(MEGAMHC, ctx.spec, "bwd"), inputs, "bwd").outputs
         return tuple(out[f"grad_{k}"] for k in GRAD_INPUTS) + (None, None)
 
 
 def run_megamhc(y, h, pre, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunner | None = None,
                 **options) -> MHCOutput:
-    """One hyper-connection step on token rows (see :mod:`megaloom.graphs.megamhc` for the maths).
+    """One hyper-connection step on token rows (see :mod:`megaloom.graphs.mhc.graph` for the maths).
 
     ``y`` [T, H] and ``h`` [T, n, H] set the dtype; phi and norm_w are used in it, and
     pre / post / res / alpha / bias in float32 (float64 for float64 inputs). ``options``:
@@ -67,10 +67,13 @@ class MegaMHC(nn.Module):
     Parameters (``nn.Parameter``): ``phi`` [m, n*H], ``alpha`` [3], ``bias`` [m], ``norm_w`` [H],
     with ``m = n*n + 2n`` (24 for n = 4). ``forward(y, h, pre, post, res)`` takes token rows or
     [B, S, ...] batches and returns :class:`MHCOutput` with the same leading dims. ``options``:
-    the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows).
+    the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows);
+    ``executor``, ``units``, ``policy``: what runs the graphs (see
+    :class:`~megaloom.graphs.common.runner.GraphRunner`).
     """
 
-    def __init__(self, hidden: int, streams: int = 4, *, executor: Executor | None = None,
+    def __init__(self, hidden: int, streams: int = 4, *, executor: str | Executor = "thread",
+                 units: Mapping[str, int] | None = None, policy: Any = None,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
         self.hidden, self.streams, self.options = hidden, streams, dict(options)
@@ -80,7 +83,7 @@ class MegaMHC(nn.Module):
         self.alpha = nn.Parameter(torch.empty(3, device=device, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(m, device=device, dtype=torch.float32))
         self.norm_w = nn.Parameter(torch.empty(hidden, device=device, dtype=dtype))
-        self.runner = GraphRunner(executor)
+        self.runner = GraphRunner(executor, units=units, policy=policy)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

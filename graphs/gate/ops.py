@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megaloom.graphs import ops_proj  # noqa: F401  (the gate graphs' cube ops; one plug-in entry loads both)
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 

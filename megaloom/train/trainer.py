@@ -22,14 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaloom import checkpoint as ckpt
-from megaloom.config import Config
-from megaloom.data import make_stream
-from megaloom.hf_moe import build_model
-from megaloom.progress import MetricsLog, Progress, memory_mib
+from megaloom.train import checkpoint as ckpt
+from megaloom.train.config import Config
+from megaloom.train.data import make_stream
+from megaloom.models.hf_moe import build_model
+from megaloom.train.progress import MetricsLog, Progress, memory_mib
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.step_trace import GraphTraces, StepTracer
-from megaloom.swaps import MegaMoEBlock
+from megaloom.train.step_trace import GraphTraces, StepTracer
+from megaloom.models.swaps import MegaMoEBlock
 
 
 @dataclass(slots=True)
@@ -105,11 +105,11 @@ class Trainer:
 
     # -- set-up -------------------------------------------------------------------
     def _apply_plan(self) -> list[Any]:
-        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.model_plan`)."""
+        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.models.plan`)."""
         lp = self.cfg["low_precision"]
         if not self.cfg["replace"]["rules"] and (lp["linear"] or lp["format"]) == "none":
             return []
-        from megaloom.model_plan import apply_config_plan  # imports the graphs and mxfp8 layers
+        from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
         return apply_config_plan(self.base_model, self.cfg, self.log, self.comm)
 
     # -- one step -----------------------------------------------------------------
@@ -197,7 +197,7 @@ class Trainer:
 
     # -- checkpoints and traces ---------------------------------------------------
     def save(self) -> str:
-        """Checkpoint this step (DCP, see :mod:`megaloom.checkpoint`); a collective. Returns the step directory."""
+        """Checkpoint this step (DCP, see :mod:`megaloom.train.checkpoint`); a collective. Returns the step directory."""
         path = ckpt.save(self.ckpt_dir, self.step, self.parallel, self.optimizer, self.cfg["checkpoint"]["keep"])
         self.log(f"saved checkpoint of step {self.step} to {path}")
         return path
@@ -225,7 +225,7 @@ def _default_comm(par: dict) -> Any:
 
 
 def _setup_parallel(model: nn.Module, par: dict, comm: Any):
-    from megaloom.parallel import setup  # imports megaloom.comm only when needed
+    from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
     return setup(model, par, comm)
 
 

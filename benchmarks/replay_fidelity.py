@@ -65,12 +65,12 @@ def hta_window(path: Path, trace: Trace) -> list:
     if len(steps) < 2:
         return list(trace.events)
     cut = (max(steps) - trace.meta["t0_us"]) * 1e-6
-    kept = {e.tid for e in trace.events if e.engine in HOST_ENGINES and e.start < cut}
-    by_tid = {e.tid: e for e in trace.events}
+    kept = {e.task_id for e in trace.events if e.engine in HOST_ENGINES and e.start < cut}
+    by_tid = {e.task_id: e for e in trace.events}
     for e in trace.events:  # device ops follow their launch call (a host dependency)
         if e.engine not in HOST_ENGINES and any(d in kept and by_tid[d].engine in HOST_ENGINES for d in e.deps):
-            kept.add(e.tid)
-    return [e for e in trace.events if e.tid in kept]
+            kept.add(e.task_id)
+    return [e for e in trace.events if e.task_id in kept]
 
 
 HTA_BLOCKING = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventQuery", "cudaEventSynchronize",
@@ -81,7 +81,7 @@ HTA_BLOCKING = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cud
 def hta_conventions(events: list) -> list:
     """Copies of ``events`` as HTA's graph sees them: no flow edges between host threads, no
     edges inferred from timing, and the calls HTA treats as blocking lasting no time."""
-    by_tid = {e.tid: e for e in events}
+    by_tid = {e.task_id: e for e in events}
     out = []
     for e in events:
         drop = set(e.tags.get("inferred", ()))
@@ -91,7 +91,7 @@ def hta_conventions(events: list) -> list:
                      and by_tid[d].tags.get("thread") != e.tags.get("thread")}
             if e.op in HTA_BLOCKING:
                 end = e.start
-        out.append(type(e)(e.tid, e.task, e.op, e.engine, e.unit, e.rank, e.start, end, e.flops, e.bytes,
+        out.append(type(e)(e.task_id, e.task, e.op, e.engine, e.unit, e.rank, e.start, end, e.flops, e.bytes,
                            e.comm_bytes, [d for d in e.deps if d not in drop], e.tags, e.precision))
     return out
 

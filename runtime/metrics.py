@@ -51,7 +51,7 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
 def critical_path(events: list[TraceEvent]) -> float:
     """Longest chain of device task durations along recorded dependencies (per rank); host
     tasks lie on chains but add no time, so the path is at most the device span."""
-    by_key = {(e.rank, e.tid): e for e in events}
+    by_key = {(e.rank, e.task_id): e for e in events}
 
     def deps(k: tuple[int, int]) -> list[tuple[int, int]]:
         return [(k[0], d) for d in by_key[k].deps if (k[0], d) in by_key]
@@ -98,8 +98,8 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
     via: dict[tuple[int, int], tuple[int, int] | None] = {}
     weight: dict[tuple[int, int], tuple[float, float]] = {}
     lane: dict[tuple[int, int], tuple[int, str, int]] = {}
-    for e in sorted(events, key=lambda e: (e.rank, e.tid)):
-        key = (e.rank, e.tid)
+    for e in sorted(events, key=lambda e: (e.rank, e.task_id)):
+        key = (e.rank, e.task_id)
         lane[key] = (e.rank, e.engine, e.unit)
         host = e.engine in HOST_ENGINES
         gap = _tag_seconds(e, "cpu") if host else _tag_seconds(e, "delay")
@@ -112,7 +112,7 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
         if finish[key] > best:
             best, best_key = finish[key], key
     parts: dict[str, float] = {}
-    engine = {(e.rank, e.tid): e.engine for e in events}
+    engine = {(e.rank, e.task_id): e.engine for e in events}
     while best_key is not None:
         dur, gap = weight[best_key]
         kind = engine[best_key]

@@ -56,9 +56,9 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Sca
     the events' tasks, which keep their ids when the trace's ids are ``0..n-1``)."""
     by_tid = {}
     for e in events:
-        if e.tid in by_tid:
-            raise TraceFormatError(f"trace of {name!r}: task id {e.tid} ({e.task!r}) appears twice in rank {e.rank}")
-        by_tid[e.tid] = e
+        if e.task_id in by_tid:
+            raise TraceFormatError(f"trace of {name!r}: task id {e.task_id} ({e.task!r}) appears twice in rank {e.rank}")
+        by_tid[e.task_id] = e
     g = TaskGraph(name)
     made = {}
     for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way
@@ -199,7 +199,7 @@ def _combine(*scales: Scale | None) -> Scale | None:
 def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
     """Replayed events start after their delay (the simulator ran delay and op as one task)."""
     for e in events:
-        d = delay_of(by_tid[e.tid]) if e.tid in by_tid else 0.0
+        d = delay_of(by_tid[e.task_id]) if e.task_id in by_tid else 0.0
         if d:
             e.start = min(e.start + d, e.end)
 
@@ -248,7 +248,7 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
         for rank, events in per_rank.items():
             graph = graph_from_events(events, name, scale)
             res = Simulator(prof, chosen, pol).run(graph, validate=False)
-            _shift(res.trace.events, {e.tid: e for e in events})
+            _shift(res.trace.events, {e.task_id: e for e in events})
             for ev in res.trace.events:
                 ev.rank = rank
             results.append(res.trace)
@@ -264,12 +264,12 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
                   policy: Policy | str | None, scale: Scale | None) -> Trace:
     """Every rank at once, collectives joined (see the module docstring)."""
     ranks = sorted(per_rank)
-    colls = {r: frozenset(e.tid for e in per_rank[r] if e.op in COLLECTIVE_OPS) for r in ranks}
-    durs = {r: {e.tid: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
+    colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in COLLECTIVE_OPS) for r in ranks}
+    durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
     plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
     for rv in match_collectives(plain):  # each copy lasts the transfer: the shortest recorded copy
         tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
-        by_name = {r: {e.task: e.tid for e in per_rank[r]} for r, _ in tids}
+        by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
         members = [(r, by_name[r][n]) for r, n in tids]
         transfer = min(durs[r][t] for r, t in members)
         for r, t in members:
@@ -280,23 +280,23 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
     res = simulate_world(graphs, prof, world_units, policy, validate=False, sync_end=False)
     out: list[TraceEvent] = []
     for i, r in enumerate(ranks):
-        by_tid = {e.tid: e for e in per_rank[r]}
-        mine = {e.tid: e for e in res.trace.events if e.rank == i}
+        by_tid = {e.task_id: e for e in per_rank[r]}
+        mine = {e.task_id: e for e in res.trace.events if e.rank == i}
         arrive = {}
         for e in mine.values():
             if e.engine == DELAY_ENGINE:
                 continue
-            if e.tid in colls[r]:  # a collective's copy runs from this rank's arrival
-                arrive[e.tid] = max((mine[p].end for p in graphs[i].pred[e.tid]), default=e.start)
+            if e.task_id in colls[r]:  # a collective's copy runs from this rank's arrival
+                arrive[e.task_id] = max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
         kept = [e for e in mine.values() if e.engine != DELAY_ENGINE]
-        _shift([e for e in kept if e.tid not in colls[r]], by_tid)
+        _shift([e for e in kept if e.task_id not in colls[r]], by_tid)
         for e in kept:
-            if e.tid in arrive:
-                e.start = min(arrive[e.tid], e.start)
+            if e.task_id in arrive:
+                e.start = min(arrive[e.task_id], e.start)
             e.rank = r
-            e.deps = list(by_tid[e.tid].deps)
+            e.deps = list(by_tid[e.task_id].deps)
         out.extend(kept)
-    out.sort(key=lambda e: (e.start, e.rank, e.tid))
+    out.sort(key=lambda e: (e.start, e.rank, e.task_id))
     meta = dict(res.trace.meta)
     meta["units"] = {k: n for k, n in units.items() if any(e.engine == k for e in out)}
     return Trace(out, meta)

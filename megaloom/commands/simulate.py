@@ -4,7 +4,8 @@ write the trace (msgpack) and a Perfetto JSON.
 The graph comes from a file (``GRAPH_FILE`` or ``--graph PATH``) or from a named builder
 (``--graph NAME[:key=value,...]``). Builders are registered with
 :func:`register_graph_builder` or through the ``megaloom.graph_builders`` entry-point group
-(each entry point loads a ``builder(**options) -> TaskGraph``).
+(each entry point loads a ``builder(**options) -> TaskGraph``; one with a ``world(**options)``
+attribute builds every rank's graph for ``--world``).
 """
 from __future__ import annotations
 
@@ -131,13 +132,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resolve_world(spec: str) -> list[TaskGraph]:
-    """Every rank's graph from a builder whose module defines ``build_world(**options)``."""
+    """Every rank's graph from a builder with a ``world(**options)`` hook (MegaMoE's)."""
     name, opts = parse_spec(spec)
-    builder = GRAPH_BUILDERS.items().get(name)
-    hook = getattr(sys.modules.get(builder.__module__), "build_world", None) if builder is not None else None
+    hook = getattr(GRAPH_BUILDERS.items().get(name), "world", None)
     if hook is None:
-        raise ConfigError(f"--world needs a graph builder with a world hook (a build_world function beside it), "
-                          f"got {spec!r}")
+        raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
     try:
         return hook(**opts)
     except TypeError as e:

@@ -56,8 +56,8 @@ def identity(trace: Trace) -> Trace:
     """Replay ``trace`` on its own device; assert it gives the recording back (to a picosecond:
     the replay adds up durations in floating point)."""
     out = replay(trace).trace
-    got = {(e.rank, e.tid): (e.start, e.end) for e in out.events}
-    want = {(e.rank, e.tid): (e.start, e.end) for e in trace.events}
+    got = {(e.rank, e.task_id): (e.start, e.end) for e in out.events}
+    want = {(e.rank, e.task_id): (e.start, e.end) for e in trace.events}
     assert got.keys() == want.keys()
     bad = [(k, want[k], got[k]) for k in want if max(abs(a - b) for a, b in zip(want[k], got[k])) > 1e-12]
     assert not bad, bad[:5]

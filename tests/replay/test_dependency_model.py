@@ -23,8 +23,8 @@ def test_launch_splits_the_call_and_a_kernel_starts_at_its_launch(tmp_path):
         call("cudaLaunchKernel", 12, 2, 2), kernel("B", 30, 10, 2),  # queued behind A, then 6 us latency
     ])
     assert by_name(trace)["cudaLaunchKernel"] == (0, 4) and by_name(trace)["cudaLaunchKernel#1"] == (4, 10)
-    assert ev["A"].deps == [ev["cudaLaunchKernel"].tid] and rep.split_calls == 1
-    assert sorted(ev["B"].deps) == sorted([ev["cudaLaunchKernel#2"].tid, ev["A"].tid])
+    assert ev["A"].deps == [ev["cudaLaunchKernel"].task_id] and rep.split_calls == 1
+    assert sorted(ev["B"].deps) == sorted([ev["cudaLaunchKernel#2"].task_id, ev["A"].task_id])
     assert ev["B"].tags["delay"] == pytest.approx(6e-6) and rep.deps == {"launch": 2, "stream order": 1}
     out = by_name(replay(trace, whatif=K2).trace)
     assert out["A"] == (4, 14) and out["B"] == (20, 25)  # B: A ends at 14, then its 6 us latency
@@ -44,9 +44,9 @@ def _wait_trace(record: bool):
 @pytest.mark.parametrize("record", [True, False], ids=["sync-record", "inferred"])
 def test_stream_wait_by_event_record_or_inferred_from_timing(tmp_path, record):
     trace, rep, ev = load(tmp_path, _wait_trace(record))
-    assert ev["A"].tid in ev["B"].deps and ev["B"].tags["delay"] == pytest.approx(1e-6)
+    assert ev["A"].task_id in ev["B"].deps and ev["B"].tags["delay"] == pytest.approx(1e-6)
     assert (rep.deps.get("event wait"), rep.inferred.get("event wait (from timing)")) == ((1, None) if record else (None, 1))
-    assert ev["B"].tags.get("inferred") == (None if record else [ev["A"].tid])
+    assert ev["B"].tags.get("inferred") == (None if record else [ev["A"].task_id])
     out = by_name(replay(trace, whatif=K2).trace)
     assert out["A"] == (3, 13) and out["B"] == (14, 17)
 
@@ -70,7 +70,7 @@ def test_host_sync_waits_for_the_gpu_work_it_names(tmp_path, kind):
         call("cudaLaunchKernel", 60, 2, 3), kernel("K2", 63, 10, 3),
     ])
     assert by_name(trace)[name] == (5, 5) and by_name(trace)[f"{name}#1"] == (53, 56)  # host part, then its return
-    assert ev["K"].tid in ev[f"{name}#1"].deps
+    assert ev["K"].task_id in ev[f"{name}#1"].deps
     out = by_name(replay(trace, whatif=K2).trace)
     assert out["K"] == (3, 28) and out[f"{name}#1"] == (28, 31)   # returns 3 us after K, now earlier
     assert out["cudaLaunchKernel#1"] == (35, 37) and out["K2"] == (38, 43)  # host gap and launch latency kept
@@ -105,7 +105,7 @@ def test_item_copy_then_stream_sync_without_sync_records(tmp_path):
         call("cudaMemcpyAsync", 1, 4, 1), kernel("Memcpy DtoH (Device -> Pinned)", 6, 20, 1, cat="gpu_memcpy"),
         call("cudaStreamSynchronize", 5, 25, 2),
     ])
-    copy = ev["Memcpy DtoH (Device -> Pinned)"].tid
+    copy = ev["Memcpy DtoH (Device -> Pinned)"].task_id
     assert rep.inferred == {"stream_sync": 1} and copy in ev["cudaStreamSynchronize#1"].deps
     assert ev["cudaStreamSynchronize#1"].tags["inferred"] == [copy]
     assert ev["cudaMemcpyAsync"].tags["op"] == "aten::_local_scalar_dense"

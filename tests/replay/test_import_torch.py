@@ -48,7 +48,7 @@ def test_real_cpu_profiler_trace_imports_with_classes_shapes_and_flows(profiled)
     assert next(e for e in trace.events if e.op == "aten::silu").engine == "vector"
     assert report.context["cpu_op"] > 0 and report.tasks == len(trace.events) and trace.meta["cpu_only"]
     for e in trace.events:  # acyclic and time-consistent: every dependency is earlier
-        assert all(d < e.tid for d in e.deps)
+        assert all(d < e.task_id for d in e.deps)
     assert 0 < critical_path(trace.events) <= trace.makespan * 1.0001
     identity(trace)
 
@@ -160,5 +160,5 @@ def test_fuzzed_input_imports_and_replays_exactly_or_raises_trace_format_error(t
         return
     assert report.tasks == len(trace.events)
     for e in trace.events:
-        assert all(d < e.tid for d in e.deps) and e.end >= e.start
+        assert all(d < e.task_id for d in e.deps) and e.end >= e.start
     identity(trace)

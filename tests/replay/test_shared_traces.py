@@ -63,13 +63,13 @@ def test_recorded_device_comes_from_device_properties(imported):
 
 def test_cross_device_replay_scales_by_work_not_one_constant(imported):
     path, trace, _, _ = imported
-    out = {e.tid: e for e in replay(trace, "h100").trace.events}
-    ratios = {round(out[e.tid].duration / e.duration, 6) for e in trace.events
+    out = {e.task_id: e for e in replay(trace, "h100").trace.events}
+    ratios = {round(out[e.task_id].duration / e.duration, 6) for e in trace.events
               if e.engine in ("cube", "vector", "copy") and e.duration > 0 and (e.flops or e.bytes or e.comm_bytes)}
     if len(ratios) > 1:
         assert max(ratios) > min(ratios) * 1.01
     kept = [e for e in trace.events if e.engine != "host" and not (e.flops or e.bytes or e.comm_bytes)]
-    assert all(out[e.tid].duration == pytest.approx(e.duration) for e in kept)  # no figures: duration kept
+    assert all(out[e.task_id].duration == pytest.approx(e.duration) for e in kept)  # no figures: duration kept
 
 
 def test_nccl_trace_comm_is_on_its_own_engine_and_exposed():

@@ -177,7 +177,7 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
     clocks. Returns the shift per rank in microseconds."""
     def ends(t: Trace) -> dict[tuple, float]:
         out, n = {}, 0
-        for e in sorted(t.events, key=lambda e: e.tid):
+        for e in sorted(t.events, key=lambda e: e.task_id):
             if e.engine == "comm" and e.op in COLLECTIVE_OPS:
                 key = (e.tags["pg"], e.tags["seq"]) if "pg" in e.tags and "seq" in e.tags else ("", n)
                 n += key[0] == ""

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     label = "what-if"
     if changed:
         result = replay(recorded, args.profile, units, policy, args.recorded_profile, whatif).trace
-        label = args.profile or "what-if"
+        label = f"{args.profile} + what-if" if args.profile and not whatif.empty() else args.profile or "what-if"
         skipped = [e for e in recorded.events if e.engine != "host" and not (e.flops or e.bytes or e.comm_bytes)]
         if args.profile is not None and skipped:
             print(f"notice: {len(skipped)} device ops have no work figures and keep their recorded duration on "

@@ -86,7 +86,7 @@ class Fsdp2Loop:
     def __init__(self, trainer: Trainer):
         from torch.distributed.fsdp import fully_shard
 
-        from megaloom.hf_moe import build_model
+        from megaloom.models.hf_moe import build_model
 
         self.cfg, self.data, self.comm = trainer.cfg, trainer.data, trainer.comm
         self.model = build_model(self.cfg["model"], self.cfg["run"]["seed"])

@@ -15,14 +15,16 @@ from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write, read_msgpack
 
 TRACE_FORMAT = "megaloom-trace"
-TRACE_VERSION = 2  # 2: events carry their precision (version 1 files still load)
+TRACE_VERSION = 3  # 2: events carry their precision; 3: ``tid`` renamed ``task_id`` (older files still load)
+_RENAMED = {"tid": "task_id"}  # columns of version 2 and before under their current names
 
 
 @dataclass(slots=True)
 class TraceEvent:
-    """One task run: where (engine kind, unit, rank), when (seconds), and its work."""
+    """One task run: which task (its id in its rank's graph), where (engine kind, unit,
+    rank), when (seconds), and its work."""
 
-    tid: int
+    task_id: int
     task: str
     op: str
     engine: str
@@ -45,7 +47,7 @@ class TraceEvent:
 _COLUMNS = [f.name for f in fields(TraceEvent)]
 REQUIRED_COLUMNS = _COLUMNS.index("end") + 1  # the leading columns without a default
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "tid": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
+    "task_id": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
     "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
     "comm_bytes": (int, float), "deps": (list,), "tags": (dict,), "precision": (str,),
 }
@@ -92,6 +94,8 @@ class Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
         data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION, TraceFormatError)
         cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
+        if data["version"] < 3 and isinstance(cols, list):
+            cols = [_RENAMED.get(c, c) for c in cols]
         if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
                 or not isinstance(rows, list) or not isinstance(meta, dict):
             raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r})")
@@ -112,4 +116,4 @@ def merge(traces: Iterable[Trace]) -> Trace:
     events = [e for t in traces for e in t.events]
     meta = dict(traces[0].meta) if traces else {}
     meta["world_size"] = len({e.rank for e in events})
-    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.tid)), meta)
+    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.task_id)), meta)

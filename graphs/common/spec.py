@@ -1,15 +1,17 @@
 """Graph specs from options: one parser that reports every problem at once.
 
 Options come as a mapping (``k=v`` options on the command line, a YAML section, keyword
-arguments of a module); :func:`parse_spec` makes the spec dataclass of them, and a spec's
-own ``__post_init__`` checks its values with the helpers below. Either way every problem
-goes into one ConfigError, ``invalid <Spec>: <problem>; <problem>; ...``.
+arguments of a module); :func:`parse_spec` makes the spec dataclass of them. Every unknown,
+missing or mistyped option goes into one ConfigError; well-formed options then meet the
+spec's own value checks (its ``__post_init__``, with the helpers below), again every bad
+value in one ConfigError: ``invalid <Spec>: <problem>; <problem>; ...``.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Iterable, Mapping, TypeVar
 
+from megaloom.graphs.common.ops import acc_dtype
 from megaloom.runtime.dtypes import dtype_name
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import load_yaml
@@ -19,9 +21,9 @@ DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 def parse_spec(cls: type[S], data: Mapping[str, Any], *, what: str = "", also: Iterable[str] = ()) -> S:
-    """The spec dataclass ``cls`` from ``data``: unknown, missing and wrongly typed options and the
-    spec's own checks all reported in one ConfigError. ``also``: further option names the caller
-    takes (listed as known); ``what`` names the family in the unknown-option message."""
+    """The spec dataclass ``cls`` from ``data``; every unknown, missing and mistyped option in one
+    ConfigError (then the spec's own checks). ``also``: further option names the caller takes
+    (listed as known); ``what`` names the family in the unknown-option message."""
     names = {f.name: f for f in dataclasses.fields(cls)}
     also = list(also)
     problems, kwargs = [], {}
@@ -43,6 +45,22 @@ def parse_spec(cls: type[S], data: Mapping[str, Any], *, what: str = "", also: I
         problems.append(f"missing option(s) {', '.join(missing)}")
     report(cls.__name__, problems)
     return cls(**kwargs)
+
+
+class GraphSpec:
+    """Base of the families' spec dataclasses (frozen, with a ``dtype`` field)."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Any:
+        """From CLI options, a YAML section or keyword arguments (:func:`parse_spec`)."""
+        return parse_spec(cls, data)
+
+    @property
+    def acc(self) -> str:
+        """Accumulation dtype of the spec's dtype: float64 stays, everything else is float32."""
+        return acc_dtype(self.dtype)  # type: ignore[attr-defined]
 
 
 def report(what: str, problems: list[str]) -> None:

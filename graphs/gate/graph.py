@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from megaloom.graphs.common.builder import GraphBuilder
-from megaloom.graphs.common.ops import acc_dtype, up
-from megaloom.graphs.common.spec import dtype_problems, parse_spec, positive, report
+from megaloom.graphs.common.ops import up
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
 from megaloom.graphs.gate.ops import SCORES, combine, scores  # (registers the gate ops)
@@ -34,7 +34,7 @@ from megaloom.runtime.graph import TaskGraph
 
 
 @dataclass(frozen=True, slots=True)
-class GateSpec:
+class GateSpec(GraphSpec):
     """Router shape and options. ``scale``: routed scaling factor; ``renorm``: renormalise
     the k weights (only when ``top_k > 1``); ``tile_tokens``: rows per token shard;
     ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel);
@@ -59,16 +59,6 @@ class GateSpec:
         if self.score not in SCORES:
             problems.append(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         report("GateSpec", problems + dtype_problems(self))
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GateSpec:
-        """From CLI options or a YAML section (:func:`~megaloom.graphs.common.spec.parse_spec`)."""
-        return parse_spec(cls, data)
-
-    @property
-    def acc(self) -> str:
-        """dtype of logits, weights and gradients in between."""
-        return acc_dtype(self.dtype)
 
     @property
     def attrs(self) -> dict:

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from megaloom.graphs.common.builder import GraphBuilder
-from megaloom.graphs.common.ops import acc_dtype, up
-from megaloom.graphs.common.spec import dtype_problems, parse_spec, positive, report
+from megaloom.graphs.common.ops import up
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
 from megaloom.graphs.mhc import ops  # noqa: F401  (registers the MegaMHC ops)
@@ -43,7 +43,7 @@ from megaloom.runtime.graph import TaskGraph
 
 
 @dataclass(frozen=True, slots=True)
-class MHCSpec:
+class MHCSpec(GraphSpec):
     """MegaMHC shape and options; ``iters``: Sinkhorn rounds; ``rms_eps`` is used by both RMS norms;
     ``weight_cols``: columns of phi per gradient chain (chains run in parallel);
     ``weight_rows``: tokens per link of a chain."""
@@ -66,15 +66,6 @@ class MHCSpec:
         if not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
             problems.append(f"rms_eps must be positive, got {self.rms_eps!r}")
         report("MHCSpec", problems + dtype_problems(self))
-
-    @classmethod
-    def from_dict(cls, data: dict) -> MHCSpec:
-        """From CLI options or a YAML section (:func:`~megaloom.graphs.common.spec.parse_spec`)."""
-        return parse_spec(cls, data)
-
-    @property
-    def acc(self) -> str:
-        return acc_dtype(self.dtype)
 
     @property
     def logits(self) -> int:

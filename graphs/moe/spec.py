@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megaloom.graphs.common.spec import dtype_problems, parse_spec, positive, report
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.runtime.errors import ConfigError
 
 SCHEDULES = ("sequential", "interleaved")
@@ -28,7 +28,7 @@ ROUTINGS = ("balanced", "random", "skewed")
 
 
 @dataclass(frozen=True, slots=True)
-class MegaMoESpec:
+class MegaMoESpec(GraphSpec):
     """Shapes and tiling of one MoE expert block, per EP rank.
 
     ``tokens``: tokens per rank (T); ``experts``: global expert count (E); ``ep``: EP
@@ -83,11 +83,6 @@ class MegaMoESpec:
 
     def group_of(self, expert: int) -> int:
         return expert // self.group_size
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MegaMoESpec:
-        """From plain options (:func:`~megaloom.graphs.common.spec.parse_spec`)."""
-        return parse_spec(cls, d)
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megaloom.hf_moe import block_parts, is_moe_block
+from megaloom.models.hf_moe import block_parts, is_moe_block
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:

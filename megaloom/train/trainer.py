@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaloom.hf_moe import build_model
+from megaloom.models.hf_moe import build_model
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.swaps import MegaMoEBlock
+from megaloom.models.swaps import MegaMoEBlock
 from megaloom.train import checkpoint as ckpt
 from megaloom.train.config import Config
 from megaloom.train.data import make_stream
@@ -123,11 +123,11 @@ class Trainer:
 
     # -- set-up -------------------------------------------------------------------
     def _apply_plan(self) -> list[Any]:
-        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.model_plan`)."""
+        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.models.plan`)."""
         lp = self.cfg["low_precision"]
         if not self.cfg["replace"]["rules"] and (lp["linear"] or lp["format"]) == "none":
             return []
-        from megaloom.model_plan import apply_config_plan  # imports the graphs and mxfp8 layers
+        from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
         return apply_config_plan(self.base_model, self.cfg, self.log, self.mesh.ep)
 
     def _peak_flops(self) -> float | None:

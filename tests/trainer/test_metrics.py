@@ -2,7 +2,7 @@
 the metrics log the plot reads."""
 import pytest
 
-from megaloom.hf_moe import build_model
+from megaloom.models.hf_moe import build_model
 from megaloom.runtime.errors import ConfigError
 from megaloom.train.flops import flops_per_token, peak_flops
 from megaloom.train.parallel.clock import CommClock

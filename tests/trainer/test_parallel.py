@@ -127,7 +127,7 @@ def test_config_only_mesh_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"optimizer.name: got 'lamb', expected one of 'adamw', 'sgd', 'muon'"):
         tiny_config(tmp_path, optimizer={"name": "lamb"})
     with pytest.raises(ConfigError, match=r"parallel.tp_size=4 does not divide model.config.num_key_value_heads=2"):
-        from megaloom.hf_moe import build_model
+        from megaloom.models.hf_moe import build_model
         from megaloom.train.parallel.tensor import plan
         plan(build_model(tiny_config(tmp_path)["model"], 0), 4)
 

@@ -91,7 +91,7 @@ def test_cli_train_and_errors(tmp_path, capsys):
 
 
 def test_local_checkpoint_model_and_text_data(tmp_path):
-    from megaloom.hf_moe import build_model
+    from megaloom.models.hf_moe import build_model
 
     from .tiny import QWEN3_MOE
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megaloom.runtime.errors import ConfigError
@@ -144,35 +143,21 @@ def _act_name(act: nn.Module) -> str:
     return "silu" if "silu" in n else n.removesuffix("activation")
 
 
-def experts_forward(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Routed experts in plain torch: ``sum_k w[t,k] * down[e] @ (act(g) * u)``, ``g, u = gate_up[e] @ x[t]``.
-
-    ``x [T, H]``, ``indices``/``weights [T, k]``. Experts are summed in ascending order
-    per token, as transformers does. Differentiable; the oracle for the adapters.
-    """
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        tok, slot = torch.where(indices == e)
-        if tok.numel() == 0:
-            continue
-        g, u = F.linear(x[tok], gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(act(g) * u, down[e]) * weights[tok, slot, None].to(x.dtype)
-        out = out.index_add(0, tok, y)
-    return out
-
-
 def block_forward(parts: MoEBlockParts, hidden: torch.Tensor,
                   experts: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The block's forward rebuilt from its parts: route, run the experts, add the shared MLP.
 
-    ``experts(x, indices, weights)`` defaults to :func:`experts_forward` on the block's own weights.
+    ``experts(x, indices, weights)`` defaults to the golden eager MoE
+    (:func:`megaloom.graphs.moe.reference.moe_reference`) on the block's own weights, passed as
+    transposed views into its layout.
     """
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
     _, weights, indices = parts.router(x)
     if experts is None:
-        y = experts_forward(x, indices, weights, parts.gate_up, parts.down, parts.act)
+        from megaloom.graphs.moe.reference import moe_reference
+
+        y = moe_reference(x, indices, weights, parts.gate_up.transpose(1, 2), parts.down.transpose(1, 2), parts.act)
     else:
         y = experts(x, indices, weights)
     y = y.reshape(shape)

@@ -1,5 +1,5 @@
 """megaloom modules for transformers models: MegaMoE for MoE blocks, MegaGate for their
-routers (MXFP8Linear for ``nn.Linear`` comes from :mod:`megaloom.low_precision`).
+routers (MXFP8Linear for ``nn.Linear`` comes from :mod:`megaloom.models.plan`).
 
 Every swap keeps the model's own Parameters (by identity) under the original names, so
 state_dict keys, optimizer state and checkpoints are unchanged:
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaloom.hf_moe import MoEBlockParts, block_parts
+from megaloom.models.hf_moe import MoEBlockParts, block_parts
 from megaloom.runtime.errors import ConfigError
 
 

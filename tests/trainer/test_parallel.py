@@ -17,7 +17,7 @@ QWEN_KV4 = {"config": {"vocab_size": 129, "num_key_value_heads": 4}}  # 4 KV hea
 
 # name -> (model family, sections); dp is what tp and cp leave of the world
 TWO = {
-    "fsdp": ("qwen3_moe", {"parallel": {"fsdp": True}, "model": UNEVEN}),
+    "fsdp+prefetch": ("qwen3_moe", {"parallel": {"fsdp": True, "prefetch": 1}, "model": UNEVEN}),
     "tp2": ("qwen3_moe", {"parallel": {"tp_size": 2}, "model": UNEVEN}),
     "cp2+fsdp": ("qwen3_moe", {"parallel": {"cp_size": 2, "fsdp": True}, "model": UNEVEN}),
     "ep2+fsdp+recompute": ("qwen3_moe", {"parallel": {"ep_size": 2, "fsdp": True, "recompute": "full"},
@@ -31,7 +31,8 @@ TWO = {
                                 "model": {"config": {"vocab_size": 129, "num_hidden_layers": 1, "num_experts": 4}}}),
 }
 FOUR = {
-    "dp2xtp2+fsdp": ("qwen3_moe", {"parallel": {"tp_size": 2, "fsdp": True}, "model": UNEVEN}),
+    "dp2xtp2+fsdp": ("qwen3_moe", {"parallel": {"tp_size": 2, "fsdp": True, "reshard_after_forward": False},
+                                   "model": UNEVEN}),
     "dp2xcp2+ep2": ("qwen3_moe", {"parallel": {"cp_size": 2, "ep_size": 2}, "replace": MOE, "model": UNEVEN}),
     "ep2xdp2+fsdp": ("qwen3_moe", {"parallel": {"ep_size": 2, "fsdp": True}, "replace": MOE, "model": UNEVEN}),
     "cp2xtp2+recompute": ("qwen3_moe", {"parallel": {"cp_size": 2, "tp_size": 2, "recompute": "full"}, "model": UNEVEN}),

@@ -4,8 +4,10 @@ Each decoder layer is one FSDP unit and the root model (embedding, final norm, h
 parameters are DTensors holding uneven dim-0 shards (``torch.chunk``: 7 rows on 4 ranks
 are 2, 2, 2, 1); a unit's weights are all-gathered just before its forward (and, with
 ``reshard_after_forward``, freed after it and gathered again for backward), gradients
-reduce-scattered and averaged in its backward. ``prefetch`` layers ahead have their
-gather issued early in both directions. The mixed-precision policy comes from
+reduce-scattered and averaged in its backward. FSDP2 itself gathers the next layer's
+weights during backward; ``prefetch`` > 0 also issues that many layers' gathers early in
+forward and backward (on a 2-core CPU with gloo this cost 7-17% wall time: the gathers
+compete with compute for the cores; meant for devices where communication runs beside it). The mixed-precision policy comes from
 ``parallel.fsdp_param_dtype`` / ``fsdp_reduce_dtype``. Expert weights split by expert
 parallelism are left out (``ignored``): their gradients are synced by the trainer.
 """

@@ -4,24 +4,57 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megaloom.cli import main
-from megaloom.runtime import Trace
+from megaloom.commands import demo
+from megaloom.runtime import Trace, metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_simulates_executes_checks_and_writes_traces(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--tokens", "512", "--tile", "64"]) == 0
+def test_demo_simulates_both_schedules_executes_checks_and_writes_traces(tmp_path, capsys):
+    """The README's main command, as given: MegaMoE over 2 EP ranks, simulated under both schedules
+    and executed on 2 gloo ranks, each checked; Perfetto traces with cube, vector and comm tracks."""
+    assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "simulate, virtual clock, profile ascend-910b" in out and "matches the reference executor" in out
-    sim = json.loads((tmp_path / "simulated-ascend-910b.json").read_text())
-    assert {e["ph"] for e in sim["traceEvents"]} >= {"X", "M"}
-    assert len(Trace.load(tmp_path / "executed.mlt").events) == 32
+    assert "simulated on ascend-910b: every rank at once" in out
+    assert "every rank matches the reference executor and the eager MoE block" in out
+    sim = {s: Trace.load(tmp_path / f"{s}-ascend-910b.mlt") for s in ("sequential", "interleaved")}
+    seq, inter = metrics(sim["sequential"]), metrics(sim["interleaved"])
+    assert inter.makespan < seq.makespan and inter.comm_hidden > seq.comm_hidden
+    assert f"interleaved is {seq.makespan / inter.makespan:.2f}x as fast as sequential" in out
+    for name in ("sequential-ascend-910b", "interleaved-ascend-910b", "executed-cpu"):
+        chrome = json.loads((tmp_path / f"{name}.json").read_text())["traceEvents"]
+        tracks = {(e["pid"], e["args"]["name"].split(".")[0]) for e in chrome if e["name"] == "thread_name"}
+        assert tracks == {(r, k) for r in (0, 1) for k in ("cube", "vector", "comm")}, name
+    executed = Trace.load(tmp_path / "executed-cpu.mlt")
+    assert executed.ranks == [0, 1] and executed.meta["mode"] == "execute"
+    # the executed graphs are the simulated ones: same tasks on every rank
+    for r in (0, 1):
+        assert sorted(e.task for e in executed.events if e.rank == r) == \
+            sorted(e.task for e in sim["interleaved"].events if e.rank == r)
+    assert (tmp_path / "schedules.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{n}.{x}" for n in ("sequential-ascend-910b", "interleaved-ascend-910b", "executed-cpu") for x in ("json", "mlt")]
+        + ["schedules.png"])
 
 
-def test_demo_rejects_an_unknown_profile(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--profile", "no-such-chip"]) == 2
-    assert "unknown hardware profile 'no-such-chip'" in capsys.readouterr().err
+def test_demo_without_matplotlib_says_how_to_get_the_chart(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now raises ImportError
+    demo.gantt({"sequential": Trace([]), "interleaved": Trace([])}, str(tmp_path), "h100")
+    assert "no Gantt chart: it needs matplotlib, pip install -e '.[plot]'" in capsys.readouterr().out
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--profile", "no-such-chip"], "unknown hardware profile 'no-such-chip'"),
+    (["--ep", "1"], "--ep must be at least 2"),
+    (["--tokens", "0"], "--tokens must be > 0"),
+])
+def test_demo_rejects_bad_options(argv, needle, tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path), *argv]) == 2
+    assert needle in capsys.readouterr().err
 
 
 def test_quickstart_example_runs():

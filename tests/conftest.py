@@ -1,5 +1,7 @@
-"""Shared test set-up: deterministic seeds, GPU tests skipped without CUDA, and
-``--update-golden`` (rewrite the golden files of tests/golden/ instead of comparing)."""
+"""Shared test set-up: deterministic seeds, GPU tests skipped without CUDA,
+``--update-golden`` (rewrite the golden files of tests/golden/ instead of comparing), and
+``check_output``, which holds printed output against an expected output."""
+import doctest
 import random
 
 import pytest
@@ -14,6 +16,23 @@ def pytest_addoption(parser):
 @pytest.fixture
 def update_golden(request) -> bool:
     return request.config.getoption("--update-golden")
+
+
+def _check_output(got: str, want: str, where: str) -> None:
+    """Fail unless ``got`` is ``want``, where ``...`` in ``want`` matches any text, across lines too
+    (doctest's ELLIPSIS): expected outputs write ``...`` over figures measured on the wall clock,
+    which differ from run to run, and over lines a document leaves out."""
+    flags = doctest.ELLIPSIS | doctest.REPORT_UDIFF
+    checker = doctest.OutputChecker()
+    if not checker.check_output(want, got, flags):
+        diff = checker.output_difference(doctest.Example("", want), got, flags)
+        pytest.fail(f"{where}: the output differs from the expected output\n{diff}", pytrace=False)
+
+
+@pytest.fixture
+def check_output():
+    """``check_output(got, want, where)``: see :func:`_check_output`."""
+    return _check_output
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,11 @@ from megaloom.runtime import Trace, metrics
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_simulates_both_schedules_executes_checks_and_writes_traces(tmp_path, capsys):
+def test_demo_simulates_both_schedules_executes_checks_and_writes_traces(tmp_path, capsys, umask_027):
     """The README's main command, as given: MegaMoE over 2 EP ranks, simulated under both schedules
-    and executed on 2 gloo ranks, each checked; Perfetto traces with cube, vector and comm tracks."""
+    and executed on 2 gloo ranks, each checked; Perfetto traces with cube, vector and comm tracks;
+    its folder and files made as the umask says."""
+    root, tmp_path = tmp_path, tmp_path / "out"
     assert main(["demo", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "simulated on ascend-910b: every rank at once" in out
@@ -40,6 +42,7 @@ def test_demo_simulates_both_schedules_executes_checks_and_writes_traces(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [f"{n}.{x}" for n in ("sequential-ascend-910b", "interleaved-ascend-910b", "executed-cpu") for x in ("json", "mlt")]
         + ["schedules.png"])
+    umask_027(root)
 
 
 def test_demo_without_matplotlib_says_how_to_get_the_chart(tmp_path, monkeypatch, capsys):
@@ -71,14 +74,17 @@ def test_every_example_opens_with_a_drawing_of_its_graph_and_has_an_expected_out
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_example_prints_its_expected_output(script, tmp_path, check_output):
+def test_example_prints_its_expected_output(script, tmp_path, check_output, umask_027):
     """Each example runs as a user runs it (a fresh interpreter, in a scratch folder) and prints
-    what ``examples/NAME.out`` says (``...`` there stands for wall-clock figures)."""
+    what ``examples/NAME.out`` says (``...`` there stands for wall-clock figures); the files it
+    writes honour the umask."""
     env = {**os.environ, "MEGALOOM_PROFILE_DIR": str(tmp_path / "profiles")}  # no user profiles
     r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env=env)
     assert r.returncode == 0, r.stderr
     check_output(r.stdout, script.with_suffix(".out").read_text(encoding="utf-8"), f"examples/{script.name}")
+    if any(tmp_path.iterdir()):
+        umask_027(tmp_path)
 
 
 def test_readme_quick_start_runs(capsys):

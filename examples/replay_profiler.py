@@ -1,11 +1,11 @@
-"""Record a training step with torch.profiler, replay it in megaloom's simulator, ask a what-if.
+"""Record a training step with torch.profiler, replay it in megaloom's simulator, ask what-ifs.
 
 The profiled program is a small MLP's training step on the CPU. The importer turns the
 profiler's trace into a megaloom trace: its ops become tasks (GEMMs on cube, element-wise
 ops and reductions on vector) with the dependencies they had, each with its measured
 duration. Replaying it on the recorded device should give the recording back (the identity
 replay, the check of the import); replaying it on another device scales each task by the
-cost model's ratio between the two chips (the what-if).
+cost model's ratio between the two chips, or with a class of work made faster (what-ifs).
 
     forward:   x --linear (cube)--> --gelu (vector)--> --linear (cube)--> y --square, mean (vector)--> loss
     backward:  loss --grads (vector)--> --linear grads (cube)--> --gelu grad (vector)--> --linear grads (cube)
@@ -20,7 +20,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from megaloom.scheduler.importers import import_torch_profiler
-from megaloom.scheduler.replay import replay
+from megaloom.scheduler.replay import WhatIf, replay
 
 # 1. Record: one warm-up step, then one profiled step (record_shapes gives the GEMMs' flops).
 torch.manual_seed(0)
@@ -54,7 +54,12 @@ error = abs(same.makespan - recorded.makespan) / recorded.makespan
 print(f"identity replay: {same.makespan * 1e3:.2f} ms, recorded {recorded.makespan * 1e3:.2f} ms "
       f"({error * 100:.1f}% apart)")
 
-# 4. What-if: the same step on an H100, each task scaled by the cost model's ratio between the chips.
+# 4. What-ifs. Each task keeps its dependencies and the host time before it; only durations change.
+#    GEMMs (the cube tasks) twice as fast:
+faster = replay(recorded, whatif=WhatIf(speedup={"cube": 2.0})).trace
+assert faster.makespan < recorded.makespan
+print(f"what-if, GEMMs twice as fast: {faster.makespan * 1e3:.2f} ms")
+#    the same step on an H100, each task scaled by the cost model's ratio between the chips:
 h100 = replay(recorded, profile="h100").trace
 assert h100.makespan < recorded.makespan
 print(f"what-if, the same step on an h100: {h100.makespan * 1e3:.3f} ms, "

@@ -108,7 +108,7 @@ def execute(options: dict, out_dir: str) -> Trace:
 
     ep = options["ep"]
     print(f"executed on the CPU: {ep} processes (gloo), one cube, vector and comm worker each, interleaved")
-    ranks = run_world(execute_rank, ep, options, out_dir, timeout=300, comm_timeout=60)
+    ranks = run_world(execute_rank, ep, options, out_dir, timeout=300, comm_timeout=60, preload=())
     for r in ranks:
         print(f"  rank {r['rank']}: {r['tasks']} tasks in {r['seconds'] * 1e3:.0f} ms; relative L2 error "
               f"vs the reference executor {r['vs_reference']:.1e}, vs the eager MoE block {r['vs_eager']:.1e}")

@@ -45,3 +45,7 @@ class TraceFormatError(MegaloomError):
 
 class ConfigError(MegaloomError):
     """A configuration file, YAML section or command-line option is invalid."""
+
+
+class CheckpointError(MegaloomError):
+    """A checkpoint is missing, truncated, tampered with, does not fit the model, or could not be written."""

@@ -71,35 +71,65 @@ def to_slices(box: Box) -> tuple[slice, ...]:
 class BoxIndex:
     """Boxes of one buffer, each with a task id, found by overlap in O(log n + hits).
 
-    Entries are kept sorted by their start along dim 0; a query for ``[a, b)`` looks only
-    at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the longest
-    dim-0 extent ever added. Tiles along dim 0, the common case, stay cheap however many
-    there are; a box spanning dim 0 (a whole-buffer access) widens every later query of
-    this index, which is why readers and writers are indexed apart.
+    Entries are kept sorted by their start along one key dim; a query for ``[a, b)`` along
+    it looks only at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the
+    longest extent along that dim ever added. The key dim is the one along which boxes are
+    narrowest for the range they cover (rows for row tiles, columns for column tiles); it is
+    chosen again, and the entries re-sorted, each time their number doubles, so tiles along
+    any one dim stay cheap however many there are (amortised O(n log n) re-sorting). A box
+    spanning the key dim (a whole-buffer access) widens every later query of this index,
+    which is why readers and writers are indexed apart.
     """
 
-    __slots__ = ("starts", "entries", "longest")
+    __slots__ = ("dim", "starts", "entries", "longest", "lo", "hi", "_rekey_at")
 
     def __init__(self) -> None:
+        self.dim = 0
         self.starts: list[int] = []
         self.entries: list[tuple[Box, int]] = []
-        self.longest = 0
+        self.longest: list[int] = []  # per dim: the longest extent added, the lowest start, the highest stop
+        self.lo: list[int] = []
+        self.hi: list[int] = []
+        self._rekey_at = 8
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def add(self, box: Box, tid: int) -> None:
-        s, e = box[0] if box else (0, 1)
+        if box and not self.longest:
+            self.longest, self.lo, self.hi = [0] * len(box), [a for a, _ in box], [b for _, b in box]
+        for d, (a, b) in enumerate(box):
+            if b - a > self.longest[d]:
+                self.longest[d] = b - a
+            if a < self.lo[d]:
+                self.lo[d] = a
+            if b > self.hi[d]:
+                self.hi[d] = b
+        s = box[self.dim][0] if box else 0
         i = bisect_right(self.starts, s)
         self.starts.insert(i, s)
         self.entries.insert(i, (box, tid))
-        self.longest = max(self.longest, e - s)
+        if len(self.entries) >= self._rekey_at:
+            self._rekey_at *= 2
+            self._rekey()
+
+    def _rekey(self) -> None:
+        """Sort along the dim where boxes are narrowest for the range they cover."""
+        def spread(d: int) -> float:
+            return self.longest[d] / max(1, self.hi[d] - self.lo[d])
+
+        best = min(range(len(self.longest)), key=spread, default=0)
+        if spread(best) < spread(self.dim):
+            self.dim = best
+            self.entries.sort(key=lambda e: e[0][best][0])
+            self.starts = [e[0][best][0] for e in self.entries]
 
     def _span(self, box: Box, upto=bisect_left) -> range:
         if not box:
             return range(len(self.entries))
-        a, b = box[0]
-        return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), upto(self.starts, b))
+        a, b = box[self.dim]
+        longest = self.longest[self.dim] if self.longest else 1
+        return range(bisect_left(self.starts, a - max(longest, 1) + 1), upto(self.starts, b))
 
     def overlapping(self, box: Box) -> list[tuple[Box, int]]:
         """Entries whose box shares at least one element with ``box``."""

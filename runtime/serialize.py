@@ -14,7 +14,7 @@ import msgpack
 from megaloom.runtime.errors import GraphError, TraceFormatError
 from megaloom.runtime.graph import Region, TaskGraph
 from megaloom.runtime.registry import Cost
-from megaloom.runtime.trace import atomic_write, read_msgpack
+from megaloom.runtime.trace import atomic_write, gc_paused, read_msgpack
 
 GRAPH_FORMAT = "megaloom-graph"
 GRAPH_VERSION = 1
@@ -43,14 +43,16 @@ def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
 def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:
     """Write ``g`` atomically; attrs and tags must be msgpack-encodable."""
     try:
-        data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
+        with gc_paused():
+            data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
     except TypeError as e:
         raise GraphError(f"graph {g.name!r}: attrs or tags are not msgpack-encodable: {e}") from e
     atomic_write(path, data)
 
 
 def load_graph(path: str | os.PathLike) -> TaskGraph:
-    return graph_from_dict(read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION), str(path))
+    with gc_paused():
+        return graph_from_dict(read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION), str(path))
 
 
 def _want(cond: bool, where: str, what: str) -> None:
@@ -86,18 +88,17 @@ def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
         _want(c is None or (isinstance(c, list) and len(c) == 4 and isinstance(c[3], str)
                             and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c[:3])),
               where, f"task {t['name']!r} has a malformed cost")
-        task = g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
-                      attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
-        # stored edges replace derived ones, so the loaded graph is exactly the saved one
-        for a in g.pred[task.id]:
-            g.succ[a].remove(task.id)
-        g.succ[task.id].clear()
-        g.pred[task.id].clear()
+        g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
+               attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
     _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)
                                       for p in d["pred"]), where, "an edge names a task that does not exist")
-    g._forward_only = True
-    g._hazards_ordered = False  # the file's edges replaced the derived ones; validate() checks them
-    for b, preds in enumerate(d["pred"]):
+    # stored edges replace the derived ones, so the loaded graph is exactly the saved one
+    g.pred = [list(dict.fromkeys(p)) for p in d["pred"]]
+    g.succ = [[] for _ in range(n)]
+    for b, preds in enumerate(g.pred):
         for a in preds:
-            g._link(a, b)
+            g.succ[a].append(b)
+    g._forward_only = all(a < b for b, preds in enumerate(g.pred) for a in preds)
+    g._hazards_ordered = False  # validate() checks the stored edges
+    g._version += 1
     return g

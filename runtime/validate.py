@@ -11,6 +11,7 @@ from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Region
 from megaloom.runtime.region import BoxIndex, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
+from megaloom.runtime.trace import gc_paused
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
@@ -61,72 +62,128 @@ def _cycles(g: TaskGraph) -> Iterator[Problem]:
             yield name, str(e)
 
 
-def _writers(g: TaskGraph) -> dict[str, BoxIndex]:
-    out: dict[str, BoxIndex] = {}
-    for t in g.tasks:
-        for r in t.outputs:
-            out.setdefault(r.buffer.name, BoxIndex()).add(r.box, t.id)
-    return out
-
-
 class _Order:
-    """Whether task ``a`` is ordered before task ``b``; each task's ancestors are found once."""
+    """Whether task ``a`` is ordered before task ``b`` by a graph's edges.
 
-    def __init__(self, g: TaskGraph):
+    A direct edge answers at once; a file megaloom wrote holds every derived edge, so
+    almost every question is one. Otherwise a search goes backwards from ``b`` through
+    tasks placed after ``a`` in the topological order only.
+    """
+
+    def __init__(self, g: TaskGraph, order: list[int]):
         self.pred = g.pred
-        self.ancestors: dict[int, set[int]] = {}
+        self.pos = [0] * len(order)
+        for i, t in enumerate(order):
+            self.pos[t] = i
+        self.sets: dict[int, set[int]] = {}  # pred sets of tasks with many predecessors
 
     def before(self, a: int, b: int) -> bool:
-        if a in self.pred[b]:
+        preds = self.pred[b]
+        if len(preds) > 8:
+            preds = self.sets.get(b) or self.sets.setdefault(b, set(preds))
+        if a in preds:
             return True
-        anc = self.ancestors.get(b)
-        if anc is None:
-            anc, stack = set(), list(self.pred[b])
-            while stack:
-                p = stack.pop()
-                if p not in anc:
-                    anc.add(p)
-                    stack.extend(self.pred[p])
-            self.ancestors[b] = anc
-        return a in anc
+        pos, lo = self.pos, self.pos[a]
+        if lo >= pos[b]:
+            return False
+        seen, stack = {b}, [b]
+        while stack:
+            for p in self.pred[stack.pop()]:
+                if p == a:
+                    return True
+                if p not in seen and pos[p] > lo:
+                    seen.add(p)
+                    stack.append(p)
+        return False
+
+
+def _gap_message(t, r: Region, gaps, racing: list[int], g: TaskGraph) -> str:
+    msg = f"task {t.name!r} reads {r}, but no task ordered before it writes {Region(r.buffer, gaps[0])}"
+    if racing:
+        return msg + f" (task {g.tasks[racing[0]].name!r} writes it with no order between them)"
+    return msg + ", and it is not a graph input"
 
 
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
-    # With derived edges and no edge against insertion order, the writers ordered before a
-    # task are exactly the earlier ones: sweep in order, keeping an index of earlier writes
-    # (a write drops the ones it covers, as derivation does). Otherwise ask the edges.
-    sweep = g._hazards_ordered and g._forward_only
-    writers = {} if sweep else _writers(g)
-    order = _Order(g)
+    if not g._hazards_ordered:
+        yield from _sweep(g)[0]
+        return
+    # With derived edges the writers ordered before a task are exactly the earlier ones (an
+    # edge against insertion order would close a cycle with a derived one): sweep in order,
+    # keeping an index of earlier writes (a write drops the ones it covers, as derivation does).
+    writers: dict[str, BoxIndex] = {}
     for t in g.tasks:
         for r in t.inputs:
             if r.buffer.is_input:
                 continue
             index = writers.get(r.buffer.name)
-            found = index.overlapping(r.box) if index is not None else []
-            covers = [box for box, w in found if sweep or (w != t.id and order.before(w, t.id))]
+            covers = [box for box, _ in index.overlapping(r.box)] if index is not None else []
             gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
             if gaps:
-                gap = Region(r.buffer, gaps[0])
-                yield t.name, (f"task {t.name!r} reads {r}, but no task ordered before it writes {gap}, "
-                               "and it is not a graph input")
-        if sweep:
+                yield t.name, _gap_message(t, r, gaps, [], g)
+        for r in t.outputs:
+            index = writers.setdefault(r.buffer.name, BoxIndex())
+            index.drop_inside(r.box, t.id)
+            index.add(r.box, t.id)
+
+
+def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
+    """Reads of unwritten regions, and accesses the edges leave unordered, of a graph whose
+    edges came from elsewhere (a file): derivation replayed in a topological order of its
+    edges, each access checked against the earlier ones it meets (RAW, WAR, WAW). Linear in
+    tasks when the edges include the derived ones; computed once per graph version."""
+    def make() -> tuple[list[Problem], list[Problem]]:
+        order_ids = g.topological_order()
+        order = _Order(g, order_ids)
+        reads: dict[str, BoxIndex] = {}
+        writes: dict[str, BoxIndex] = {}
+        gaps_found: list[Problem] = []
+        races: list[Problem] = []
+        for tid in order_ids:
+            t = g.tasks[tid]
+            for r in t.inputs:
+                found = writes.get(r.buffer.name)
+                found = found.overlapping(r.box) if found is not None else []
+                covers = [box for box, w in found if order.before(w, tid)]
+                racing = [w for _, w in found if w != tid and not order.before(w, tid)]
+                gaps = [] if r.buffer.is_input else \
+                    [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
+                if gaps and len(gaps_found) < 10:
+                    gaps_found.append((t.name, _gap_message(t, r, gaps, racing, g)))
+                elif racing and len(races) < 10:
+                    races.append((t.name, f"task {t.name!r} reads {r} while task {g.tasks[racing[0]].name!r} "
+                                          "writes it, with no order between them"))
             for r in t.outputs:
-                index = writers.setdefault(r.buffer.name, BoxIndex())
-                index.drop_inside(r.box, t.id)
-                index.add(r.box, t.id)
+                index = writes.get(r.buffer.name)
+                for _, w in index.overlapping(r.box) if index is not None else ():
+                    if w != tid and not order.before(w, tid) and len(races) < 10:
+                        a, b = sorted((w, tid))
+                        ta, tb = g.tasks[a].name, g.tasks[b].name
+                        races.append((ta, f"tasks {ta!r} and {tb!r} both write buffer {r.buffer.name!r} "
+                                          "with no order between them"))
+                index = reads.get(r.buffer.name)
+                for _, rd in index.overlapping(r.box) if index is not None else ():
+                    if rd != tid and not order.before(rd, tid) and len(races) < 10:
+                        races.append((t.name, f"task {t.name!r} writes {r} while task {g.tasks[rd].name!r} "
+                                              "reads it, with no order between them"))
+            for r in t.inputs:
+                reads.setdefault(r.buffer.name, BoxIndex()).add(r.box, tid)
+            for r in t.outputs:
+                reads.setdefault(r.buffer.name, BoxIndex())
+            for r in t.outputs:  # an access inside this write is ordered before it (checked above)
+                reads[r.buffer.name].drop_inside(r.box, tid)  # (this task's reads made the index, if none before)
+                index = writes.setdefault(r.buffer.name, BoxIndex())
+                index.drop_inside(r.box, tid)
+                index.add(r.box, tid)
+        return gaps_found, races
+
+    return g._cached("access_sweep", make)
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
-    if g._hazards_ordered:  # derived edges order every two overlapping writes (WAW)
+    if g._hazards_ordered:  # derived edges order every two overlapping accesses
         return
-    order = _Order(g)
-    for name, index in _writers(g).items():
-        for abox, a in list(index.entries):
-            for _, b in index.overlapping(abox):
-                if a < b and not (order.before(a, b) or order.before(b, a)):
-                    ta, tb = g.tasks[a].name, g.tasks[b].name
-                    yield ta, f"tasks {ta!r} and {tb!r} both write buffer {name!r} with no order between them"
+    yield from _sweep(g)[1]
 
 
 RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [
@@ -135,7 +192,7 @@ RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [
     ("cycle", _cycles),
     ("shape and dtype", _shapes),
     ("read of unwritten region", _unwritten_reads),
-    ("unordered writes", _unordered_writes),
+    ("unordered accesses", _unordered_writes),
 ]
 
 
@@ -143,10 +200,11 @@ def validate(g: TaskGraph) -> None:
     """Raise GraphError for the first rule of :data:`RULES` that the graph breaks."""
     for rule, check in RULES:
         problems = []
-        for p in check(g):
-            problems.append(p)
-            if len(problems) >= 10:
-                break
+        with gc_paused():
+            for p in check(g):
+                problems.append(p)
+                if len(problems) >= 10:
+                    break
         if problems:
             names = tuple(dict.fromkeys(n for n, _ in problems))
             msg = f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems)

@@ -40,6 +40,7 @@ from typing import Any
 
 import yaml
 
+from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
@@ -151,8 +152,8 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         raise ConfigError(f"{where}: key 'name' must be a non-empty string")
     units = {}
     for e, n in _mapping(where, "units", d["units"]).items():
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
+            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer at most {MAX_UNITS}, got {n!r}")
         units[str(e)] = n
     peaks: dict[str, dict[str, float]] = {}
     for e, rates in _mapping(where, "peak", d["peak"]).items():

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Callable, Iterable, Iterator, Mapping
 
-from megaloom.runtime.core import Core, Policy
+from megaloom.runtime.core import MAX_UNITS, Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import Observer, RunResult, events_of
 from megaloom.runtime.graph import TaskGraph
@@ -75,8 +75,8 @@ def parse_units(text: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = item.partition("=")
-        if not sep or not k.strip() or not v.strip().isdigit() or int(v) <= 0:
-            raise ConfigError(f"bad unit count {item!r}: expected ENGINE=N with N a positive integer")
+        if not sep or not k.strip() or not v.strip().isdigit() or not 0 < int(v) <= MAX_UNITS:
+            raise ConfigError(f"bad unit count {item!r}: expected ENGINE=N with N a positive integer at most {MAX_UNITS}")
         out[k.strip()] = int(v)
     if not out:
         raise ConfigError(f"no unit counts in {text!r}: expected e.g. cube=24,vector=48,comm=4")
@@ -107,8 +107,8 @@ class Simulator:
         self.profile = load_profile(profile)
         self.units = dict(self.profile.units)
         for e, n in (units or {}).items():
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ConfigError(f"units[{e!r}] must be a positive integer, got {n!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
+                raise ConfigError(f"units[{e!r}] must be a positive integer at most {MAX_UNITS}, got {n!r}")
             self.units[e] = n
         self.policy = make_policy(policy)
         self.cost_model = cost_model if cost_model is not None else CostModel(self.profile)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import gc
 import threading
 import time
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from megaloom.runtime.executors.base import (
 )
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import get_op, run_reference
-from megaloom.runtime.trace import Trace
+from megaloom.runtime.trace import Trace, gc_paused
 
 KERNEL_MODES = ("kernel", "reference", "null")
 _BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
@@ -109,7 +108,7 @@ class ThreadExecutor(Executor):
                 "rank": self.ctx.rank, "world_size": self.ctx.world_size, "kernels": self.kernels}
         for o in self.observers:
             o.on_run_start(graph, meta)
-        with _gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
+        with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
             records = _Run(graph, units, core, bufs, self, cancel).execute()
             records.sort(key=_BY_START)
             events = events_of(graph, records, self.ctx.rank)
@@ -117,18 +116,6 @@ class ThreadExecutor(Executor):
         for o in self.observers:
             o.on_run_end(trace)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
-
-
-@contextmanager
-def _gc_paused(pause: bool) -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    if pause:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if pause and was_enabled:
-            gc.enable()
 
 
 @contextmanager

@@ -6,14 +6,16 @@ trace alone is enough to compute the critical path and to replay the run.
 from __future__ import annotations
 
 import gc
+import math
 import os
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import msgpack
 
+from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import TraceFormatError
 
 TRACE_FORMAT = "megaloom-trace"
@@ -51,6 +53,68 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
     "comm_bytes": (int, float), "deps": (list,), "tags": (dict,), "precision": (str,),
 }
+MAX_TIME = 1e12  # seconds: any clock a trace uses (wall, perf_counter, simulated) stays far below
+MAX_WORK = 1e30  # flops or bytes of one task
+_ID = 1 << 63
+
+
+def _count(limit: float):
+    return lambda v: None if 0 <= v < limit else f"is {v!r}, outside [0, {limit:g})"
+
+
+def _amount(limit: float):
+    return lambda v: None if math.isfinite(v) and 0 <= v <= limit else f"is {v!r}, not a finite amount in [0, {limit:g}]"
+
+
+def _ids(v: list) -> str | None:
+    for d in v:
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < _ID:
+            return f"holds {d!r:.40}, not a task id"
+    return None
+
+
+def _time(v: float) -> str | None:
+    return None if math.isfinite(v) and abs(v) <= MAX_TIME else f"is {v!r}, not a finite time"
+
+
+# value checks beyond the type, by field (the same for trace files and the collector)
+FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
+    "tid": _count(_ID), "unit": _count(MAX_UNITS), "rank": _count(1 << 31),
+    "start": _time, "end": _time,
+    "flops": _amount(MAX_WORK), "bytes": _amount(MAX_WORK), "comm_bytes": _amount(MAX_WORK), "deps": _ids,
+    "tags": lambda v: None if all(isinstance(k, str) for k in v) else "has a key that is not a string",
+}
+
+
+def row_problem(cols: list[str], row: Any) -> str | None:
+    """Why ``row`` (values in ``cols`` order) is not a valid trace event, or None."""
+    if not isinstance(row, list) or len(row) != len(cols):
+        return f"has {len(row) if isinstance(row, list) else 'no'} fields, expected {len(cols)}"
+    for c, v in zip(cols, row):
+        if not isinstance(v, FIELD_TYPES[c]) or isinstance(v, bool):
+            return f"field {c!r} has type {type(v).__name__}"
+        check = FIELD_CHECKS.get(c)
+        why = check(v) if check is not None else None
+        if why:
+            return f"field {c!r} {why}"
+    if row[7] < row[6]:
+        return f"ends ({row[7]!r}) before it starts ({row[6]!r})"
+    return None
+
+
+def meta_problem(meta: Any) -> str | None:
+    """Why ``meta`` is not valid trace metadata (the keys readers use), or None."""
+    if not isinstance(meta, dict):
+        return "is not a mapping"
+    units = meta.get("units")
+    if units is not None and not (isinstance(units, dict) and all(
+            isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_UNITS
+            for k, n in units.items())):
+        return f"'units' is {units!r:.60}, not a mapping of engine kind to a unit count in 1..{MAX_UNITS}"
+    for key in ("graph", "mode", "clock", "profile", "policy"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"{key!r} is {meta[key]!r:.60}, not a string"
+    return None
 
 
 @dataclass(slots=True)
@@ -101,15 +165,16 @@ class Trace:
         data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION)
         cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
         if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
-                or not isinstance(rows, list) or not isinstance(meta, dict):
-            raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r})")
+                or not isinstance(rows, list):
+            raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r:.80})")
+        why = meta_problem(meta)
+        if why:
+            raise TraceFormatError(f"{path}: trace meta {why}")
         events = []
         for i, row in enumerate(rows):
-            if not isinstance(row, list) or len(row) != len(cols):
-                raise TraceFormatError(f"{path}: event {i} has {len(row) if isinstance(row, list) else 'no'} fields, expected {len(cols)}")
-            for c, v in zip(cols, row):
-                if not isinstance(v, FIELD_TYPES[c]) or isinstance(v, bool):
-                    raise TraceFormatError(f"{path}: event {i} field {c!r} has type {type(v).__name__}")
+            why = row_problem(cols, row)
+            if why:
+                raise TraceFormatError(f"{path}: event {i} {why}")
             events.append(TraceEvent(*row))
         return Trace(events, meta)
 

@@ -16,7 +16,7 @@ from megaloom.runtime.trace import gc_paused
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
 
-Problem = tuple[str, str]  # (task name, message)
+Problem = tuple[str, str]  # (task name or "", message)
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
@@ -180,6 +180,24 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
     return g._cached("access_sweep", make)
 
 
+def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
+    # outputs are allocated uninitialised (no zeroing), so every element must be written;
+    # a scratch buffer needs no such rule: each read of it must be covered (the rule above)
+    covers: dict[str, list] = {b.name: [] for b in g.outputs if not b.is_input}
+    for t in g.tasks:
+        for r in t.outputs:
+            if r.buffer.name in covers:
+                covers[r.buffer.name].append(r.box)
+    for name, boxes in covers.items():
+        buf = g.buffers[name]
+        boxes.sort(key=lambda box: tuple(a for a, _ in box))  # tiles in order leave few pieces
+        gaps = [gap for gap in uncovered(buf.full.box, boxes) if all(b > a for a, b in gap)]
+        if gaps:
+            yield "", (f"output {name!r}: no task writes {Region(buf, gaps[0])}"
+                       f"{f' (and {len(gaps) - 1} more regions)' if len(gaps) > 1 else ''}; "
+                       "the run would return uninitialised memory there")
+
+
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
     if g._hazards_ordered:  # derived edges order every two overlapping accesses
         return
@@ -192,6 +210,7 @@ RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [
     ("cycle", _cycles),
     ("shape and dtype", _shapes),
     ("read of unwritten region", _unwritten_reads),
+    ("unwritten output", _unwritten_outputs),
     ("unordered accesses", _unordered_writes),
 ]
 
@@ -206,7 +225,7 @@ def validate(g: TaskGraph) -> None:
                 if len(problems) >= 10:
                     break
         if problems:
-            names = tuple(dict.fromkeys(n for n, _ in problems))
+            names = tuple(dict.fromkeys(n for n, _ in problems if n))  # "": a buffer's problem, no task
             msg = f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems)
             cyc = ()
             if rule == "cycle":

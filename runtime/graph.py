@@ -14,6 +14,7 @@ writes (WAW). Explicit control edges can be added with ``precede``/``succeed``.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -83,12 +84,18 @@ class Region:
             if not isinstance(ix, slice) or ix.step not in (None, 1):
                 raise GraphError(f"regions take unit-step slices only, got {ix!r} for {self}")
             lo, hi = box[d]
-            start, stop, _ = ix.indices(hi - lo)
+            try:
+                start, stop, _ = ix.indices(hi - lo)
+            except TypeError:
+                raise GraphError(f"regions take integer slice bounds, got {ix!r} for {self}") from None
             box[d] = (lo + start, lo + max(start, stop))
         return Region(self.buffer, tuple(box))
 
     def split(self, dim: int, size: int) -> list[Region]:
         """Tiles of at most ``size`` elements along ``dim``."""
+        dim, size = _integer(dim, f"split dim of {self}"), _integer(size, f"tile size of {self}")
+        if not 0 <= dim < len(self.box):
+            raise GraphError(f"cannot split {self} along dim {dim}: it has {len(self.box)} dims")
         if size <= 0:
             raise GraphError(f"tile size must be positive, got {size}")
         lo, hi = self.box[dim]
@@ -151,6 +158,16 @@ class Task:
         return f"Task({self.name!r}, op={self.op!r}, engine={self.engine!r})"
 
 
+def _integer(v: Any, what: str) -> int:
+    """``v`` as an int (Python or NumPy integer); a float, string or bool raises GraphError."""
+    if isinstance(v, bool):
+        raise GraphError(f"{what} must be an integer, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise GraphError(f"{what} must be an integer, got {v!r}") from None
+
+
 def _as_region(x: Buffer | Region) -> Region:
     if isinstance(x, Region):
         return x
@@ -187,7 +204,9 @@ class TaskGraph:
     def _add_buffer(self, name: str, shape: Sequence[int], dtype: Any, inp: bool, out: bool) -> Buffer:
         if name in self.buffers:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
-        shape = tuple(int(s) for s in shape)
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise GraphError(f"buffer {name!r}: shape must be a sequence of integers, got {shape!r}")
+        shape = tuple(_integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
         if any(s < 0 for s in shape):
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
         buf = Buffer(name, shape, dtype_name(dtype), inp, out)
@@ -240,6 +259,11 @@ class TaskGraph:
         ``engine`` defaults to the op's default engine kind; ``cost`` overrides the op's
         cost function; ``after`` adds control edges.
         """
+        if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
+            raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
+        priority = _integer(priority, f"task {name or op!r}: priority")
+        if not -(1 << 63) <= priority < 1 << 63:
+            raise GraphError(f"task {name or op!r}: priority {priority} does not fit 64 bits")
         ins = tuple(_as_region(r) for r in inputs)
         outs = tuple(_as_region(r) for r in outputs)
         tid = len(self.tasks)
@@ -258,7 +282,7 @@ class TaskGraph:
                 engine = get_op(op).engine
             except GraphError:
                 engine = "vector"  # unknown ops are reported by validate()
-        t = Task(tid, name, op, engine, ins, outs, dict(attrs or {}), int(priority), dict(tags or {}), cost, self)
+        t = Task(tid, name, op, engine, ins, outs, dict(attrs or {}), priority, dict(tags or {}), cost, self)
         self.tasks.append(t)
         self.succ.append([])
         self.pred.append([])

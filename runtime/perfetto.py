@@ -10,6 +10,7 @@ import json
 import os
 from typing import Any
 
+from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import Trace, atomic_write
 
 _ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}  # other engine kinds follow, by name
@@ -49,5 +50,9 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
 
 
 def write_chrome(trace: Trace, path: str | os.PathLike) -> None:
-    """Write the Chrome JSON atomically."""
-    atomic_write(path, json.dumps(to_chrome(trace), default=str).encode())
+    """Write the Chrome JSON atomically; a value JSON cannot hold (NaN, Infinity) raises TraceFormatError."""
+    try:
+        data = json.dumps(to_chrome(trace), default=str, allow_nan=False)
+    except ValueError as e:  # the only ValueError json.dumps raises: an out-of-range float
+        raise TraceFormatError(f"{path}: a tag or meta value is not finite, which JSON cannot hold ({e})") from None
+    atomic_write(path, data.encode())

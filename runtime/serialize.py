@@ -6,6 +6,7 @@ and raises TraceFormatError (bad file) or GraphError (bad graph), never a raw Ke
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -86,8 +87,9 @@ def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
             regions.append(Region(g.buffers[r[0]], tuple(tuple(p) for p in r[1])))
         c = t.get("cost")
         _want(c is None or (isinstance(c, list) and len(c) == 4 and isinstance(c[3], str)
-                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c[:3])),
-              where, f"task {t['name']!r} has a malformed cost")
+                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                                    for v in c[:3])),
+              where, f"task {t['name']!r} has a malformed cost (finite non-negative flops, bytes, comm bytes)")
         g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
                attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
     _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)

@@ -58,8 +58,8 @@ from megaloom.comm import dcp_meta
 from megaloom.comm.fsdp import ShardedModule
 from megaloom.comm.sharding import ShardLayout
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
-from megaloom.runtime.errors import CheckpointError, CommError, GraphError, MegaloomError, TraceFormatError
-from megaloom.runtime.trace import atomic_write, read_msgpack
+from megaloom.runtime.errors import CheckpointError, CommError, FileFormatError, GraphError, MegaloomError
+from megaloom.runtime.files import atomic_write, read_msgpack
 
 MANIFEST, EXTRA = "megaloom.manifest", "megaloom.extra"
 FORMAT, VERSION = "megaloom-checkpoint", 2  # 2: DCP metadata in the manifest (1 relied on DCP's pickle)
@@ -317,7 +317,7 @@ def _read_manifest(path: str) -> dict[str, Any]:
         if os.path.islink(f) or os.path.getsize(f) > MAX_MANIFEST:
             raise CheckpointError(f"{path}: the manifest is a link or larger than {MAX_MANIFEST} bytes")
         man = read_msgpack(f, FORMAT, VERSION)
-    except (OSError, TraceFormatError) as e:
+    except (OSError, FileFormatError) as e:
         raise CheckpointError(f"{path}: bad or missing manifest: {e}") from None
     if man["version"] < VERSION:
         raise CheckpointError(f"{path}: checkpoint format {man['version']} is read through a pickle, which megaloom "

@@ -39,7 +39,11 @@ class CommError(MegaloomError):
     """A collective failed, timed out, or its ranks disagreed on sizes or dtypes."""
 
 
-class TraceFormatError(MegaloomError):
+class FileFormatError(MegaloomError):
+    """A file megaloom reads is corrupt, truncated, or of an unsupported schema version."""
+
+
+class TraceFormatError(FileFormatError):
     """A trace or graph file is corrupt, truncated, or of an unsupported schema version."""
 
 
@@ -47,5 +51,5 @@ class ConfigError(MegaloomError):
     """A configuration file, YAML section or command-line option is invalid."""
 
 
-class CheckpointError(MegaloomError):
+class CheckpointError(FileFormatError):
     """A checkpoint is missing, truncated, tampered with, does not fit the model, or could not be written."""

@@ -160,12 +160,9 @@ class Task:
 
 def _integer(v: Any, what: str) -> int:
     """``v`` as an int (Python or NumPy integer); a float, string or bool raises GraphError."""
-    if isinstance(v, bool):
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
         raise GraphError(f"{what} must be an integer, got {v!r}")
-    try:
-        return operator.index(v)
-    except TypeError:
-        raise GraphError(f"{what} must be an integer, got {v!r}") from None
+    return operator.index(v)
 
 
 def _as_region(x: Buffer | Region) -> Region:

@@ -11,7 +11,8 @@ import os
 from typing import Any
 
 from megaloom.runtime.errors import TraceFormatError
-from megaloom.runtime.trace import Trace, atomic_write
+from megaloom.runtime.files import atomic_write
+from megaloom.runtime.trace import Trace
 
 _ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}  # other engine kinds follow, by name
 _US = 1e6

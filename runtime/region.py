@@ -73,63 +73,51 @@ class BoxIndex:
 
     Entries are kept sorted by their start along one key dim; a query for ``[a, b)`` along
     it looks only at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the
-    longest extent along that dim ever added. The key dim is the one along which boxes are
-    narrowest for the range they cover (rows for row tiles, columns for column tiles); it is
-    chosen again, and the entries re-sorted, each time their number doubles, so tiles along
-    any one dim stay cheap however many there are (amortised O(n log n) re-sorting). A box
-    spanning the key dim (a whole-buffer access) widens every later query of this index,
-    which is why readers and writers are indexed apart.
+    longest extent along that dim ever added. Each time the entries double, the key dim is
+    chosen again (and the entries re-sorted): the dim along which boxes are narrowest for the
+    range they cover, rows for row tiles, columns for column tiles, so tiles along any one
+    dim stay cheap. A box spanning the key dim (a whole-buffer access) widens every later
+    query of this index, which is why readers and writers are indexed apart.
     """
 
-    __slots__ = ("dim", "starts", "entries", "longest", "lo", "hi", "_rekey_at")
+    __slots__ = ("dim", "starts", "entries", "longest", "_rekey_at")
 
     def __init__(self) -> None:
-        self.dim = 0
+        self.dim, self.longest, self._rekey_at = 0, 0, 8
         self.starts: list[int] = []
         self.entries: list[tuple[Box, int]] = []
-        self.longest: list[int] = []  # per dim: the longest extent added, the lowest start, the highest stop
-        self.lo: list[int] = []
-        self.hi: list[int] = []
-        self._rekey_at = 8
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def add(self, box: Box, tid: int) -> None:
-        if box and not self.longest:
-            self.longest, self.lo, self.hi = [0] * len(box), [a for a, _ in box], [b for _, b in box]
-        for d, (a, b) in enumerate(box):
-            if b - a > self.longest[d]:
-                self.longest[d] = b - a
-            if a < self.lo[d]:
-                self.lo[d] = a
-            if b > self.hi[d]:
-                self.hi[d] = b
-        s = box[self.dim][0] if box else 0
+        s, e = box[self.dim] if box else (0, 1)
         i = bisect_right(self.starts, s)
         self.starts.insert(i, s)
         self.entries.insert(i, (box, tid))
-        if len(self.entries) >= self._rekey_at:
+        self.longest = max(self.longest, e - s)
+        if len(self.entries) >= self._rekey_at and box:
             self._rekey_at *= 2
-            self._rekey()
+            self._rekey(len(box))
 
-    def _rekey(self) -> None:
-        """Sort along the dim where boxes are narrowest for the range they cover."""
-        def spread(d: int) -> float:
-            return self.longest[d] / max(1, self.hi[d] - self.lo[d])
+    def _rekey(self, ndim: int) -> None:
+        def spread(d: int) -> tuple[float, int]:  # longest extent over the range covered, and the longest
+            longest = max(b[d][1] - b[d][0] for b, _ in self.entries)
+            covered = max(b[d][1] for b, _ in self.entries) - min(b[d][0] for b, _ in self.entries)
+            return longest / max(1, covered), longest
 
-        best = min(range(len(self.longest)), key=spread, default=0)
-        if spread(best) < spread(self.dim):
-            self.dim = best
+        spreads = [spread(d) for d in range(ndim)]
+        best = min(range(ndim), key=lambda d: spreads[d][0])
+        if spreads[best][0] < spreads[self.dim][0]:
+            self.dim, self.longest = best, spreads[best][1]
             self.entries.sort(key=lambda e: e[0][best][0])
-            self.starts = [e[0][best][0] for e in self.entries]
+            self.starts = [b[best][0] for b, _ in self.entries]
 
     def _span(self, box: Box, upto=bisect_left) -> range:
         if not box:
             return range(len(self.entries))
         a, b = box[self.dim]
-        longest = self.longest[self.dim] if self.longest else 1
-        return range(bisect_left(self.starts, a - max(longest, 1) + 1), upto(self.starts, b))
+        return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), upto(self.starts, b))
 
     def overlapping(self, box: Box) -> list[tuple[Box, int]]:
         """Entries whose box shares at least one element with ``box``."""

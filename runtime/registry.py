@@ -120,14 +120,6 @@ def get_op(name: str) -> OpDef:
     return op
 
 
-def has_op(name: str) -> bool:
-    try:
-        get_op(name)
-    except GraphError:
-        return False
-    return True
-
-
 def all_ops() -> dict[str, OpDef]:
     """Every registered op, plug-ins included."""
     _load_plugins()

@@ -15,7 +15,7 @@ import msgpack
 from megaloom.runtime.errors import GraphError, TraceFormatError
 from megaloom.runtime.graph import Region, TaskGraph
 from megaloom.runtime.registry import Cost
-from megaloom.runtime.trace import atomic_write, gc_paused, read_msgpack
+from megaloom.runtime.files import atomic_write, gc_paused, read_msgpack
 
 GRAPH_FORMAT = "megaloom-graph"
 GRAPH_VERSION = 1
@@ -53,7 +53,7 @@ def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:
 
 def load_graph(path: str | os.PathLike) -> TaskGraph:
     with gc_paused():
-        return graph_from_dict(read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION), str(path))
+        return graph_from_dict(read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION, TraceFormatError), str(path))
 
 
 def _want(cond: bool, where: str, what: str) -> None:

@@ -5,18 +5,16 @@ trace alone is enough to compute the critical path and to replay the run.
 """
 from __future__ import annotations
 
-import gc
 import math
 import os
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import msgpack
 
 from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.files import atomic_write, gc_paused, read_msgpack
 
 TRACE_FORMAT = "megaloom-trace"
 TRACE_VERSION = 2  # 2: events carry their precision (version 1 files still load)
@@ -55,33 +53,22 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
 }
 MAX_TIME = 1e12  # seconds: any clock a trace uses (wall, perf_counter, simulated) stays far below
 MAX_WORK = 1e30  # flops or bytes of one task
-_ID = 1 << 63
 
 
-def _count(limit: float):
-    return lambda v: None if 0 <= v < limit else f"is {v!r}, outside [0, {limit:g})"
-
-
-def _amount(limit: float):
-    return lambda v: None if math.isfinite(v) and 0 <= v <= limit else f"is {v!r}, not a finite amount in [0, {limit:g}]"
+def _within(lo: float, hi: float):
+    return lambda v: None if math.isfinite(v) and lo <= v <= hi else f"is {v!r}, outside [{lo:g}, {hi:g}]"
 
 
 def _ids(v: list) -> str | None:
-    for d in v:
-        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < _ID:
-            return f"holds {d!r:.40}, not a task id"
-    return None
-
-
-def _time(v: float) -> str | None:
-    return None if math.isfinite(v) and abs(v) <= MAX_TIME else f"is {v!r}, not a finite time"
+    bad = [d for d in v if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < 1 << 63]
+    return f"holds {bad[0]!r:.40}, not a task id" if bad else None
 
 
 # value checks beyond the type, by field (the same for trace files and the collector)
 FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
-    "tid": _count(_ID), "unit": _count(MAX_UNITS), "rank": _count(1 << 31),
-    "start": _time, "end": _time,
-    "flops": _amount(MAX_WORK), "bytes": _amount(MAX_WORK), "comm_bytes": _amount(MAX_WORK), "deps": _ids,
+    "tid": _within(0, (1 << 63) - 1), "unit": _within(0, MAX_UNITS - 1), "rank": _within(0, (1 << 31) - 1),
+    "start": _within(-MAX_TIME, MAX_TIME), "end": _within(-MAX_TIME, MAX_TIME), "flops": _within(0, MAX_WORK),
+    "bytes": _within(0, MAX_WORK), "comm_bytes": _within(0, MAX_WORK), "deps": _ids,
     "tags": lambda v: None if all(isinstance(k, str) for k in v) else "has a key that is not a string",
 }
 
@@ -93,9 +80,7 @@ def row_problem(cols: list[str], row: Any) -> str | None:
     for c, v in zip(cols, row):
         if not isinstance(v, FIELD_TYPES[c]) or isinstance(v, bool):
             return f"field {c!r} has type {type(v).__name__}"
-        check = FIELD_CHECKS.get(c)
-        why = check(v) if check is not None else None
-        if why:
+        if c in FIELD_CHECKS and (why := FIELD_CHECKS[c](v)):
             return f"field {c!r} {why}"
     if row[7] < row[6]:
         return f"ends ({row[7]!r}) before it starts ({row[6]!r})"
@@ -158,79 +143,19 @@ class Trace:
     def load(path: str | os.PathLike) -> Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
         with gc_paused():
-            return Trace._from_file(path)
-
-    @staticmethod
-    def _from_file(path: str | os.PathLike) -> Trace:
-        data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION)
-        cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
-        if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
-                or not isinstance(rows, list):
-            raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r:.80})")
-        why = meta_problem(meta)
-        if why:
-            raise TraceFormatError(f"{path}: trace meta {why}")
-        events = []
-        for i, row in enumerate(rows):
-            why = row_problem(cols, row)
-            if why:
-                raise TraceFormatError(f"{path}: event {i} {why}")
-            events.append(TraceEvent(*row))
-        return Trace(events, meta)
-
-
-@contextmanager
-def gc_paused(pause: bool = True) -> Iterator[None]:
-    """Keep Python's cyclic garbage collector off inside the block (reference counting still
-    frees memory): making or reading millions of small objects otherwise triggers collections
-    that each walk the whole heap, several times the work itself."""
-    was_enabled = gc.isenabled()
-    if pause:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if pause and was_enabled:
-            gc.enable()
-
-
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync, then rename over it."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def read_msgpack(path: str | os.PathLike, fmt: str, version: int) -> dict[str, Any]:
-    """Decode a versioned megaloom msgpack file, turning every failure into TraceFormatError."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        hint = " (it looks like JSON; megaloom writes its own files as msgpack)" if raw[:1] in (b"{", b"[") else ""
-        raise TraceFormatError(f"{path}: not a valid msgpack file ({type(e).__name__}: {e}){hint}") from None
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise TraceFormatError(f"{path}: not a {fmt} file")
-    v = data.get("version")
-    if not isinstance(v, int) or v < 1:
-        raise TraceFormatError(f"{path}: missing or bad schema version {v!r}")
-    if v > version:
-        raise TraceFormatError(f"{path}: schema version {v} is newer than this megaloom reads ({version})")
-    return data
+            data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION, TraceFormatError)
+            cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
+            if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
+                    or not isinstance(rows, list):
+                raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r:.80})")
+            if why := meta_problem(meta):
+                raise TraceFormatError(f"{path}: trace meta {why}")
+            events = []
+            for i, row in enumerate(rows):
+                if why := row_problem(cols, row):
+                    raise TraceFormatError(f"{path}: event {i} {why}")
+                events.append(TraceEvent(*row))
+            return Trace(events, meta)
 
 
 def merge(traces: Iterable[Trace]) -> Trace:

@@ -11,7 +11,7 @@ from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Region
 from megaloom.runtime.region import BoxIndex, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
-from megaloom.runtime.trace import gc_paused
+from megaloom.runtime.files import gc_paused
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
@@ -62,120 +62,74 @@ def _cycles(g: TaskGraph) -> Iterator[Problem]:
             yield name, str(e)
 
 
-class _Order:
-    """Whether task ``a`` is ordered before task ``b`` by a graph's edges.
+def _ordered(g: TaskGraph):
+    """``before(a, b)``: whether task ``a`` is ordered before task ``b`` by the graph's edges.
+    A direct edge answers at once (a file megaloom wrote holds every derived edge, so almost
+    every question is one); otherwise the edges are searched backwards from ``b``."""
+    sets: dict[int, set[int]] = {}  # predecessor sets of tasks with many predecessors
 
-    A direct edge answers at once; a file megaloom wrote holds every derived edge, so
-    almost every question is one. Otherwise a search goes backwards from ``b`` through
-    tasks placed after ``a`` in the topological order only.
-    """
-
-    def __init__(self, g: TaskGraph, order: list[int]):
-        self.pred = g.pred
-        self.pos = [0] * len(order)
-        for i, t in enumerate(order):
-            self.pos[t] = i
-        self.sets: dict[int, set[int]] = {}  # pred sets of tasks with many predecessors
-
-    def before(self, a: int, b: int) -> bool:
-        preds = self.pred[b]
+    def before(a: int, b: int) -> bool:
+        preds = g.pred[b]
         if len(preds) > 8:
-            preds = self.sets.get(b) or self.sets.setdefault(b, set(preds))
-        if a in preds:
-            return True
-        pos, lo = self.pos, self.pos[a]
-        if lo >= pos[b]:
-            return False
-        seen, stack = {b}, [b]
-        while stack:
-            for p in self.pred[stack.pop()]:
-                if p == a:
-                    return True
-                if p not in seen and pos[p] > lo:
-                    seen.add(p)
-                    stack.append(p)
-        return False
+            preds = sets.get(b) or sets.setdefault(b, set(preds))
+        return a in preds or g.reaches(a, b)
 
-
-def _gap_message(t, r: Region, gaps, racing: list[int], g: TaskGraph) -> str:
-    msg = f"task {t.name!r} reads {r}, but no task ordered before it writes {Region(r.buffer, gaps[0])}"
-    if racing:
-        return msg + f" (task {g.tasks[racing[0]].name!r} writes it with no order between them)"
-    return msg + ", and it is not a graph input"
+    return before
 
 
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
-    if not g._hazards_ordered:
-        yield from _sweep(g)[0]
-        return
-    # With derived edges the writers ordered before a task are exactly the earlier ones (an
-    # edge against insertion order would close a cycle with a derived one): sweep in order,
-    # keeping an index of earlier writes (a write drops the ones it covers, as derivation does).
-    writers: dict[str, BoxIndex] = {}
-    for t in g.tasks:
-        for r in t.inputs:
-            if r.buffer.is_input:
-                continue
-            index = writers.get(r.buffer.name)
-            covers = [box for box, _ in index.overlapping(r.box)] if index is not None else []
-            gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
-            if gaps:
-                yield t.name, _gap_message(t, r, gaps, [], g)
-        for r in t.outputs:
-            index = writers.setdefault(r.buffer.name, BoxIndex())
-            index.drop_inside(r.box, t.id)
-            index.add(r.box, t.id)
+    yield from _sweep(g)[0]
 
 
 def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
-    """Reads of unwritten regions, and accesses the edges leave unordered, of a graph whose
-    edges came from elsewhere (a file): derivation replayed in a topological order of its
-    edges, each access checked against the earlier ones it meets (RAW, WAR, WAW). Linear in
-    tasks when the edges include the derived ones; computed once per graph version."""
+    """Reads of unwritten regions, and accesses the edges leave unordered (the first ten of
+    each): derivation replayed in a topological order, an index of the earlier reads and
+    writes per buffer (a write drops the accesses it covers, as derivation does), each access
+    checked against the earlier ones it meets (RAW, WAR, WAW). With derived edges every one
+    of those is ordered before it (an edge against insertion order would close a cycle), so
+    only coverage is checked; a loaded graph's stored edges are asked. Linear in tasks when
+    the edges include the derived ones; computed once per graph version."""
     def make() -> tuple[list[Problem], list[Problem]]:
-        order_ids = g.topological_order()
-        order = _Order(g, order_ids)
-        reads: dict[str, BoxIndex] = {}
-        writes: dict[str, BoxIndex] = {}
-        gaps_found: list[Problem] = []
-        races: list[Problem] = []
-        for tid in order_ids:
+        ids = g.topological_order()
+        trusted = g._hazards_ordered
+        before = (lambda a, b: True) if trusted else _ordered(g)
+        reads: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
+        writes: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
+        gaps, races = [], []
+        for tid in ids:
             t = g.tasks[tid]
             for r in t.inputs:
-                found = writes.get(r.buffer.name)
-                found = found.overlapping(r.box) if found is not None else []
-                covers = [box for box, w in found if order.before(w, tid)]
-                racing = [w for _, w in found if w != tid and not order.before(w, tid)]
-                gaps = [] if r.buffer.is_input else \
-                    [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
-                if gaps and len(gaps_found) < 10:
-                    gaps_found.append((t.name, _gap_message(t, r, gaps, racing, g)))
-                elif racing and len(races) < 10:
-                    races.append((t.name, f"task {t.name!r} reads {r} while task {g.tasks[racing[0]].name!r} "
-                                          "writes it, with no order between them"))
-            for r in t.outputs:
-                index = writes.get(r.buffer.name)
-                for _, w in index.overlapping(r.box) if index is not None else ():
-                    if w != tid and not order.before(w, tid) and len(races) < 10:
-                        a, b = sorted((w, tid))
-                        ta, tb = g.tasks[a].name, g.tasks[b].name
+                found = writes[r.buffer.name].overlapping(r.box)
+                racing = [g.tasks[w].name for _, w in found if w != tid and not before(w, tid)]
+                left = [] if r.buffer.is_input else [gap for gap in uncovered(
+                    r.box, [box for box, w in found if before(w, tid)]) if all(b > a for a, b in gap)]
+                if left:
+                    why = f" (task {racing[0]!r} writes it with no order between them)" if racing \
+                        else ", and it is not a graph input"
+                    gaps.append((t.name, f"task {t.name!r} reads {r}, but no task ordered before it writes "
+                                         f"{Region(r.buffer, left[0])}{why}"))
+                elif racing:
+                    races.append((t.name, f"task {t.name!r} reads {r} while task {racing[0]!r} writes it, "
+                                          "with no order between them"))
+            for r in t.outputs if not trusted else ():
+                for _, w in writes[r.buffer.name].overlapping(r.box):
+                    if w != tid and not before(w, tid):
+                        ta, tb = (g.tasks[i].name for i in sorted((w, tid)))
                         races.append((ta, f"tasks {ta!r} and {tb!r} both write buffer {r.buffer.name!r} "
                                           "with no order between them"))
-                index = reads.get(r.buffer.name)
-                for _, rd in index.overlapping(r.box) if index is not None else ():
-                    if rd != tid and not order.before(rd, tid) and len(races) < 10:
+                for _, rd in reads[r.buffer.name].overlapping(r.box):
+                    if rd != tid and not before(rd, tid):
                         races.append((t.name, f"task {t.name!r} writes {r} while task {g.tasks[rd].name!r} "
                                               "reads it, with no order between them"))
             for r in t.inputs:
-                reads.setdefault(r.buffer.name, BoxIndex()).add(r.box, tid)
-            for r in t.outputs:
-                reads.setdefault(r.buffer.name, BoxIndex())
+                reads[r.buffer.name].add(r.box, tid)
             for r in t.outputs:  # an access inside this write is ordered before it (checked above)
-                reads[r.buffer.name].drop_inside(r.box, tid)  # (this task's reads made the index, if none before)
-                index = writes.setdefault(r.buffer.name, BoxIndex())
-                index.drop_inside(r.box, tid)
-                index.add(r.box, tid)
-        return gaps_found, races
+                reads[r.buffer.name].drop_inside(r.box, tid)
+                writes[r.buffer.name].drop_inside(r.box, tid)
+                writes[r.buffer.name].add(r.box, tid)
+            if len(gaps) >= 10 and (trusted or len(races) >= 10):
+                break
+        return gaps[:10], races[:10]
 
     return g._cached("access_sweep", make)
 
@@ -199,8 +153,6 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
-    if g._hazards_ordered:  # derived edges order every two overlapping accesses
-        return
     yield from _sweep(g)[1]
 
 

@@ -38,10 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import load_yaml
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
 FALLBACK: dict[str, tuple[str, ...]] = {
@@ -195,13 +194,7 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
 def read_profile(path: str | os.PathLike) -> HardwareProfile:
     """Load one profile file; unreadable, non-YAML or incomplete files raise ConfigError."""
     where = os.fspath(path)
-    try:
-        with open(where, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read profile: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    data = load_yaml(where, "profile")
     return parse_profile(data, where)
 
 

@@ -31,7 +31,8 @@ from megaloom.runtime.executors.base import (
 )
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import get_op, run_reference
-from megaloom.runtime.trace import Trace, gc_paused
+from megaloom.runtime.files import gc_paused
+from megaloom.runtime.trace import Trace
 
 KERNEL_MODES = ("kernel", "reference", "null")
 _BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
@@ -222,14 +223,12 @@ class _Run:
         if not stuck or self.error is None:
             return
         with self.lock:
-            running = [t for t, why in self.core.blocked().items() if why == ["(running)"]]
-        note = (f"abandoned {len(stuck)} worker(s) still inside a kernel "
-                f"({', '.join(th.name for th in stuck)}; task(s) {', '.join(map(repr, running)) or '?'})")
-        if type(self.error) is ExecutionError:
-            err = ExecutionError(f"{self.error}; {note}", task=self.error.task)
-            err.__cause__ = self.error.__cause__
-            self.error = err
-        elif hasattr(self.error, "add_note"):
+            running = ", ".join(repr(t) for t, why in self.core.blocked().items() if why == ["(running)"])
+        note = f"abandoned {len(stuck)} worker(s) still inside a kernel ({', '.join(th.name for th in stuck)}; " \
+               f"task(s) {running or '?'})"
+        if type(self.error) is ExecutionError:  # a cancelled or failed run: the note joins the message
+            self.error.args = (f"{self.error}; {note}",)
+        elif hasattr(self.error, "add_note"):  # the caller's KeyboardInterrupt, say
             self.error.add_note(f"megaloom: {note}")
 
     def _deadlock(self) -> DeadlockError:

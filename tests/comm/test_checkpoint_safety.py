@@ -268,3 +268,17 @@ def test_peer_dying_during_save_gives_comm_error(tmp_path, kill_rank, kill_at):
     assert _loaded(ck) in (1.0, 2.0)
     save_params(ck, LocalCommunicator(), _params(4.0))
     assert _loaded(ck) == 4.0 and not os.path.exists(ck + ".partial") and not os.path.exists(ck + ".old")
+
+
+def test_checkpoint_files_honour_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        ck = str(tmp_path / "ck")
+        save_params(ck, LocalCommunicator(), _params(1.0), extra={"step": 1})
+        save_params(ck, LocalCommunicator(), _params(2.0), extra={"step": 2})  # through the .old swap
+    finally:
+        os.umask(old)
+    modes = {n: os.stat(os.path.join(ck, n)).st_mode & 0o777 for n in os.listdir(ck)}
+    assert set(modes) >= {MANIFEST, "megaloom.extra", ".metadata"}
+    assert set(modes.values()) == {0o640}, modes  # one mode for shards, DCP metadata and megaloom's files
+    assert os.stat(ck).st_mode & 0o777 == 0o750

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megaloom.runtime.testing import check_op, rel_l2
-from megaloom.graphs.ops_gate import SCORES, scores
+from megaloom.graphs.gate.ops import SCORES, scores
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import TensorSpec, get_op
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaloom.graphs import ops_moe
+from megaloom.graphs.moe import ops as ops_moe
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import TensorSpec, get_op
 

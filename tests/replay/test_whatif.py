@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megaloom.cli import main
-from megaloom.demo import build_demo_graph, demo_inputs
+from megaloom.commands.demo import build_demo_graph, demo_inputs
 from megaloom.runtime import ConfigError, ThreadExecutor, Trace
 from megaloom.scheduler import CostModel, Simulator, load_profile
 from megaloom.scheduler.fit import calibrated_profile, fit_traces

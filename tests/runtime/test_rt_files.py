@@ -188,3 +188,39 @@ def test_unencodable_trace_raises_and_keeps_old_file(tmp_path):
     with pytest.raises(TraceFormatError, match="not msgpack-encodable"):
         bad.save(p)
     assert Trace.load(p).events == _trace().events
+
+
+def test_written_files_honour_the_umask_and_keep_an_overwritten_mode(tmp_path):
+    import os
+
+    from megaloom.runtime.files import atomic_write
+
+    old = os.umask(0o022)
+    try:
+        p = tmp_path / "a.bin"
+        atomic_write(p, b"1")
+        assert p.stat().st_mode & 0o777 == 0o644
+        os.chmod(p, 0o664)
+        atomic_write(p, b"2")
+        assert p.stat().st_mode & 0o777 == 0o664 and p.read_bytes() == b"2"
+        os.umask(0o077)
+        _trace().save(tmp_path / "t.mlt")
+        assert (tmp_path / "t.mlt").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_yaml_reads_1_2_floats_and_names_bad_files(tmp_path):
+    from megaloom.runtime.errors import ConfigError, FileFormatError
+    from megaloom.runtime.files import load_yaml
+
+    p = tmp_path / "o.yaml"
+    p.write_text("rms_eps: 1e-6\nlr: 3.0E+2\nname: x\n")
+    assert load_yaml(p) == {"rms_eps": 1e-6, "lr": 300.0, "name": "x"}
+    p.write_bytes(b"a: \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_yaml(p, "options")
+    p.write_text("a: [1\n")
+    with pytest.raises(ConfigError, match="o.yaml: options is not valid YAML"):
+        load_yaml(p, "options")
+    assert issubclass(TraceFormatError, FileFormatError)

@@ -6,9 +6,9 @@ import os
 import pytest
 
 from megaloom.cli import main
-from megaloom.config import load_config, validate
+from megaloom.train.config import load_config, validate
 from megaloom.runtime.errors import ConfigError
-from megaloom.trainer import Trainer
+from megaloom.train.trainer import Trainer
 
 from .tiny import tiny_config, tiny_raw
 

@@ -32,7 +32,7 @@ import msgpack
 import zmq
 
 from megaloom.runtime.errors import CommError
-from megaloom.runtime.executors.base import Observer
+from megaloom.runtime.record import Observer
 from megaloom.runtime.trace import MAX_TIME, REQUIRED_COLUMNS, Trace, TraceEvent, meta_problem, row_problem
 
 PROTOCOL = 1
@@ -214,11 +214,12 @@ class Collector:
         t0 = min((e.start + self._offset[r] for r, evs in self._events.items() for e in evs), default=0.0)
         events = [replace(e, rank=r, start=e.start + self._offset[r] - t0, end=e.end + self._offset[r] - t0)
                   for r, evs in self._events.items() for e in evs]
-        events.sort(key=lambda e: (e.start, e.rank, e.tid))
+        events.sort(key=lambda e: (e.start, e.rank, e.task_id))
         meta = dict(next(iter(self._meta.values()), {}))
         s = self.stats
         meta.update(mode="execute", clock="wall", world_size=len(s.ranks), ranks=sorted(s.ranks),
-                    finished=sorted(s.finished), dropped_malformed=s.malformed, dropped_spoofed=s.spoofed, dropped_bad_rows=s.bad_rows, dropped_over_cap=s.over_cap)
+                    finished=sorted(s.finished), dropped_malformed=s.malformed, dropped_spoofed=s.spoofed,
+                    dropped_bad_rows=s.bad_rows, dropped_over_cap=s.over_cap)
         return Trace(events, meta)
 
     def close(self) -> None:

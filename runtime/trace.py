@@ -17,14 +17,16 @@ from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write, gc_paused, read_msgpack
 
 TRACE_FORMAT = "megaloom-trace"
-TRACE_VERSION = 2  # 2: events carry their precision (version 1 files still load)
+TRACE_VERSION = 3  # 2: events carry their precision; 3: ``tid`` renamed ``task_id`` (older files still load)
+_RENAMED = {"tid": "task_id"}  # columns of version 2 and before under their current names
 
 
 @dataclass(slots=True)
 class TraceEvent:
-    """One task run: where (engine kind, unit, rank), when (seconds), and its work."""
+    """One task run: which task (its id in its rank's graph), where (engine kind, unit,
+    rank), when (seconds), and its work."""
 
-    tid: int
+    task_id: int
     task: str
     op: str
     engine: str
@@ -47,7 +49,7 @@ class TraceEvent:
 _COLUMNS = [f.name for f in fields(TraceEvent)]
 REQUIRED_COLUMNS = _COLUMNS.index("end") + 1  # the leading columns without a default
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "tid": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
+    "task_id": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
     "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
     "comm_bytes": (int, float), "deps": (list,), "tags": (dict,), "precision": (str,),
 }
@@ -66,7 +68,7 @@ def _ids(v: list) -> str | None:
 
 # value checks beyond the type, by field (the same for trace files and the collector)
 FIELD_CHECKS: dict[str, Callable[[Any], str | None]] = {
-    "tid": _within(0, (1 << 63) - 1), "unit": _within(0, MAX_UNITS - 1), "rank": _within(0, (1 << 31) - 1),
+    "task_id": _within(0, (1 << 63) - 1), "unit": _within(0, MAX_UNITS - 1), "rank": _within(0, (1 << 31) - 1),
     "start": _within(-MAX_TIME, MAX_TIME), "end": _within(-MAX_TIME, MAX_TIME), "flops": _within(0, MAX_WORK),
     "bytes": _within(0, MAX_WORK), "comm_bytes": _within(0, MAX_WORK), "deps": _ids,
     "tags": lambda v: None if all(isinstance(k, str) for k in v) else "has a key that is not a string",
@@ -145,6 +147,8 @@ class Trace:
         with gc_paused():
             data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION, TraceFormatError)
             cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
+            if data["version"] < 3 and isinstance(cols, list):
+                cols = [_RENAMED.get(c, c) for c in cols]
             if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
                     or not isinstance(rows, list):
                 raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r:.80})")
@@ -164,4 +168,4 @@ def merge(traces: Iterable[Trace]) -> Trace:
     events = [e for t in traces for e in t.events]
     meta = dict(traces[0].meta) if traces else {}
     meta["world_size"] = len({e.rank for e in events})
-    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.tid)), meta)
+    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.task_id)), meta)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.graph import Region
 from megaloom.runtime.region import BoxIndex, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
 from megaloom.runtime.files import gc_paused
@@ -91,7 +90,7 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
     the edges include the derived ones; computed once per graph version."""
     def make() -> tuple[list[Problem], list[Problem]]:
         ids = g.topological_order()
-        trusted = g._hazards_ordered
+        trusted = g.hazards_derived
         before = (lambda a, b: True) if trusted else _ordered(g)
         reads: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
         writes: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
@@ -107,7 +106,7 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
                     why = f" (task {racing[0]!r} writes it with no order between them)" if racing \
                         else ", and it is not a graph input"
                     gaps.append((t.name, f"task {t.name!r} reads {r}, but no task ordered before it writes "
-                                         f"{Region(r.buffer, left[0])}{why}"))
+                                         f"{r.buffer.region(left[0])}{why}"))
                 elif racing:
                     races.append((t.name, f"task {t.name!r} reads {r} while task {racing[0]!r} writes it, "
                                           "with no order between them"))
@@ -131,7 +130,7 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
                 break
         return gaps[:10], races[:10]
 
-    return g._cached("access_sweep", make)
+    return g.cached("access_sweep", make)
 
 
 def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
@@ -147,7 +146,7 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
         boxes.sort(key=lambda box: tuple(a for a, _ in box))  # tiles in order leave few pieces
         gaps = [gap for gap in uncovered(buf.full.box, boxes) if all(b > a for a, b in gap)]
         if gaps:
-            yield "", (f"output {name!r}: no task writes {Region(buf, gaps[0])}"
+            yield "", (f"output {name!r}: no task writes {buf.region(gaps[0])}"
                        f"{f' (and {len(gaps) - 1} more regions)' if len(gaps) > 1 else ''}; "
                        "the run would return uninitialised memory there")
 

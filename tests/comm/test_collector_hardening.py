@@ -24,7 +24,7 @@ from megaloom.runtime.trace import TraceEvent
 
 def _row(tid: int, **change) -> list:
     t = time.perf_counter()
-    e = dict(tid=tid, task=f"t{tid}", op="noop", engine="vector", unit=0, rank=0, start=t, end=t + 1e-3,
+    e = dict(task_id=tid, task=f"t{tid}", op="noop", engine="vector", unit=0, rank=0, start=t, end=t + 1e-3,
              flops=0.0, bytes=0.0, comm_bytes=0.0, deps=[], tags={}, precision="fp32")
     e.update(change)
     return list(e.values())

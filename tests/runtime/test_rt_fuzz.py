@@ -14,7 +14,6 @@ import megaloom.ops  # noqa: F401
 from megaloom.runtime import MegaloomError, TaskGraph, Trace
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import to_chrome
-from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
 from megaloom.runtime.trace import TRACE_FORMAT, TRACE_VERSION, TraceEvent, _COLUMNS
 
 _leaf = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=4)
@@ -88,7 +87,7 @@ def _graph_dict() -> dict:
     for a in (0, 4):
         g.task("matmul", [x[a:a + 4], w], [h[a:a + 4]], priority=a, tags={"stage": a})
     g.task("silu", [h], [y], cost=None)
-    return graph_to_dict(g)
+    return g.to_dict()
 
 
 @_SETTINGS
@@ -101,7 +100,7 @@ def test_fuzzed_graph_files_raise_only_megaloom_errors(paths, values):
     for where, value in zip(paths, values):
         _mutate(d, where, value)
     try:
-        g = graph_from_dict(msgpack.unpackb(msgpack.packb(d, use_bin_type=True), raw=False, strict_map_key=False))
+        g = TaskGraph.from_dict(msgpack.unpackb(msgpack.packb(d, use_bin_type=True), raw=False, strict_map_key=False))
         g.validate()
         Simulator("ascend-910b").run(g)
     except (OverflowError, TypeError, ValueError) as e:
@@ -113,7 +112,7 @@ def test_fuzzed_graph_files_raise_only_megaloom_errors(paths, values):
 
 
 @pytest.mark.parametrize("change", [
-    {"deps": [{}]}, {"tid": 2**64 - 1}, {"unit": 10**9}, {"start": math.inf}, {"end": -1e300},
+    {"deps": [{}]}, {"task_id": 2**64 - 1}, {"unit": 10**9}, {"start": math.inf}, {"end": -1e300},
     {"flops": math.nan}, {"tags": {1: 2}}, {"deps": [True]},
 ])
 def test_bad_event_values_name_the_event_and_field(tmp_path, change):

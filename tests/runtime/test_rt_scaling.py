@@ -10,7 +10,6 @@ import megaloom.ops  # noqa: F401
 from megaloom.runtime import Core, GraphError, ScheduleError, TaskGraph
 from megaloom.runtime import region
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
 
 
 def _chain(n: int) -> TaskGraph:
@@ -53,7 +52,7 @@ def test_tiles_along_any_dim_are_indexed_in_linear_work(monkeypatch, dim):
     x, y = g.input("x", shape), g.output("y", shape)
     for tx, ty in zip(x.split(dim, 1), y.split(dim, 1)):
         g.task("copy", [tx], [ty])
-    h = graph_from_dict(graph_to_dict(g))
+    h = TaskGraph.from_dict(g.to_dict())
     h.validate()
     assert calls[0] < 20 * n  # quadratic would be ~n * n / 2 = 4.5M
 
@@ -64,19 +63,19 @@ def test_loaded_file_with_a_read_write_race_is_refused():
     g.task("copy", [x], [h], name="first")
     g.task("copy", [h], [y], name="reader")
     g.task("copy", [x], [h], name="overwrite")  # derived: after the reader (WAR)
-    d = graph_to_dict(g)
-    graph_from_dict(d).validate()
+    d = g.to_dict()
+    TaskGraph.from_dict(d).validate()
     d["pred"][2] = [0]  # the WAR edge dropped: the overwrite may run before the read
     with pytest.raises(GraphError, match="'overwrite' writes h while task 'reader' reads it, with no order"):
-        graph_from_dict(d).validate()
+        TaskGraph.from_dict(d).validate()
     d["pred"] = [[], [0], [1]]  # a transitive path orders the writers: fine
-    graph_from_dict(d).validate()
+    TaskGraph.from_dict(d).validate()
 
 
 def test_loaded_edges_are_installed_without_duplicates():
-    d = graph_to_dict(_chain(3))
+    d = _chain(3).to_dict()
     d["pred"][2] = [1, 1, 1]
-    h = graph_from_dict(d)
+    h = TaskGraph.from_dict(d)
     assert h.pred[2] == [1] and h.succ[1] == [2]
 
 

@@ -50,7 +50,7 @@ def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:
     try:
         with gc_paused():
             data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # ValueError: UnicodeEncodeError of a lone surrogate
         raise GraphError(f"graph {g.name!r}: attrs or tags are not msgpack-encodable: {e}") from e
     atomic_write(path, data)
 

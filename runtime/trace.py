@@ -126,19 +126,19 @@ class Trace:
         return sorted({e.rank for e in self.events})
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: a crash mid-write leaves any earlier file intact."""
-        payload = {
-            "format": TRACE_FORMAT,
-            "version": TRACE_VERSION,
-            "meta": self.meta,
-            "columns": _COLUMNS,
-            "events": [[getattr(e, c) for c in _COLUMNS] for e in self.events],
-        }
-        try:
-            with gc_paused():
-                data = msgpack.packb(payload, use_bin_type=True)
-        except TypeError as e:
-            raise TraceFormatError(f"{path}: trace meta or tags are not msgpack-encodable: {e}") from e
+        """Write atomically: a crash mid-write leaves any earlier file intact. Only what
+        :meth:`load` reads back is written: a bad value (``inf``, say) raises TraceFormatError."""
+        with gc_paused():
+            rows = [[getattr(e, c) for c in _COLUMNS] for e in self.events]
+            bad = meta_problem(self.meta) or next((f"event {i} {why}" for i, r in enumerate(rows)
+                                                   if (why := row_problem(_COLUMNS, r))), None)
+            if bad:
+                raise TraceFormatError(f"{path}: not written: {bad}")
+            try:
+                data = msgpack.packb({"format": TRACE_FORMAT, "version": TRACE_VERSION, "meta": self.meta,
+                                      "columns": _COLUMNS, "events": rows}, use_bin_type=True)
+            except (TypeError, ValueError) as e:  # ValueError: UnicodeEncodeError of a lone surrogate
+                raise TraceFormatError(f"{path}: trace meta or tags are not msgpack-encodable: {e}") from e
         atomic_write(path, data)
 
     @staticmethod

@@ -3,7 +3,6 @@
 errors, never a raw TypeError, OverflowError, MemoryError or a hang."""
 from __future__ import annotations
 
-import io
 import math
 
 import msgpack
@@ -148,5 +147,8 @@ def test_infinity_is_refused_when_writing_json(tmp_path):
     with pytest.raises(TraceFormatError, match="not finite"):
         write_chrome(t, tmp_path / "t.json")
     assert not (tmp_path / "t.json").exists()
-    buf = io.StringIO()
-    del buf
+    for bad in (TraceEvent(0, "a", "noop", "vector", 0, 0, 0.0, math.inf),  # an imported Infinity duration
+                TraceEvent(0, "\ud800", "noop", "vector", 0, 0, 0.0, 1.0)):  # a lone surrogate
+        with pytest.raises(TraceFormatError, match="not written|not msgpack-encodable"):
+            Trace([bad], {}).save(tmp_path / "t.mlt")  # a trace file is written only if it reads back
+    assert not (tmp_path / "t.mlt").exists()

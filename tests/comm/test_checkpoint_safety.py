@@ -81,10 +81,16 @@ def test_manifest_paths_stay_in_the_folder(tmp_path, name):
         verify(ck)
 
 
-def test_links_and_folders_in_the_checkpoint_are_refused(tmp_path):
+@pytest.fixture
+def saved(tmp_path) -> tuple[str, str]:
+    """A checkpoint of ``_params(1.0)`` and the name of its data file."""
     ck = str(tmp_path / "ck")
     save_params(ck, LocalCommunicator(), _params(1.0))
-    data = next(n for n in os.listdir(ck) if n.endswith(".distcp"))
+    return ck, next(n for n in os.listdir(ck) if n.endswith(".distcp"))
+
+
+def test_links_and_folders_in_the_checkpoint_are_refused(tmp_path, saved):
+    ck, data = saved
     target = tmp_path / "elsewhere"
     shutil.copy(os.path.join(ck, data), target)
     os.unlink(os.path.join(ck, data))
@@ -97,13 +103,11 @@ def test_links_and_folders_in_the_checkpoint_are_refused(tmp_path):
         verify(ck)
 
 
-def test_consistently_rewritten_chunks_fail_as_checkpoint_error(tmp_path):
+def test_consistently_rewritten_chunks_fail_as_checkpoint_error(saved):
     """Data that hashes right but is no tensor: DCP's CheckpointException (a BaseException) is wrapped."""
     import hashlib
 
-    ck = str(tmp_path / "ck")
-    save_params(ck, LocalCommunicator(), _params(1.0))
-    data = next(n for n in os.listdir(ck) if n.endswith(".distcp"))
+    ck, data = saved
     junk = os.urandom(os.path.getsize(os.path.join(ck, data)))
     open(os.path.join(ck, data), "wb").write(junk)
     _rewrite_manifest(ck, lambda m: m["files"].update({data: [len(junk), hashlib.sha256(junk).hexdigest()]}))

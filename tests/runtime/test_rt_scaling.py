@@ -2,7 +2,9 @@
 quadratic), races in loaded files found by the replayed derivation, unit counts bounded."""
 from __future__ import annotations
 
+import importlib.util
 import time
+from pathlib import Path
 
 import pytest
 
@@ -12,21 +14,16 @@ from megaloom.runtime import region
 from megaloom.runtime.errors import ConfigError
 
 
-def _chain(n: int) -> TaskGraph:
-    g = TaskGraph("chain")
-    x, acc = g.input("x", (4, 4)), g.output("acc", (4, 4))
-    g.task("copy", [x], [acc])
-    for _ in range(n - 1):
-        g.task("add", [acc, x], [acc])
-    return g
+def _benchmark_graphs():
+    """``benchmarks/loading.py``, whose graphs these tests share."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loading.py"
+    spec = importlib.util.spec_from_file_location("bench_loading", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def _columns(n: int) -> TaskGraph:
-    g = TaskGraph("columns")
-    x, y = g.input("x", (8, n)), g.output("y", (8, n))
-    for a in range(n):
-        g.task("copy", [x[:, a:a + 1]], [y[:, a:a + 1]])
-    return g
+_chain = _benchmark_graphs().chain
 
 
 def test_loaded_in_place_chain_validates_fast(tmp_path):

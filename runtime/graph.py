@@ -290,8 +290,6 @@ class TaskGraph:
         if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
             raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
         priority = _integer(priority, f"task {name or op!r}: priority")
-        if not -(1 << 63) <= priority < 1 << 63:
-            raise GraphError(f"task {name or op!r}: priority {priority} does not fit 64 bits")
         ins = tuple(self.as_region(r) for r in inputs)
         outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self.tasks)

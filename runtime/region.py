@@ -101,17 +101,15 @@ class BoxIndex:
             self._rekey(len(box))
 
     def _rekey(self, ndim: int) -> None:
-        def spread(d: int) -> tuple[float, int]:  # longest extent over the range covered, and the longest
-            longest = max(b[d][1] - b[d][0] for b, _ in self.entries)
-            covered = max(b[d][1] for b, _ in self.entries) - min(b[d][0] for b, _ in self.entries)
-            return longest / max(1, covered), longest
-
-        spreads = [spread(d) for d in range(ndim)]
-        best = min(range(ndim), key=lambda d: spreads[d][0])
-        if spreads[best][0] < spreads[self.dim][0]:
-            self.dim, self.longest = best, spreads[best][1]
+        """Key on the dim where boxes are narrowest for the range they cover."""
+        spans = [[box[d] for box, _ in self.entries] for d in range(ndim)]
+        longest = [max(b - a for a, b in s) for s in spans]
+        spread = [longest[d] / max(1, max(b for _, b in s) - min(a for a, _ in s)) for d, s in enumerate(spans)]
+        best = min(range(ndim), key=spread.__getitem__)
+        if spread[best] < spread[self.dim]:
+            self.dim, self.longest = best, longest[best]
             self.entries.sort(key=lambda e: e[0][best][0])
-            self.starts = [b[best][0] for b, _ in self.entries]
+            self.starts = [box[best][0] for box, _ in self.entries]
 
     def _span(self, box: Box, upto=bisect_left) -> range:
         if not box:

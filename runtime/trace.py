@@ -98,7 +98,7 @@ def meta_problem(meta: Any) -> str | None:
             isinstance(k, str) and isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_UNITS
             for k, n in units.items())):
         return f"'units' is {units!r:.60}, not a mapping of engine kind to a unit count in 1..{MAX_UNITS}"
-    for key in ("graph", "mode", "clock", "profile", "policy"):
+    for key in ("profile", "policy"):  # names replay looks up
         if meta.get(key) is not None and not isinstance(meta[key], str):
             return f"{key!r} is {meta[key]!r:.60}, not a string"
     return None

@@ -127,16 +127,17 @@ def test_bad_event_values_name_the_event_and_field(tmp_path, change):
         Trace.load(p)
 
 
-def test_bad_meta_units_are_refused(tmp_path):
+@pytest.mark.parametrize("key, value", [("units", "abc"), ("units", {"cube": 10**9}), ("units", {"cube": 0}),
+                                        ("units", {"cube": 1.5}), ("units", [1]), ("profile", [1]), ("policy", {"x": 1})])
+def test_bad_meta_is_refused(tmp_path, key, value):
     from megaloom.runtime import TraceFormatError
 
-    for units in ("abc", {"cube": 10**9}, {"cube": 0}, {"cube": 1.5}, [1]):
-        d = _trace_dict()
-        d["meta"]["units"] = units
-        p = tmp_path / "t.mlt"
-        p.write_bytes(msgpack.packb(d, use_bin_type=True))
-        with pytest.raises(TraceFormatError, match="trace meta 'units'"):
-            Trace.load(p)
+    d = _trace_dict()
+    d["meta"][key] = value
+    p = tmp_path / "t.mlt"
+    p.write_bytes(msgpack.packb(d, use_bin_type=True))
+    with pytest.raises(TraceFormatError, match=f"trace meta '{key}'"):
+        Trace.load(p)
 
 
 def test_infinity_is_refused_when_writing_json(tmp_path):

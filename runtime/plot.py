@@ -51,8 +51,7 @@ def _panel(ax, trace: Trace, title: str, scale: float) -> set[str]:
                        linewidth=0.3)
     ax.set_yticks(range(len(rows)))
     multi_rank = len({r for r, _, _ in rows}) > 1
-    ax.set_yticklabels([f"{'r%d ' % r if multi_rank else ''}{e}.{u}" for r, e, u in rows],
-                       fontsize="small" if len(rows) > 24 else None)
+    ax.set_yticklabels([f"{'r%d ' % r if multi_rank else ''}{e}.{u}" for r, e, u in rows], fontsize="small")
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
     ax.set_title(title)
     return {engine for engine, _ in bars}
@@ -82,9 +81,8 @@ def plot_gantt(trace: Trace | Mapping[str, Trace], path: str | os.PathLike, titl
     engines: set[str] = set()
     for ax, (name, t) in zip(axes[:, 0], panels.items()):
         engines |= _panel(ax, t, name, scale)
-    ax = axes[-1, 0]
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_xlim(0, span / scale)
+    axes[-1, 0].set_xlabel(f"time ({unit})")
+    axes[-1, 0].set_xlim(0, span / scale)
     for engine in sorted(engines):
         axes[0, 0].plot([], [], color=COLOURS.get(engine, OTHER), linewidth=6, label=engine)
     if engines:

@@ -88,7 +88,7 @@ extern double dvm_erf_small[ERF_SMALL_N], dvm_erf_large[ERF_LARGE_N];
 /* Argument clamps, defined in module.c so that the compiler does not fold them into the
  * vector loops (it then splits them by cases): [-250, 250] for the double-precision exp,
  * [-104, 89] for the float32 one. */
-extern const float dvm_exp_limit, dvm_expf_limits[2];
+extern const float dvm_exp_limit, dvm_expf_limits[2], dvm_e4m3_max; /* and 448, E4M3's largest value */
 
 #define NATIVE_DECLARE(sfx)                                                                   \
     void dvm_run_##sfx(const DvmJob *job, int64_t b0, int64_t b1, float *scratch);            \

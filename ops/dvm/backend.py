@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from megaloom.ops import native
-from megaloom.ops.dvm.native import NativeKernel, unsupported
+from megaloom.ops.dvm.native import native_kernel
 from megaloom.ops.dvm.primitives import bind, broadcast
 from megaloom.ops.dvm.program import Program, pattern
 from megaloom.runtime.dtypes import itemsize, torch_dtype
@@ -402,10 +402,8 @@ def compile_program(program: Program, opts: Options | None = None) -> Callable[[
         from megaloom.ops.dvm.inductor import InductorKernel
 
         k = InductorKernel(program)
-    elif opts.backend == "native" and unsupported(program) is None:
-        k = NativeKernel(program, opts)
     else:
-        k = TiledKernel(program, opts)
+        k = (native_kernel(program, opts) if opts.backend == "native" else None) or TiledKernel(program, opts)
     with _cache_lock:
         return _cache.setdefault(key, k)
 

@@ -17,7 +17,7 @@ about one ulp (docs/dvm.md).
 
 A program the backend does not take (float64 or integer values, an output that is
 broadcast over the domain, more than 256 registers) compiles to the tiled torch backend
-instead: :func:`unsupported` says why.
+instead (:func:`native_kernel` returns None; :func:`unsupported` says why).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ import torch
 from megaloom.ops import native as N
 from megaloom.ops.dvm.program import Program, pattern
 from megaloom.runtime.dtypes import torch_dtype
+from megaloom.runtime.errors import ExecutionError
 
 DTYPES = ("float32", "bfloat16", "float16", "bool")
 _RND = {"float32": 0, "bfloat16": 1, "float16": 2, "bool": 0}
@@ -255,17 +256,17 @@ class NativeKernel:
 
     backend = "native"
 
-    def __init__(self, program: Program, opts):
-        self.program, self.opts = program, opts
-        low = self._low = Lowered(program)
-        if low.n_regs > MAX_REGS:
-            raise ValueError(f"{low.n_regs} registers")
+    def __init__(self, program: Program, opts, low: Lowered):
+        self.program, self.opts, self._low = program, opts, low
         self._ins = list(zip(low.in_regs, [N.DTYPE_CODES[t] for t in low.in_types], low.in_types))
         self._outs = list(zip(low.out_regs, [N.DTYPE_CODES[t] for t in low.out_types], low.out_types))
         self._block = 0 if opts.tile_bytes is None else max(16, opts.tile_bytes // 4 // 16 * 16)
         self._fallback = None
 
     def __call__(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
+        if len(inputs) != len(self._ins) or len(outputs) != len(self._outs):
+            raise ExecutionError(f"fused kernel takes {len(self._ins)} inputs and {len(self._outs)} outputs, "
+                                 f"got {len(inputs)} and {len(outputs)}")
         operands = []
         for x, (reg, code, dt) in zip(inputs, self._ins):
             if x.dtype != dt or not x.is_cpu:
@@ -281,6 +282,9 @@ class NativeKernel:
                           N.threads(self.opts.threads), self._block)
         except NotImplementedError:
             self.fallback(inputs, outputs)
+        except ValueError as e:
+            raise ExecutionError(f"fused kernel on inputs {[tuple(x.shape) for x in inputs]}, outputs "
+                                 f"{[tuple(y.shape) for y in outputs]}: {e}") from None
 
     def fallback(self, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> None:
         """Run the tiled torch backend (the same program)."""
@@ -289,3 +293,11 @@ class NativeKernel:
 
             self._fallback = TiledKernel(self.program, self.opts)
         self._fallback(inputs, outputs)
+
+
+def native_kernel(program: Program, opts) -> NativeKernel | None:
+    """The native kernel of ``program``, or None when the backend does not take it."""
+    if unsupported(program) is not None:
+        return None
+    low = Lowered(program)
+    return NativeKernel(program, opts, low) if low.n_regs <= MAX_REGS else None

@@ -30,7 +30,8 @@ static pthread_cond_t wake = PTHREAD_COND_INITIALIZER, done = PTHREAD_COND_INITI
 static int started;        /* workers alive */
 static uint64_t generation; /* bumped per job */
 static uint64_t seen0[POOL_MAX];
-static Job *current;
+static Job *current;        /* valid while its participants run: the caller waits for them */
+static int current_threads; /* threads of the current job, the caller's included */
 static int pending;
 static int atfork_set;
 
@@ -49,8 +50,8 @@ static void *worker(void *arg) {
     for (;;) {
         while (generation == seen) pthread_cond_wait(&wake, &mu);
         seen = generation;
+        if (idx + 1 >= current_threads) continue; /* not in this job: never touch it (it may be gone) */
         Job *j = current;
-        if (idx + 1 >= j->threads) continue;
         pthread_mutex_unlock(&mu);
         drain(j);
         pthread_mutex_lock(&mu);
@@ -68,6 +69,7 @@ static void child_after_fork(void) {
     started = 0;
     pending = 0;
     current = NULL;
+    current_threads = 0;
 }
 
 /* Start workers up to `want`; returns how many are alive (fewer if creation fails). */
@@ -103,6 +105,7 @@ void pool_run(int64_t n, int64_t grain, int threads, pool_fn fn, void *ctx) {
     int workers = ensure_workers(threads - 1);
     j.threads = workers + 1 < threads ? workers + 1 : threads;
     current = &j;
+    current_threads = j.threads;
     pending = j.threads - 1;
     generation++;
     pthread_cond_broadcast(&wake);
@@ -111,6 +114,7 @@ void pool_run(int64_t n, int64_t grain, int threads, pool_fn fn, void *ctx) {
     pthread_mutex_lock(&mu);
     while (pending > 0) pthread_cond_wait(&done, &mu);
     current = NULL;
+    current_threads = 0;
     pthread_mutex_unlock(&mu);
     pthread_mutex_unlock(&busy);
 }

@@ -146,7 +146,7 @@ def fuse_patterns(ops: list[NOp], keep: set[int]) -> list[NOp]:
                 if p is not None and inner(a) and p.rnd == 0 and p.op == "sigmoid" and p.args[0] == other:
                     new = NOp("silu", o.dst, (other,))
                     break
-                if p is not None and inner(a) and p.rnd == 0 and p.op == "silu":
+                if p is not None and inner(a) and p.rnd == 0 and p.op == "silu" and not isinstance(other, Const):
                     new = NOp("swiglu", o.dst, (p.args[0], other))
                     break
         if new is not o:
@@ -180,9 +180,9 @@ def _exp_neg_plus_one(add: NOp | None, made: dict[int, NOp], inner) -> int | Non
 class Lowered:
     """Register code of one program: what :class:`NativeKernel` hands to the extension.
 
-    Registers: inputs first, then constants and values in order of need; a value's
-    register is reused once the value is dead, never as the destination of the
-    instruction that reads it last (the loops take restrict pointers)."""
+    Registers: inputs first, then values in order of need; a value's register is reused
+    once the value is dead, never as the destination of the instruction that reads it
+    last (the loops take restrict pointers). Scalars are operands of their own kind."""
 
     def __init__(self, program: Program):
         prog = self.program = program
@@ -198,7 +198,7 @@ class Lowered:
                     last_use[a] = k
         n = 0
         free: list[int] = []
-        consts: dict[bytes, int] = {}
+        consts: dict[bytes, int] = {}  # float32 bit pattern (-0.0 != 0.0) -> operand code -2 - index
         reg: dict[int, int] = {}
         self.in_regs = []
         for v in range(n_in):
@@ -210,10 +210,7 @@ class Lowered:
             args = []
             for a in o.args:
                 if isinstance(a, Const):
-                    key = array("f", [a]).tobytes()  # one register per float32 bit pattern (-0.0 != 0.0)
-                    if key not in consts:
-                        consts[key], n = n, n + 1
-                    args.append(consts[key])
+                    args.append(consts.setdefault(array("f", [a]).tobytes(), -2 - len(consts)))
                 else:
                     args.append(reg[a])
             if o.dst in outs or not free:
@@ -228,9 +225,7 @@ class Lowered:
         self.ops = ops
         self.n_regs = n
         self.out_regs = [reg[o] for o in prog.outputs]
-        order = sorted(consts.items(), key=lambda kv: kv[1])
-        self.const_regs = array("i", [r for _, r in order]).tobytes()
-        self.const_vals = b"".join(b for b, _ in order)
+        self.const_vals = b"".join(consts)  # insertion order: index k at code -2 - k
         self.code_bytes = array("i", [f for c in code for f in c]).tobytes()
         self.in_types = [torch_dtype(dtypes[v]) for v in range(n_in)]
         self.out_types = [torch_dtype(dtypes[o]) for o in prog.outputs]
@@ -278,7 +273,7 @@ class NativeKernel:
             operands.append((y.data_ptr(), code, reg, y.shape, y.stride()))
         low = self._low
         try:
-            N.ext.dvm_run(low.code_bytes, low.const_regs, low.const_vals, low.n_regs, operands, len(inputs),
+            N.ext.dvm_run(low.code_bytes, low.const_vals, low.n_regs, operands, len(inputs),
                           N.threads(self.opts.threads), self._block)
         except NotImplementedError:
             self.fallback(inputs, outputs)

@@ -4,13 +4,11 @@
 #include <math.h> /* system headers first, outside the target region */
 #include <stdint.h>
 #include <string.h>
-#include <immintrin.h>
 #ifdef __clang__
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c,bmi,bmi2,popcnt"))), apply_to = function)
 #else
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,popcnt")
 #endif
-#define NATIVE_VEC 256
 #define SFX(name) name##_avx2
 #include "kernels.inc"
 #ifdef __clang__

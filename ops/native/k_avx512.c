@@ -3,13 +3,11 @@
 #include <math.h> /* system headers first, outside the target region */
 #include <stdint.h>
 #include <string.h>
-#include <immintrin.h>
 #ifdef __clang__
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2,popcnt"))), apply_to = function)
 #else
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c,bmi,bmi2,popcnt,prefer-vector-width=512")
 #endif
-#define NATIVE_VEC 512
 #define SFX(name) name##_avx512
 #include "kernels.inc"
 #ifdef __clang__

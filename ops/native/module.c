@@ -4,9 +4,10 @@
  * .stride()); the tensors stay alive in the caller for the duration of the call, which
  * releases the GIL while the kernels run on the pool (pool.c).
  *
- * dvm_run(code, const_regs, const_vals, n_regs, operands, n_in, threads, block)
- *   code: bytes of int32 sextets (op, dst, a, b, c, rnd), op an index into DVM_OPS;
- *   const_regs / const_vals: bytes of int32 registers / float32 values filled once per thread;
+ * dvm_run(code, consts, n_regs, operands, n_in, threads, block)
+ *   code: bytes of int32 sextets (op, dst, a, b, c, rnd), op an index into DVM_OPS, operands
+ *   a, b, c registers, -1 (none) or -2 - k for the scalar consts[k];
+ *   consts: bytes of float32 scalars;
  *   operands: (ptr, dtype, reg, shape, strides) per input then per output, dtype an index
  *   into DTYPES, reg -1 for an unused input; outputs must have the broadcast shape of the
  *   inputs (the domain). block: elements per block (a multiple of 16), 0 for automatic.
@@ -131,7 +132,6 @@ static int threads_for(int64_t elements, int threads) {
 /* -- DVM ---------------------------------------------------------------------------------- */
 
 #define MAXRANK 32
-#define STREAM_BYTES (8 << 20) /* outputs this large bypass the cache (non-temporal stores) */
 
 typedef struct {
     const DvmJob *job;
@@ -151,20 +151,20 @@ static int64_t span_end(const DvmOperand *op, int nd, const int64_t *shape, int6
 }
 
 static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
-    Py_buffer code, creg, cval;
+    Py_buffer code, cval;
     int n_regs, n_in, threads;
     long long block;
     PyObject *operands;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*iOiiL", &code, &creg, &cval, &n_regs, &operands, &n_in, &threads, &block))
+    if (!PyArg_ParseTuple(args, "y*y*iOiiL", &code, &cval, &n_regs, &operands, &n_in, &threads, &block))
         return NULL;
     PyObject *res = NULL, *fast = NULL;
     DvmOperand ops[DVM_MAXOPS];
     int64_t shp[DVM_MAXOPS][MAXRANK], str[DVM_MAXOPS][MAXRANK];
     int rank[DVM_MAXOPS];
     static const int64_t esize[DT_COUNT] = {4, 2, 2, 1};
-    int n_code = (int)(code.len / (Py_ssize_t)sizeof(DvmInstr)), n_const = (int)(creg.len / 4);
-    if (n_regs < 1 || n_regs > 256 || code.len % (Py_ssize_t)sizeof(DvmInstr) || creg.len != cval.len
+    int n_code = (int)(code.len / (Py_ssize_t)sizeof(DvmInstr)), n_const = (int)(cval.len / 4);
+    if (n_regs < 1 || n_regs > 256 || code.len % (Py_ssize_t)sizeof(DvmInstr) || cval.len % 4
         || (block != 0 && (block < 16 || block % 16))) {
         PyErr_SetString(PyExc_ValueError, "dvm_run: malformed program");
         goto out;
@@ -179,18 +179,16 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
     const DvmInstr *ins = code.buf;
     for (int k = 0; k < n_code; k++) {
         const DvmInstr *i = &ins[k];
-        if (i->op < 0 || i->op >= OP_COUNT || i->dst < 0 || i->dst >= n_regs || i->a < 0 || i->a >= n_regs
-            || i->b >= n_regs || i->c >= n_regs) {
+        int ok = i->op >= 0 && i->op < OP_COUNT && i->dst >= 0 && i->dst < n_regs && i->a != -1;
+        for (int j = 0; ok && j < 3; j++) { /* register, -1 (none), or constant -2 - index */
+            int32_t r = j == 0 ? i->a : j == 1 ? i->b : i->c;
+            ok = r < n_regs && (r >= -1 || -2 - r < n_const);
+        }
+        if (!ok) {
             PyErr_Format(PyExc_ValueError, "dvm_run: instruction %d is malformed", k);
             goto out;
         }
     }
-    const int32_t *cr = creg.buf;
-    for (int k = 0; k < n_const; k++)
-        if (cr[k] < 0 || cr[k] >= n_regs) {
-            PyErr_SetString(PyExc_ValueError, "dvm_run: constant register out of range");
-            goto out;
-        }
     /* operands; the domain is the broadcast of the inputs' shapes */
     int dom_rank = 0;
     int64_t dom[MAXRANK];
@@ -293,12 +291,8 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
             if (ops[i].reg >= 0 && ilo < hi && lo < ihi) job.direct_out = 0;
         }
     }
-    int64_t out_bytes = 0;
-    for (int o = n_in; o < n_ops; o++) {
-        out_bytes += n_el * esize[ops[o].dtype];
+    for (int o = n_in; o < n_ops; o++)
         advise_huge(ops[o].ptr, span_end(&ops[o], m, job.shape, esize[ops[o].dtype]) - (int64_t)(intptr_t)ops[o].ptr);
-    }
-    job.stream_out = job.direct_out && out_bytes >= STREAM_BYTES;
     job.n_in = n_in;
     job.n_out = n_ops - n_in;
     job.ops = ops;
@@ -306,7 +300,6 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
     job.code = ins;
     job.n_regs = n_regs;
     job.n_const = n_const;
-    job.const_reg = cr;
     job.const_val = cval.buf;
     int64_t B = block;
     if (B == 0) { /* registers of one block within about 24 KiB of L1 */
@@ -341,7 +334,6 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
 out:
     Py_XDECREF(fast);
     PyBuffer_Release(&code);
-    PyBuffer_Release(&creg);
     PyBuffer_Release(&cval);
     return res;
 }

@@ -33,6 +33,7 @@ enum { DVM_OP_LIST(DVM_ENUM) OP_COUNT };
 /* Rounding applied to an instruction's result: the value's dtype when it is not float32. */
 enum { RND_NONE = 0, RND_BF16 = 1, RND_F16 = 2 };
 
+/* dst = op(a, b, c): registers; -1 for no operand; -2 - k for the scalar const_val[k]. */
 typedef struct { int32_t op, dst, a, b, c, rnd; } DvmInstr;
 
 typedef struct {
@@ -49,10 +50,8 @@ typedef struct {
     int n_code;
     const DvmInstr *code;
     int n_regs, n_const;
-    const int32_t *const_reg;
-    const float *const_val;
+    const float *const_val; /* scalar operands: an operand -2 - k is const_val[k] */
     int direct_out;     /* float32 outputs may be written in place (no output overlaps an input) */
-    int stream_out;     /* large outputs: float32 rows go out through non-temporal stores */
     int64_t block;      /* elements per block (a multiple of 16) */
     int64_t rows, cols; /* the last two domain dims (rows = 1 for a 1-D domain) */
     int64_t rows_per_block, n_row_groups, col_chunk, n_col_chunks, n_blocks;

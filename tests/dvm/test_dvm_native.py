@@ -170,14 +170,14 @@ def test_strided_inputs_and_outputs_and_threads():
 
 
 @needs_ext
-def test_large_outputs_use_streaming_stores_and_match():
-    """8 MiB of output and more goes out through non-temporal stores."""
+def test_large_outputs_and_unaligned_inputs():
+    """Outputs of 4 MiB and more are first touched in 2 MiB pages; misaligned inputs."""
     x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(6))
     prog = Program((((1 << 21,), "float32"),), (instr("neg", [0]), instr("mul", [1, 0])), (1, 2))
     _, (a, b) = run(prog, [x], threads=2)
     assert torch.equal(a, -x) and torch.equal(b, -x * x)
     tail = Program((((x.numel() - 1,), "float32"),), prog.code, prog.outputs)
-    _, (c, d) = run(tail, [x[1:]], threads=2)  # unaligned start: scalar head and tail
+    _, (c, d) = run(tail, [x[1:]], threads=2)
     assert torch.equal(c, -x[1:]) and torch.equal(d, -x[1:] * x[1:])
 
 

@@ -17,9 +17,8 @@ import statistics
 
 import torch
 
-from megaloom.demo import build_demo_graph, demo_inputs
-from megaloom.graphs.megamoe import build_forward, make_routing
-from megaloom.graphs.megamoe_spec import MegaMoESpec
+from megaloom.commands.demo import build_demo_graph, demo_inputs
+from megaloom.graphs.moe import MegaMoESpec, build_forward, make_routing
 from megaloom.runtime import ThreadExecutor
 from megaloom.scheduler import CostModel, Simulator, load_profile, make_policy
 from megaloom.scheduler.fit import fit_table, fit_traces

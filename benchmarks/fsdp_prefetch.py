@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from megaloom.comm.fsdp_graph import build_fsdp_mlp_graph, fsdp_mlp_inputs
+from megaloom.graphs.fsdp import build_fsdp_mlp_graph, fsdp_mlp_inputs
 from megaloom.comm.spawn import run_world
 from megaloom.runtime import ExecContext, ThreadExecutor, metrics
 from megaloom.scheduler import Simulator

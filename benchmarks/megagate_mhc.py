@@ -23,7 +23,7 @@ from megaloom.graphs import (
     GateSpec, MHCSpec, build_megagate, build_megamhc, megagate_reference, megamhc_reference, run_megagate,
     run_megamhc,
 )
-from megaloom.graphs.megagate_mhc_common import GraphRunner
+from megaloom.graphs.common import GraphRunner
 from megaloom.runtime import TaskGraph, ThreadExecutor, metrics
 from megaloom.scheduler import Simulator
 

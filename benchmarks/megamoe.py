@@ -18,8 +18,8 @@ import time
 import torch
 
 from megaloom.comm.spawn import run_world
-from megaloom.graphs.megamoe import MegaMoE, build_from_options, moe_reference
-from megaloom.graphs.megamoe_ep import ep_check, problem
+from megaloom.graphs.moe import MEGAMOE, MegaMoE, moe_reference
+from megaloom.graphs.moe.ep import ep_check, problem
 from megaloom.runtime.metrics import metrics
 from megaloom.scheduler import Simulator
 
@@ -40,7 +40,7 @@ def simulated(quick: bool) -> None:
                 runs = {}
                 for schedule, group, comm_tile in (("sequential", 1, 0), ("interleaved", 1, 0), ("interleaved", 2, 0),
                                                    ("interleaved", 1, 128)):
-                    g = build_from_options({**base, "ep": ep, "experts": experts, "direction": direction,
+                    g = MEGAMOE.from_options({**base, "ep": ep, "experts": experts, "direction": direction,
                                             "schedule": schedule, "group_size": group, "ordered_comm": ordered,
                                             "comm_tile": comm_tile})
                     m = metrics(Simulator("atlas-a3", policy="priority").run(g).trace)

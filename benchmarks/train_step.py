@@ -14,8 +14,8 @@ import statistics
 import tempfile
 import time
 
-from megaloom.config import validate
-from megaloom.trainer import Trainer
+from megaloom.train.config import validate
+from megaloom.train.trainer import Trainer
 
 VARIANTS = {
     "transformers": {},

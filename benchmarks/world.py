@@ -12,7 +12,7 @@ import argparse
 import json
 import time
 
-from megaloom.graphs.megamoe import MegaMoESpec, build_backward, build_forward, synthetic_counts
+from megaloom.graphs.moe import MegaMoESpec, build_backward, build_forward, synthetic_counts
 from megaloom.scheduler import Simulator
 from megaloom.scheduler.world import rank_ends, simulate_world
 

@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from megaloom.comm.fsdp import ShardedModule
 from megaloom.comm.sharding import ShardLayout
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
-from megaloom.runtime.errors import TraceFormatError
-from megaloom.runtime.trace import atomic_write, read_msgpack
+from megaloom.runtime.errors import FileFormatError
+from megaloom.runtime.files import atomic_write, read_msgpack
 
 MANIFEST, EXTRA = "megaloom.manifest", "megaloom.extra"
 FORMAT, VERSION = "megaloom-checkpoint", 1
@@ -57,7 +57,7 @@ FORMAT, VERSION = "megaloom-checkpoint", 1
 Params = dict[str, tuple[torch.Tensor, ShardLayout | None]]  # name -> (local tensor, its layout; None: replicated)
 
 
-class CheckpointError(TraceFormatError):
+class CheckpointError(FileFormatError):
     """A checkpoint is missing, truncated, tampered with, or does not fit the model."""
 
 
@@ -203,7 +203,7 @@ def verify(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no checkpoint there")
     try:
         man = read_msgpack(os.path.join(path, MANIFEST), FORMAT, VERSION)
-    except TraceFormatError as e:
+    except FileFormatError as e:
         raise CheckpointError(f"{path}: bad or missing manifest: {e}") from None
     files, tensors = man.get("files"), man.get("tensors")
     if not isinstance(files, dict) or not isinstance(tensors, dict):

@@ -21,7 +21,7 @@ import msgpack
 import zmq
 
 from megaloom.runtime.errors import CommError
-from megaloom.runtime.executors.base import Observer
+from megaloom.runtime.record import Observer
 from megaloom.runtime.trace import FIELD_TYPES, REQUIRED_COLUMNS, Trace, TraceEvent
 
 PROTOCOL = 1
@@ -174,7 +174,7 @@ class Collector:
         t0 = min((e.start + self._offset[r] for r, evs in self._events.items() for e in evs), default=0.0)
         events = [replace(e, rank=r, start=e.start + self._offset[r] - t0, end=e.end + self._offset[r] - t0)
                   for r, evs in self._events.items() for e in evs]
-        events.sort(key=lambda e: (e.start, e.rank, e.tid))
+        events.sort(key=lambda e: (e.start, e.rank, e.task_id))
         meta = dict(next(iter(self._meta.values()), {}))
         meta.update(mode="execute", clock="wall", world_size=len(self.stats.ranks), ranks=sorted(self.stats.ranks),
                      finished=sorted(self.stats.finished), dropped_malformed=self.stats.malformed,

@@ -1,17 +1,19 @@
-"""megaloom.graphs"""
-from megaloom.graphs.megamoe import MegaMoE, MegaMoESpec, moe_reference
-from megaloom.graphs.megagate import (
-    GateSpec, build_megagate, build_megagate_backward, build_megagate_forward, megagate_reference,
+"""megaloom.graphs: the MegaKernel graph families, one package each (:mod:`.moe`, :mod:`.gate`,
+:mod:`.mhc`, :mod:`.fsdp`), on what they share (:mod:`.common`)."""
+from megaloom.graphs.common import GraphBuilder, GraphRunner
+from megaloom.graphs.gate import (
+    MEGAGATE, GateOutput, GateSpec, MegaGate, MegaGateFunction, build_megagate, build_megagate_backward,
+    build_megagate_forward, megagate_reference, run_megagate,
 )
-from megaloom.graphs.megagate_module import GateOutput, MegaGate, MegaGateFunction, run_megagate
-from megaloom.graphs.megamhc import (
-    MHCSpec, build_megamhc, build_megamhc_backward, build_megamhc_forward, megamhc_reference,
+from megaloom.graphs.mhc import (
+    MEGAMHC, MegaMHC, MegaMHCFunction, MHCOutput, MHCSpec, build_megamhc, build_megamhc_backward,
+    build_megamhc_forward, megamhc_reference, run_megamhc,
 )
-from megaloom.graphs.megamhc_module import MegaMHC, MegaMHCFunction, MHCOutput, run_megamhc
+from megaloom.graphs.moe import MEGAMOE, MegaMoE, MegaMoESpec, moe_reference
 
 __all__ = [
-    "GateOutput", "GateSpec", "MHCOutput", "MHCSpec", "MegaGate", "MegaGateFunction", "MegaMHC", "MegaMHCFunction",
-    "MegaMoE", "MegaMoESpec", "build_megagate", "build_megagate_backward", "build_megagate_forward", "build_megamhc",
-    "build_megamhc_backward", "build_megamhc_forward", "megagate_reference", "megamhc_reference", "moe_reference",
-    "run_megagate", "run_megamhc",
+    "GateOutput", "GateSpec", "GraphBuilder", "GraphRunner", "MEGAGATE", "MEGAMHC", "MEGAMOE", "MHCOutput", "MHCSpec",
+    "MegaGate", "MegaGateFunction", "MegaMHC", "MegaMHCFunction", "MegaMoE", "MegaMoESpec", "build_megagate",
+    "build_megagate_backward", "build_megagate_forward", "build_megamhc", "build_megamhc_backward",
+    "build_megamhc_forward", "megagate_reference", "megamhc_reference", "moe_reference", "run_megagate", "run_megamhc",
 ]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
-from megaloom.runtime.errors import ScheduleError
+from megaloom.runtime.errors import DeadlockError, ScheduleError
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
@@ -114,6 +114,14 @@ class Core:
             else:
                 out[tasks[tid].name] = [tasks[p].name for p in self.graph.pred[tid] if unmet[p] != DONE]
         return out
+
+    def deadlock(self, why: str, shown: int = 20) -> DeadlockError:
+        """The error of a run that stalled: ``why``, then each task not done (the first
+        ``shown``) with what it waits for; ``blocked`` on the error holds them all."""
+        blocked = self.blocked()
+        lines = [f"{t} waits for {', '.join(w) or 'nothing'}" for t, w in list(blocked.items())[:shown]]
+        more = f"\n  ... and {len(blocked) - shown} more" if len(blocked) > shown else ""
+        return DeadlockError(f"{why}:\n  " + "\n  ".join(lines) + more, blocked)
 
     def states(self) -> Sequence[int]:
         return self.unmet

@@ -27,8 +27,10 @@ class ExecutionError(MegaloomError):
         self.task = task
 
 
-class DeadlockError(ExecutionError):
-    """A run made no progress; ``blocked`` maps each waiting task to what it waits for."""
+class DeadlockError(ExecutionError, ScheduleError):
+    """A run stalled: no task can make progress (a cycle, a policy that never hands tasks
+    out, a task that never ends). ``blocked`` maps each task not done to what it waits for.
+    Raised by every executor and the simulator, so it is both an execution and a schedule error."""
 
     def __init__(self, message: str, blocked: dict[str, list[str]]):
         super().__init__(message)
@@ -39,7 +41,11 @@ class CommError(MegaloomError):
     """A collective failed, timed out, or its ranks disagreed on sizes or dtypes."""
 
 
-class TraceFormatError(MegaloomError):
+class FileFormatError(MegaloomError):
+    """A file megaloom reads is corrupt, truncated, or of an unsupported schema version."""
+
+
+class TraceFormatError(FileFormatError):
     """A trace or graph file is corrupt, truncated, or of an unsupported schema version."""
 
 

@@ -14,13 +14,20 @@ writes (WAW). Explicit control edges can be added with ``precede``/``succeed``.
 """
 from __future__ import annotations
 
+import os
+from collections import Counter
 from dataclasses import dataclass, field
+from graphlib import CycleError, TopologicalSorter
 from typing import Any, Iterable, Sequence
 
+from megaloom.runtime.compose import Composed, compose
+from megaloom.runtime.dot import to_dot
 from megaloom.runtime.dtypes import dtype_name, itemsize
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.region import Box, BoxIndex, box_shape, box_size, full_box, in_bounds
-from megaloom.runtime.registry import Cost
+from megaloom.runtime.registry import Cost, TensorSpec, get_op
+from megaloom.runtime.serialize import fill_graph, graph_to_dict, read_graph, save_graph
+from megaloom.runtime.validate import validate
 
 
 @dataclass(eq=False, slots=True)
@@ -44,6 +51,10 @@ class Buffer:
 
     def __getitem__(self, index: Any) -> Region:
         return self.full[index]
+
+    def region(self, box: Box) -> Region:
+        """The region of this buffer covering ``box`` (one (start, stop) pair per dim)."""
+        return Region(self, tuple(tuple(b) for b in box))
 
     def split(self, dim: int, size: int) -> list[Region]:
         """Tiles of at most ``size`` elements along ``dim`` (the last may be shorter)."""
@@ -151,14 +162,6 @@ class Task:
         return f"Task({self.name!r}, op={self.op!r}, engine={self.engine!r})"
 
 
-def _as_region(x: Buffer | Region) -> Region:
-    if isinstance(x, Region):
-        return x
-    if isinstance(x, Buffer):
-        return x.full
-    raise GraphError(f"expected a Buffer or Region, got {type(x).__name__}")
-
-
 class TaskGraph:
     """A DAG of tasks over buffers; the same graph runs on every executor."""
 
@@ -175,7 +178,9 @@ class TaskGraph:
         self._version = 0  # bumped by every change; keys the caches below
         self._cache: dict[str, tuple[int, object]] = {}
 
-    def _cached(self, key: str, make):
+    def cached(self, key: str, make):
+        """``make()``, computed once per graph version under ``key`` (any change to the graph
+        recomputes it)."""
         hit = self._cache.get(key)
         if hit is not None and hit[0] == self._version:
             return hit[1]
@@ -183,8 +188,33 @@ class TaskGraph:
         self._cache[key] = (self._version, value)
         return value
 
+    @property
+    def forward_only(self) -> bool:
+        """True when every edge goes from a task to a later-added one (task ids are then a
+        topological order)."""
+        return self._forward_only
+
+    @property
+    def hazards_derived(self) -> bool:
+        """True when the edges include every hazard derived from buffer accesses; False for a
+        graph whose edges were set as a file states them (:meth:`set_edges`)."""
+        return self._hazards_ordered
+
+    @staticmethod
+    def as_region(x: Buffer | Region) -> Region:
+        """``x`` as a region: a buffer stands for all of it."""
+        if isinstance(x, Region):
+            return x
+        if isinstance(x, Buffer):
+            return x.full
+        raise GraphError(f"expected a Buffer or Region, got {type(x).__name__}")
+
     # -- buffers ---------------------------------------------------------------------
-    def _add_buffer(self, name: str, shape: Sequence[int], dtype: Any, inp: bool, out: bool) -> Buffer:
+    def add_buffer(self, name: str, shape: Sequence[int], dtype: Any = "float32", *,
+                   is_input: bool = False, is_output: bool = False) -> Buffer:
+        """A buffer of any role (:meth:`input`, :meth:`output`, :meth:`inout` and :meth:`buffer`
+        name the four)."""
+        inp, out = bool(is_input), bool(is_output)
         if name in self.buffers:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
         shape = tuple(int(s) for s in shape)
@@ -198,19 +228,19 @@ class TaskGraph:
 
     def input(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A buffer the caller provides."""
-        return self._add_buffer(name, shape, dtype, True, False)
+        return self.add_buffer(name, shape, dtype, is_input=True)
 
     def output(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A buffer the run returns."""
-        return self._add_buffer(name, shape, dtype, False, True)
+        return self.add_buffer(name, shape, dtype, is_output=True)
 
     def inout(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A buffer the caller provides and the run returns (updated in place)."""
-        return self._add_buffer(name, shape, dtype, True, True)
+        return self.add_buffer(name, shape, dtype, is_input=True, is_output=True)
 
     def buffer(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A scratch buffer internal to the graph."""
-        return self._add_buffer(name, shape, dtype, False, False)
+        return self.add_buffer(name, shape, dtype)
 
     @property
     def inputs(self) -> list[Buffer]:
@@ -240,8 +270,8 @@ class TaskGraph:
         ``engine`` defaults to the op's default engine kind; ``cost`` overrides the op's
         cost function; ``after`` adds control edges.
         """
-        ins = tuple(_as_region(r) for r in inputs)
-        outs = tuple(_as_region(r) for r in outputs)
+        ins = tuple(self.as_region(r) for r in inputs)
+        outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self.tasks)
         name = name if name is not None else f"{op}#{tid}"
         if name in self._by_name:
@@ -252,8 +282,6 @@ class TaskGraph:
             if not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
         if engine is None:
-            from megaloom.runtime.registry import get_op
-
             try:
                 engine = get_op(op).engine
             except GraphError:
@@ -327,8 +355,6 @@ class TaskGraph:
         """Task ids in an order that respects every edge; a cycle raises GraphError."""
         if self._forward_only:
             return list(range(len(self.tasks)))
-        from graphlib import CycleError, TopologicalSorter
-
         ts = TopologicalSorter({i: p for i, p in enumerate(self.pred)})
         try:
             return list(ts.static_order())
@@ -356,14 +382,12 @@ class TaskGraph:
 
     def validate(self) -> TaskGraph:
         """Check every rule; raise GraphError naming the tasks of the first broken rule."""
-        from megaloom.runtime.validate import validate
-
-        self._cached("validated", lambda: validate(self) or True)
+        self.cached("validated", lambda: validate(self) or True)
         return self
 
     def costs(self) -> list[Cost]:
         """Every task's cost, by task id (computed once per graph version)."""
-        return self._cached("costs", lambda: [self._compute_cost(t) for t in self.tasks])
+        return self.cached("costs", lambda: [self._compute_cost(t) for t in self.tasks])
 
     def task_cost(self, t: Task) -> Cost:
         """The task's cost: its own override, else the op's cost function."""
@@ -372,16 +396,12 @@ class TaskGraph:
     def _compute_cost(self, t: Task) -> Cost:
         if t.cost is not None:
             return t.cost
-        from megaloom.runtime.registry import TensorSpec, get_op
-
         ins = [TensorSpec(r.shape, r.dtype) for r in t.inputs]
         outs = [TensorSpec(r.shape, r.dtype) for r in t.outputs]
         return get_op(t.op).cost(ins, outs, t.attrs)
 
     def summary(self) -> str:
         """A short text table: tasks per engine and op, buffers, edges."""
-        from collections import Counter
-
         by_engine = Counter(t.engine for t in self.tasks)
         by_op = Counter(t.op for t in self.tasks)
         n_edges = sum(len(s) for s in self.succ)
@@ -390,25 +410,51 @@ class TaskGraph:
         lines += [f"  op     {k:<20} {v:>8}" for k, v in sorted(by_op.items())]
         return "\n".join(lines)
 
-    def compose(self, sub: TaskGraph, prefix: str = "", bind: dict | None = None):
+    def set_edges(self, pred: Sequence[Sequence[int]]) -> None:
+        """Replace every edge: ``pred[b]`` lists the ids of the tasks task ``b`` waits for,
+        as a saved file states them. The edges no longer come from buffer accesses, so
+        :meth:`validate` then checks the reads and double writes against them."""
+        n = len(self.tasks)
+        if len(pred) != n or not all(isinstance(a, int) and 0 <= a < n for p in pred for a in p):
+            raise GraphError(f"graph {self.name!r}: edges must list predecessors by task id (0..{n - 1}) for each "
+                             f"of the {n} tasks")
+        self.succ = [[] for _ in range(n)]
+        self.pred = [[] for _ in range(n)]
+        self._forward_only, self._hazards_ordered = True, False
+        self._version += 1
+        for b, preds in enumerate(pred):
+            for a in preds:
+                self._link(a, b)
+
+    def compose(self, sub: TaskGraph, prefix: str = "", bind: dict | None = None) -> Composed:
         """Add the sub-graph ``sub`` as one unit; ``bind`` maps its buffers (by name) to
         regions of this graph, the rest are added as ``prefix + name``. Returns a
         :class:`~megaloom.runtime.compose.Composed` (its tasks, ``precede``/``succeed``,
         and ``unit["buf"]``: the region standing for a sub-graph buffer)."""
-        from megaloom.runtime.compose import compose
-
         return compose(self, sub, prefix, bind)
 
-    def save(self, path: str) -> None:
-        from megaloom.runtime.serialize import save_graph
+    def to_dot(self) -> str:
+        """The graph as Graphviz DOT: tasks labelled with name and op, filled by engine kind
+        (see :mod:`megaloom.runtime.dot`)."""
+        return to_dot(self)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The graph as stored in a file (see :mod:`megaloom.runtime.serialize`)."""
+        return graph_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
+        """Rebuild a graph from its stored form, checking every field (``where`` names it in errors)."""
+        return fill_graph(cls(), d, where)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the graph atomically as versioned msgpack."""
         save_graph(self, path)
 
-    @staticmethod
-    def load(path: str) -> TaskGraph:
-        from megaloom.runtime.serialize import load_graph
-
-        return load_graph(path)
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TaskGraph:
+        """Read a graph file; a corrupt or newer file raises TraceFormatError naming it."""
+        return cls.from_dict(read_graph(path), os.fspath(path))
 
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self.tasks)}, buffers={len(self.buffers)})"

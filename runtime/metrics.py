@@ -43,7 +43,7 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
 
 def critical_path(events: list[TraceEvent]) -> float:
     """Longest chain of task durations along recorded dependencies (per rank)."""
-    by_key = {(e.rank, e.tid): e for e in events}
+    by_key = {(e.rank, e.task_id): e for e in events}
 
     def deps(k: tuple[int, int]) -> list[tuple[int, int]]:
         return [(k[0], d) for d in by_key[k].deps if (k[0], d) in by_key]

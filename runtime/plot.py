@@ -10,7 +10,8 @@ import os
 
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import _ENGINE_ORDER
-from megaloom.runtime.trace import Trace, atomic_write
+from megaloom.runtime.files import atomic_write
+from megaloom.runtime.trace import Trace
 
 COLOURS = {"cube": "#1f77b4", "vector": "#2ca02c", "comm": "#d62728"}
 OTHER = "#7f7f7f"

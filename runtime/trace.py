@@ -6,23 +6,25 @@ trace alone is enough to compute the critical path and to replay the run.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
 import msgpack
 
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.files import atomic_write, read_msgpack
 
 TRACE_FORMAT = "megaloom-trace"
-TRACE_VERSION = 2  # 2: events carry their precision (version 1 files still load)
+TRACE_VERSION = 3  # 2: events carry their precision; 3: ``tid`` renamed ``task_id`` (older files still load)
+_RENAMED = {"tid": "task_id"}  # columns of version 2 and before under their current names
 
 
 @dataclass(slots=True)
 class TraceEvent:
-    """One task run: where (engine kind, unit, rank), when (seconds), and its work."""
+    """One task run: which task (its id in its rank's graph), where (engine kind, unit,
+    rank), when (seconds), and its work."""
 
-    tid: int
+    task_id: int
     task: str
     op: str
     engine: str
@@ -45,7 +47,7 @@ class TraceEvent:
 _COLUMNS = [f.name for f in fields(TraceEvent)]
 REQUIRED_COLUMNS = _COLUMNS.index("end") + 1  # the leading columns without a default
 FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "tid": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
+    "task_id": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
     "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
     "comm_bytes": (int, float), "deps": (list,), "tags": (dict,), "precision": (str,),
 }
@@ -90,8 +92,10 @@ class Trace:
     @staticmethod
     def load(path: str | os.PathLike) -> Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
-        data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION)
+        data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION, TraceFormatError)
         cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
+        if data["version"] < 3 and isinstance(cols, list):
+            cols = [_RENAMED.get(c, c) for c in cols]
         if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
                 or not isinstance(rows, list) or not isinstance(meta, dict):
             raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r})")
@@ -106,49 +110,10 @@ class Trace:
         return Trace(events, meta)
 
 
-def atomic_write(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``path``, fsync, then rename over it."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def read_msgpack(path: str | os.PathLike, fmt: str, version: int) -> dict[str, Any]:
-    """Decode a versioned megaloom msgpack file, turning every failure into TraceFormatError."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-    except Exception as e:  # msgpack raises several unrelated types on bad input
-        hint = " (it looks like JSON; megaloom writes its own files as msgpack)" if raw[:1] in (b"{", b"[") else ""
-        raise TraceFormatError(f"{path}: not a valid msgpack file ({type(e).__name__}: {e}){hint}") from None
-    if not isinstance(data, dict) or data.get("format") != fmt:
-        raise TraceFormatError(f"{path}: not a {fmt} file")
-    v = data.get("version")
-    if not isinstance(v, int) or v < 1:
-        raise TraceFormatError(f"{path}: missing or bad schema version {v!r}")
-    if v > version:
-        raise TraceFormatError(f"{path}: schema version {v} is newer than this megaloom reads ({version})")
-    return data
-
-
 def merge(traces: Iterable[Trace]) -> Trace:
     """One trace of several ranks' traces (events keep their rank)."""
     traces = list(traces)
     events = [e for t in traces for e in t.events]
     meta = dict(traces[0].meta) if traces else {}
     meta["world_size"] = len({e.rank for e in events})
-    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.tid)), meta)
+    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.task_id)), meta)

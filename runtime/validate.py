@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.graph import Region
 from megaloom.runtime.region import BoxIndex, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
 
@@ -95,7 +94,7 @@ def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
     # With derived edges and no edge against insertion order, the writers ordered before a
     # task are exactly the earlier ones: sweep in order, keeping an index of earlier writes
     # (a write drops the ones it covers, as derivation does). Otherwise ask the edges.
-    sweep = g._hazards_ordered and g._forward_only
+    sweep = g.hazards_derived and g.forward_only
     writers = {} if sweep else _writers(g)
     order = _Order(g)
     for t in g.tasks:
@@ -107,7 +106,7 @@ def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
             covers = [box for box, w in found if sweep or (w != t.id and order.before(w, t.id))]
             gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
             if gaps:
-                gap = Region(r.buffer, gaps[0])
+                gap = r.buffer.region(gaps[0])
                 yield t.name, (f"task {t.name!r} reads {r}, but no task ordered before it writes {gap}, "
                                "and it is not a graph input")
         if sweep:
@@ -118,7 +117,7 @@ def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
-    if g._hazards_ordered:  # derived edges order every two overlapping writes (WAW)
+    if g.hazards_derived:  # derived edges order every two overlapping writes (WAW)
         return
     order = _Order(g)
     for name, index in _writers(g).items():

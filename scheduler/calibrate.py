@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import yaml
 
-from megaloom.runtime.trace import atomic_write
+from megaloom.runtime.files import atomic_write
 from megaloom.scheduler.profile import HardwareProfile, parse_profile, user_profile_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import load_yaml
+from megaloom.runtime.plugins import Registry
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
 FALLBACK: dict[str, tuple[str, ...]] = {
@@ -194,27 +194,24 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
 def read_profile(path: str | os.PathLike) -> HardwareProfile:
     """Load one profile file; unreadable, non-YAML or incomplete files raise ConfigError."""
     where = os.fspath(path)
-    try:
-        with open(where, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except OSError as e:
-        raise ConfigError(f"{where}: cannot read profile: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where}: not valid YAML: {e}") from None
+    data = load_yaml(where, "profile")
     return parse_profile(data, where)
 
 
-def _dirs() -> list[Path]:
-    return [user_profile_dir(), PACKAGED_DIR]
+def profile_files() -> Registry[Path]:
+    """Every profile file by name, read from the folders now: packaged files, replaced by
+    user files of the same name."""
+    files: Registry[Path] = Registry("hardware profile")
+    for d in (PACKAGED_DIR, user_profile_dir()):
+        if d.is_dir():
+            for p in sorted(d.glob("*.yaml")):
+                files.register(p.stem, p, replace=True)
+    return files
 
 
 def list_profiles() -> list[str]:
     """Names of every profile found (user profiles and packaged ones), sorted."""
-    names = set()
-    for d in _dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
+    return profile_files().names()
 
 
 def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
@@ -224,8 +221,4 @@ def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareP
     s = os.fspath(name_or_path)
     if s.endswith((".yaml", ".yml")) or os.sep in s:
         return read_profile(s)
-    for d in _dirs():
-        p = d / f"{s}.yaml"
-        if p.is_file():
-            return read_profile(p)
-    raise ConfigError(f"unknown hardware profile {s!r}; known: {', '.join(list_profiles())}")
+    return read_profile(profile_files().get(s))

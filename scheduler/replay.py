@@ -27,9 +27,9 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay",
     """A graph of one rank's events: measured durations (times ``scale(event)``), recorded dependencies."""
     by_tid = {}
     for e in events:
-        if e.tid in by_tid:
-            raise TraceFormatError(f"trace of {name!r}: task id {e.tid} ({e.task!r}) appears twice in rank {e.rank}")
-        by_tid[e.tid] = e
+        if e.task_id in by_tid:
+            raise TraceFormatError(f"trace of {name!r}: task id {e.task_id} ({e.task!r}) appears twice in rank {e.rank}")
+        by_tid[e.task_id] = e
     g = TaskGraph(name)
     made = {}
     for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way

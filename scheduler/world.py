@@ -38,9 +38,10 @@ from typing import Mapping, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
-from megaloom.runtime.executors.base import RunResult, events_of
+from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.metrics import summary
+from megaloom.runtime.record import events_of
 from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
@@ -242,7 +243,7 @@ def simulate_world(
             s = sched.start[wid]
             records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
     events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]
-    events.sort(key=lambda e: (e.start, e.rank, e.tid))
+    events.sort(key=lambda e: (e.start, e.rank, e.task_id))
     used = {k: n for k, n in base.units.items() if any(k in g.engines() for g in graphs)}
     meta = {"graph": graphs[0].name if len({g.name for g in graphs}) == 1 else world.graph.name,
             "graphs": [g.name for g in graphs], "mode": "simulate", "clock": "virtual", "profile": base.profile.name,

@@ -93,7 +93,7 @@ def test_bad_arguments_are_usage_errors(argv, capsys):
 
 def test_documented_train_overrides_parse():
     """docs/trainer.md: `megaloom train examples/train_tiny_qwen3_moe.yaml --optimizer.lr=1e-3 --schedule.steps=100`."""
-    from megaloom.config import load_config
+    from megaloom.train.config import load_config
 
     cfg = load_config(DOCS.parent / "examples" / "train_tiny_qwen3_moe.yaml", ["--optimizer.lr=1e-3", "--schedule.steps=100"])
     assert cfg["optimizer"]["lr"] == 1e-3 and cfg["schedule"]["steps"] == 100

@@ -4,58 +4,31 @@ write the trace (msgpack) and a Perfetto JSON.
 The graph comes from a file (``GRAPH_FILE`` or ``--graph PATH``) or from a named builder
 (``--graph NAME[:key=value,...]``). Builders are registered with
 :func:`register_graph_builder` or through the ``megaloom.graph_builders`` entry-point group
-(each entry point loads a ``builder(**options) -> TaskGraph``).
+(each entry point loads a ``builder(**options) -> TaskGraph``; one with a ``world(**options)``
+attribute builds every rank's graph for ``--world``).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from importlib.metadata import entry_points
-from typing import Any, Callable
+from typing import Callable
 
 from megaloom.commands import write_file
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
+from megaloom.runtime.plugins import Registry, parse_options, parse_spec
 from megaloom.runtime.trace import Trace
 
 GraphBuilder = Callable[..., TaskGraph]
-_BUILDERS: dict[str, GraphBuilder] = {}
+GRAPH_BUILDERS: Registry[GraphBuilder] = Registry("graph builder", "megaloom.graph_builders")
 
 
 def register_graph_builder(name: str, builder: GraphBuilder) -> None:
     """Make ``--graph NAME[:k=v,...]`` call ``builder(**options)``."""
-    _BUILDERS[name] = builder
-
-
-def graph_builders() -> dict[str, GraphBuilder]:
-    """Every registered builder, entry-point plug-ins included."""
-    for ep in entry_points(group="megaloom.graph_builders"):
-        _BUILDERS.setdefault(ep.name, ep.load())
-    return dict(_BUILDERS)
-
-
-def _value(text: str) -> Any:
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
-def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"name:k=v,k2=v2"`` as ``("name", {"k": v, ...})``; numbers and booleans converted."""
-    name, _, rest = spec.partition(":")
-    opts: dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        k, sep, v = item.partition("=")
-        if not sep or not k.strip():
-            raise ConfigError(f"bad option {item!r} in {spec!r}: expected key=value")
-        opts[k.strip()] = _value(v.strip())
-    return name.strip(), opts
+    GRAPH_BUILDERS.register(name, builder, replace=True)
 
 
 def resolve_graph(spec: str) -> TaskGraph:
@@ -63,12 +36,11 @@ def resolve_graph(spec: str) -> TaskGraph:
     if os.path.exists(spec):
         return TaskGraph.load(spec)
     name, opts = parse_spec(spec)
-    builders = graph_builders()
-    if name not in builders:
-        known = ", ".join(sorted(builders)) or "none registered"
+    if name not in GRAPH_BUILDERS:
+        known = ", ".join(GRAPH_BUILDERS.names()) or "none registered"
         raise ConfigError(f"graph {spec!r} is neither a file nor a known graph builder (builders: {known})")
     try:
-        return builders[name](**opts)
+        return GRAPH_BUILDERS.get(name)(**opts)
     except TypeError as e:
         raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
 
@@ -160,13 +132,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resolve_world(spec: str) -> list[TaskGraph]:
-    """Every rank's graph from a builder whose module defines ``build_world(**options)``."""
+    """Every rank's graph from a builder with a ``world(**options)`` hook (MegaMoE's)."""
     name, opts = parse_spec(spec)
-    builder = graph_builders().get(name)
-    hook = getattr(sys.modules.get(builder.__module__), "build_world", None) if builder is not None else None
+    hook = getattr(GRAPH_BUILDERS.items().get(name), "world", None)
     if hook is None:
-        raise ConfigError(f"--world needs a graph builder with a world hook (a build_world function beside it), "
-                          f"got {spec!r}")
+        raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
     try:
         return hook(**opts)
     except TypeError as e:
@@ -179,7 +149,7 @@ def run_world(args: argparse.Namespace) -> int:
     if not args.world or args.graph is None:
         raise ConfigError("--world takes --graph NAME[:key=value,...] of a builder with a world hook; --slowdown needs --world")
     slowdown = {}
-    for k, v in parse_spec(":" + (args.slowdown or ""))[1].items():
+    for k, v in parse_options(args.slowdown or "").items():
         if not isinstance(k, str) or not k.isdigit():
             raise ConfigError(f"bad --slowdown item {k}={v}: expected RANK=FACTOR")
         slowdown[int(k)] = v

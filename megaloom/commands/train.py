@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from megaloom.config import SCHEMA
+from megaloom.train.config import SCHEMA
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,14 +20,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megaloom.config import load_config
+    from megaloom.train.config import load_config
 
     overrides = [o for o in args.overrides if o != "--print-config"]  # REMAINDER also takes the flag
     cfg = load_config(args.config, overrides)
     if args.print_config or len(overrides) != len(args.overrides):
         print(cfg.to_yaml(), end="")
         return 0
-    from megaloom.trainer import Trainer
+    from megaloom.train.trainer import Trainer
 
     trainer = Trainer(cfg, log=_log)
     records = trainer.fit()

@@ -70,8 +70,8 @@ def test_collector_merges_ranks_drops_garbage_and_survives_a_vanished_rank():
     assert min(e.start for e in trace.events) == 0.0
     by_rank = {r: [e for e in trace.events if e.rank == r] for r in (0, 1)}
     for evs in by_rank.values():  # per-rank order and dependencies survive the trip
-        mm, si = sorted(evs, key=lambda e: e.tid)
-        assert (mm.op, si.op) == ("matmul", "silu") and si.deps == [mm.tid] and si.start >= mm.end
+        mm, si = sorted(evs, key=lambda e: e.task_id)
+        assert (mm.op, si.op) == ("matmul", "silu") and si.deps == [mm.task_id] and si.start >= mm.end
     # rank 1 ran after rank 0 in this process: aligned clocks keep that order
     assert min(e.start for e in by_rank[1]) >= max(e.end for e in by_rank[0]) - 1e-3
 

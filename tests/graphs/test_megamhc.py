@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megaloom.graphs import MegaMHC, MHCSpec, build_megamhc, megamhc_reference, run_megamhc
-from megaloom.graphs.megagate_mhc_common import GraphRunner
+from megaloom.graphs.common import GraphRunner
 from megaloom.runtime.testing import rel_l2
 from megaloom.runtime import ExecContext, ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError

@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from megaloom.graphs.megamoe import (
-    BWD_STAGES, FWD_STAGES, MegaMoESpec, build_backward, build_forward, build_from_options, build_graph,
-    estimate_memory, make_routing, measured_bytes, moe_reference, synthetic_counts,
+from megaloom.graphs.moe import (
+    BWD_STAGES, FWD_STAGES, MEGAMOE, MegaMoESpec, build_backward, build_forward, estimate_memory, make_routing,
+    measured_bytes, moe_reference, synthetic_counts,
 )
-from megaloom.graphs.megamoe_ep import problem
+from megaloom.graphs.moe.ep import problem
 from megaloom.runtime.testing import rel_l2
 from megaloom.runtime import ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError
@@ -50,7 +50,7 @@ def test_spec_rejects_bad_options_naming_them():
     with pytest.raises(ConfigError, match="schedule must be one of"):
         spec_of(schedule="fast")
     with pytest.raises(ConfigError, match="unknown MegaMoE option"):
-        build_from_options({**SHAPE, "tile": 3})
+        MEGAMOE.from_options({**SHAPE, "tile": 3})
 
 
 def test_routing_permutation_and_counts():
@@ -69,7 +69,7 @@ def test_routing_permutation_and_counts():
 
 def test_counts_offsets_of_an_imbalanced_ep_routing():
     counts = ((5, 0, 1, 2, 0, 72), (0, 0, 0, 40, 40, 0))
-    from megaloom.graphs.megamoe_spec import Counts
+    from megaloom.graphs.moe.spec import Counts
     c = Counts(1, 2, 3, counts)  # 3 local experts per rank
     assert c.send_rows == 80 and c.recv_rows == 2 + 0 + 72 + 40 + 0 + 40
     assert c.send_block(1, 0) == (0, 40) and c.send_block(1, 1) == (40, 80)
@@ -123,7 +123,7 @@ def test_every_task_is_tagged_and_comm_rounds_are_rotated():
 
 def test_comm_tiles_split_rounds_into_chunks_of_equal_count_on_every_rank():
     spec = spec_of(ep=2, tokens=30, comm_tile=4)
-    from megaloom.graphs.megamoe_spec import Counts
+    from megaloom.graphs.moe.spec import Counts
     counts = ((10, 0, 3, 9, 1, 37), (2, 5, 0, 30, 3, 20))
     per_rank = []
     for rank in (0, 1):
@@ -140,7 +140,7 @@ def test_comm_tiles_split_rounds_into_chunks_of_equal_count_on_every_rank():
 
 def test_rounds_without_rows_anywhere_are_skipped():
     spec = spec_of(ep=2, tokens=30)
-    from megaloom.graphs.megamoe_spec import Counts
+    from megaloom.graphs.moe.spec import Counts
     only_local = ((20, 20, 20, 0, 0, 0), (0, 0, 0, 20, 20, 20))  # every row stays on its rank
     g = build_forward(spec, Counts(0, 2, 3, only_local))
     assert not [t for t in g.tasks if t.op == "all_to_all"]
@@ -164,8 +164,8 @@ def spans(trace):
 def test_sequential_has_stage_barriers_and_interleaved_overlaps_experts(direction):
     opts = dict(tokens=512, hidden=256, intermediate=128, experts=16, top_k=2, ep=4, dtype="bfloat16",
                 ordered_comm=False, direction=direction)
-    seq = simulate(build_from_options({**opts, "schedule": "sequential"}))
-    inter = simulate(build_from_options({**opts, "schedule": "interleaved"}))
+    seq = simulate(MEGAMOE.from_options({**opts, "schedule": "sequential"}))
+    inter = simulate(MEGAMOE.from_options({**opts, "schedule": "interleaved"}))
     stages = FWD_STAGES if direction == "fwd" else BWD_STAGES[:-1]  # top-k grad shares the last stage
     s = spans(seq)
     for a, b in zip(stages, stages[1:]):
@@ -187,7 +187,7 @@ def test_scheduler_policies_compose_with_the_graphs(policy, opts):
     tr = Simulator("atlas-a3", units=units, policy=make_policy(policy, **opts)).run(g).trace
     assert len(tr.events) == len(g.tasks)
     if policy == "rotated":  # rank 2 serves peer 0 (= 2 + 1 mod 3) before peer 1 among ready comm tasks
-        first = min((e for e in tr.events if e.op == "all_to_all"), key=lambda e: (e.start, e.tid))
+        first = min((e for e in tr.events if e.op == "all_to_all"), key=lambda e: (e.start, e.task_id))
         assert first.tags["peer"] == 0
     p = problem(1, **SHAPE, seed=6)
     executor = ThreadExecutor({"cube": 2, "vector": 1}, policy=make_policy(policy, **opts))
@@ -235,7 +235,7 @@ def test_memory_estimate_matches_what_a_run_allocates(ep):
 def test_build_graph_from_yaml_and_cli(tmp_path, capsys):
     path = tmp_path / "moe.yaml"
     path.write_text("megamoe:\n  tokens: 64\n  hidden: 32\n  intermediate: 16\n  experts: 8\n  top_k: 2\n  ep: 2\n")
-    g = build_graph(spec=str(path), direction="bwd", routing="random")
+    g = MEGAMOE(spec=str(path), direction="bwd", routing="random")
     assert g.name == "megamoe.bwd.r0" and any(t.op == "moe_wgrad" for t in g.tasks)
     from megaloom.cli import main
     assert main(["simulate", "--graph", f"megamoe:spec={path},schedule=sequential", "--profile", "atlas-a3"]) == 0

@@ -4,8 +4,8 @@ import torch
 
 from megaloom.comm.spawn import run_world
 from megaloom.graphs import MegaMoE, moe_reference
-from megaloom.graphs.megamoe import MegaMoEFunction
-from megaloom.graphs.megamoe_ep import ep_check, problem
+from megaloom.graphs.moe import MegaMoEFunction
+from megaloom.graphs.moe.ep import ep_check, problem
 from megaloom.runtime.testing import rel_l2
 from megaloom.runtime.errors import ConfigError
 
@@ -73,7 +73,7 @@ def test_module_rejects_bad_inputs():
         moe(torch.randn(3, 8, dtype=torch.float64), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2))
     with pytest.raises(ConfigError, match="top-k ids must lie in"):
         moe(torch.randn(3, 8), torch.full((3, 2), 4), torch.rand(3, 2))
-    from megaloom.graphs.megamoe import MegaMoERunner, MegaMoESpec
+    from megaloom.graphs.moe import MegaMoERunner, MegaMoESpec
     two = type("C", (), {"world_size": 2, "rank": 0})()
     with pytest.raises(ConfigError, match="ep=1 but the communicator has 2 ranks"):
         MegaMoERunner(MegaMoESpec(4, 8, 4, 4, 2), comm=two)

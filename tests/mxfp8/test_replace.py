@@ -1,13 +1,13 @@
-"""Config-driven replacement: the generic plan (megaloom.replace) and the low_precision section."""
+"""Config-driven replacement: the generic plan (megaloom.models.replace) and the low_precision section."""
 import io
 
 import pytest
 import torch
 from torch import nn
 
-from megaloom.low_precision import apply_low_precision, low_precision_rules
+from megaloom.models.plan import apply_low_precision, low_precision_rules
 from megaloom.ops.mxfp8 import GroupedExperts, MXFP8GroupedExperts, MXFP8Linear
-from megaloom.replace import ReplacementPlan, Rule
+from megaloom.models.replace import ReplacementPlan, Rule
 from megaloom.runtime.errors import ConfigError
 
 

@@ -43,7 +43,7 @@ def test_real_profiler_trace_imports_with_classes_shapes_and_flows(profiled):
     assert next(e for e in trace.events if e.op == "aten::silu").engine == "vector"
     assert report.nested > 0 and report.flows > 0 and report.tasks == len(trace.events)
     for e in trace.events:  # acyclic and time-consistent: every dependency is earlier
-        assert all(d < e.tid for d in e.deps)
+        assert all(d < e.task_id for d in e.deps)
     assert 0 < critical_path(trace.events) <= trace.makespan * 1.0001
 
 
@@ -116,8 +116,8 @@ def test_gpu_launch_correlation_stream_wait_and_contradiction(tmp_path):
     ev = {e.op: e for e in trace.events}
     assert ev["cudaLaunchKernel"].engine == "host" and ev["sm90_xmma_gemm"].engine == "cube"
     assert ev["ncclKernel_AllReduce"].engine == "comm"
-    assert ev["cudaLaunchKernel"].tid in ev["sm90_xmma_gemm"].deps
-    assert ev["ncclKernel_AllReduce"].tid in ev["vectorized_elementwise_kernel"].deps
+    assert ev["cudaLaunchKernel"].task_id in ev["sm90_xmma_gemm"].deps
+    assert ev["ncclKernel_AllReduce"].task_id in ev["vectorized_elementwise_kernel"].deps
     assert report.correlations == 1 and report.stream_waits == 1 and report.contradictions == 1
 
 
@@ -150,4 +150,4 @@ def test_fuzzed_input_imports_or_raises_trace_format_error(tmp_path, events):
     except TraceFormatError:
         return
     for e in trace.events:
-        assert all(d < e.tid for d in e.deps) and e.end >= e.start
+        assert all(d < e.task_id for d in e.deps) and e.end >= e.start

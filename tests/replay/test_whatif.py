@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megaloom.cli import main
-from megaloom.demo import build_demo_graph, demo_inputs
+from megaloom.commands.demo import build_demo_graph, demo_inputs
 from megaloom.runtime import ConfigError, ThreadExecutor, Trace
 from megaloom.scheduler import CostModel, Simulator, load_profile
 from megaloom.scheduler.fit import calibrated_profile, fit_traces
@@ -30,12 +30,12 @@ def test_replay_on_another_device_scales_each_task_by_the_cost_model_ratio(execu
     g, trace = executed
     cpu, h100 = load_profile("cpu"), load_profile("h100")
     ratio = device_ratio(cpu, h100)
-    out = {e.tid: e for e in replay(trace, "h100", recorded_profile="cpu").trace.events}
+    out = {e.task_id: e for e in replay(trace, "h100", recorded_profile="cpu").trace.events}
     for e in trace.events:
-        c = g.costs()[e.tid]
+        c = g.costs()[e.task_id]
         want = CostModel(h100).duration(c, e.engine, op=e.op) / CostModel(cpu).duration(c, e.engine, op=e.op)
         assert ratio(e) == pytest.approx(want)
-        assert out[e.tid].duration == pytest.approx(e.duration * want)
+        assert out[e.task_id].duration == pytest.approx(e.duration * want)
 
 
 def test_host_engine_keeps_its_duration():

@@ -140,7 +140,7 @@ def test_trace_round_trip(tmp_path):
     (lambda d: d.update(columns=["tid", "op"] + d["columns"][2:]), "bad trace layout"),
     (lambda d: d["events"][0].pop(), "event 0 has 13 fields, expected 14"),
     (lambda d: d["events"][1].__setitem__(6, "x"), "event 1 field 'start' has type str"),
-    (lambda d: d["events"][1].__setitem__(0, True), "event 1 field 'tid' has type bool"),
+    (lambda d: d["events"][1].__setitem__(0, True), "event 1 field 'task_id' has type bool"),
     (lambda d: d.update(events={}), "bad trace layout"),
 ])
 def test_bad_trace_files(tmp_path, mutate, needle):
@@ -162,6 +162,25 @@ def test_older_trace_without_optional_columns_loads(tmp_path):
     _write(p, d)
     t = Trace.load(p)
     assert t.events[1].deps == [] and t.events[1].end == 2.0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_trace_of_an_older_schema_loads_under_the_new_names(tmp_path, version):
+    p = tmp_path / "t.mlt"
+    _trace().save(p)
+    d = msgpack.unpackb(p.read_bytes())
+    assert d["version"] == TRACE_VERSION == 3 and d["columns"][0] == "task_id"
+    d["version"], d["columns"][0] = version, "tid"  # the task id column's name before version 3
+    if version == 1:  # version 1 had no precision column
+        d["columns"] = d["columns"][:-1]
+        d["events"] = [row[:-1] for row in d["events"]]
+    _write(p, d)
+    t = Trace.load(p)
+    assert [e.task_id for e in t.events] == [0, 1] and t.events[1].deps == [0]
+    d["version"] = 3  # a current file must use the current names
+    _write(p, d)
+    with pytest.raises(TraceFormatError, match="bad trace layout"):
+        Trace.load(p)
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):
@@ -188,3 +207,39 @@ def test_unencodable_trace_raises_and_keeps_old_file(tmp_path):
     with pytest.raises(TraceFormatError, match="not msgpack-encodable"):
         bad.save(p)
     assert Trace.load(p).events == _trace().events
+
+
+def test_written_files_honour_the_umask_and_keep_an_overwritten_mode(tmp_path):
+    import os
+
+    from megaloom.runtime.files import atomic_write
+
+    old = os.umask(0o022)
+    try:
+        p = tmp_path / "a.bin"
+        atomic_write(p, b"1")
+        assert p.stat().st_mode & 0o777 == 0o644
+        os.chmod(p, 0o664)
+        atomic_write(p, b"2")
+        assert p.stat().st_mode & 0o777 == 0o664 and p.read_bytes() == b"2"
+        os.umask(0o077)
+        _trace().save(tmp_path / "t.mlt")
+        assert (tmp_path / "t.mlt").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_yaml_reads_1_2_floats_and_names_bad_files(tmp_path):
+    from megaloom.runtime.errors import ConfigError, FileFormatError
+    from megaloom.runtime.files import load_yaml
+
+    p = tmp_path / "o.yaml"
+    p.write_text("rms_eps: 1e-6\nlr: 3.0E+2\nname: x\n")
+    assert load_yaml(p) == {"rms_eps": 1e-6, "lr": 300.0, "name": "x"}
+    p.write_bytes(b"a: \xff\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_yaml(p, "options")
+    p.write_text("a: [1\n")
+    with pytest.raises(ConfigError, match="o.yaml: options is not valid YAML"):
+        load_yaml(p, "options")
+    assert issubclass(TraceFormatError, FileFormatError)

@@ -86,7 +86,7 @@ def test_write_after_the_read_does_not_count():
 
 def test_two_unordered_writes_from_explicit_edges():
     # derived edges always order writers; a graph of explicit edges only (as loaded from a file) may not
-    from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
+    from megaloom.runtime.serialize import graph_to_dict
 
     g = TaskGraph("w")
     x, y = g.input("x", (4,)), g.output("y", (4,))
@@ -94,10 +94,10 @@ def test_two_unordered_writes_from_explicit_edges():
     g.task("copy", [x[0:2]], [y[0:2]], name="w2")
     d = graph_to_dict(g)
     d["pred"] = [[], []]
-    e = raises(graph_from_dict(d), "'w1' and 'w2' both write buffer 'y'")
+    e = raises(TaskGraph.from_dict(d), "'w1' and 'w2' both write buffer 'y'")
     assert e.tasks == ("w1",)
     d["pred"] = [[], [0]]
-    graph_from_dict(d).validate()
+    TaskGraph.from_dict(d).validate()
 
 
 def test_engine_without_units_is_a_schedule_error():
@@ -141,16 +141,16 @@ def test_later_writer_cannot_be_ordered_before_the_reader():
 
 
 def test_loaded_graph_without_the_raw_edge_reads_unwritten_data():
-    from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
+    from megaloom.runtime.serialize import graph_to_dict
 
     g = TaskGraph("lost")
     x, h, y = g.input("x", (2,)), g.buffer("h", (2,)), g.output("y", (2,))
     g.task("copy", [x], [h], name="writer")
     g.task("copy", [h], [y], name="reader")
     d = graph_to_dict(g)
-    graph_from_dict(d).validate()
+    TaskGraph.from_dict(d).validate()
     d["pred"] = [[], []]
-    raises(graph_from_dict(d), "'reader' reads h, but no task ordered before it writes h")
+    raises(TaskGraph.from_dict(d), "'reader' reads h, but no task ordered before it writes h")
 
 
 def test_long_accumulation_chains_validate_fast():

@@ -3,7 +3,7 @@ import pytest
 
 import megaloom.comm.ops  # noqa: F401  (registers the comm ops)
 from megaloom.cli import main
-from megaloom.graphs.megamoe import MegaMoESpec, build_forward, build_world as moe_world, synthetic_counts
+from megaloom.graphs.moe import MEGAMOE, MegaMoESpec, build_forward, synthetic_counts
 from megaloom.runtime import Cost, TaskGraph
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.scheduler import Simulator
@@ -37,7 +37,7 @@ STEP = [("noop", "cube", 1.0, []), ("all_reduce", "comm", 0.5, [0]), ("noop", "c
 def by_rank(trace):
     out = {}
     for e in trace.events:
-        out.setdefault(e.rank, {})[e.tid] = e
+        out.setdefault(e.rank, {})[e.task_id] = e
     return out
 
 
@@ -118,7 +118,7 @@ def test_mismatched_collectives_raise():
 def test_megamoe_ep_world(ep):
     spec = MegaMoESpec(tokens=32, hidden=16, intermediate=16, experts=8, top_k=2, ep=ep, tile_m=8)
     graphs = [build_forward(spec, synthetic_counts(spec, "skewed", rank=r)) for r in range(ep)]
-    assert [g.name for g in moe_world(**{**spec.to_dict(), "routing": "skewed"})] == [g.name for g in graphs]
+    assert [g.name for g in MEGAMOE.world(**{**spec.to_dict(), "routing": "skewed"})] == [g.name for g in graphs]
     trace = simulate_world(graphs, "atlas-a3", policy="critical_path").trace
     ranks = by_rank(trace)
     assert sorted(ranks) == list(range(ep)) and sum(map(len, ranks.values())) == sum(map(len, graphs))

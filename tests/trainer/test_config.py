@@ -1,7 +1,7 @@
 """Config schema: defaults, every problem reported at once, overrides, files."""
 import pytest
 
-from megaloom.config import SCHEMA, load_config, parse_overrides, validate
+from megaloom.train.config import SCHEMA, load_config, parse_overrides, validate
 from megaloom.runtime.errors import ConfigError
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megaloom.data import SyntheticTokens, TextTokens
+from megaloom.train.data import SyntheticTokens, TextTokens
 from megaloom.runtime.errors import ConfigError
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megaloom.comm.spawn import run_world
-from megaloom.trainer import Trainer, causal_lm_loss
+from megaloom.train.trainer import Trainer, causal_lm_loss
 
 from .tiny import tiny_config
 

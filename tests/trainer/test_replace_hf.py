@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from megaloom.hf_moe import build_model
-from megaloom.model_plan import apply_config_plan, probe_logits
+from megaloom.models.hf_moe import build_model
+from megaloom.models.plan import apply_config_plan, probe_logits
 from megaloom.runtime.errors import ConfigError
-from megaloom.swaps import MegaMoEBlock
-from megaloom.trainer import Trainer
+from megaloom.models.swaps import MegaMoEBlock
+from megaloom.train.trainer import Trainer
 
 from .tiny import max_rel_err, tiny_config
 

@@ -4,10 +4,10 @@ import json
 import pytest
 
 from megaloom.cli import main
-from megaloom.config import validate
+from megaloom.train.config import validate
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.trace import Trace
-from megaloom.trainer import Trainer, lr_factor
+from megaloom.train.trainer import Trainer, lr_factor
 
 from .tiny import tiny_config, tiny_raw
 
@@ -88,7 +88,7 @@ def test_cli_train_and_errors(tmp_path, capsys):
 
 
 def test_local_checkpoint_model_and_text_data(tmp_path):
-    from megaloom.hf_moe import build_model
+    from megaloom.models.hf_moe import build_model
 
     from .tiny import QWEN3_MOE
 

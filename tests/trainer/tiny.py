@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from megaloom.config import Config, merge, validate
-from megaloom.model_plan import max_rel_err  # noqa: F401  (the parity metric, re-exported for the tests)
+from megaloom.train.config import Config, merge, validate
+from megaloom.models.plan import max_rel_err  # noqa: F401  (the parity metric, re-exported for the tests)
 
 QWEN3_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,

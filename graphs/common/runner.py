@@ -1,0 +1,78 @@
+"""The one graph runner of the torch modules (MegaMoE, MegaGate, MegaMHC): graphs built once
+per spec and arguments (a bounded LRU cache), run on one executor convention.
+
+``executor`` is a name of :data:`~megaloom.runtime.executors.EXECUTORS`, ``"thread"`` (a
+:class:`ThreadExecutor` with ``units`` per engine kind, one per engine the graph uses by
+default, ordered by ``policy``) or ``"reference"``, made for each run on the inputs' device with this rank's context and communicator; or an
+:class:`Executor` object, used as given: it must run on the inputs' device and, across
+ranks, hold the communicator in its context.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Mapping
+
+import torch
+
+from megaloom.runtime.errors import ConfigError, ExecutionError
+from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor
+from megaloom.runtime.executors.base import RunResult
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.trace import Trace
+
+class GraphRunner:
+    """Builds graphs with a family's :class:`~megaloom.graphs.common.builder.GraphBuilder`, caches
+    them, and runs them; ``last_trace[direction]`` keeps the trace of the latest run of each direction."""
+
+    def __init__(self, executor: str | Executor = "thread", *, units: Mapping[str, int] | None = None,
+                 policy: Any = None, comm: Any = None, cache_size: int = 16):
+        if not isinstance(executor, Executor):
+            EXECUTORS.get(executor)  # an unknown name raises ConfigError listing the known ones
+        self.comm, self.rank, self.world_size = comm, getattr(comm, "rank", 0), getattr(comm, "world_size", 1)
+        ctx = getattr(executor, "ctx", None)
+        if isinstance(executor, Executor) and self.world_size > 1 and getattr(ctx, "comm", None) is not comm:
+            raise ConfigError(f"executor {executor.name!r} across {self.world_size} ranks: its ExecContext must "
+                              "hold the communicator")
+        self.executor, self.units, self.policy = executor, dict(units) if units else None, policy
+        self.cache_size = cache_size
+        self._graphs: OrderedDict[tuple, TaskGraph] = OrderedDict()
+        self.last_trace: dict[str, Trace] = {}
+
+    def graph(self, family: Any, spec: Any, direction: str = "fwd", *args: Any, **kw: Any) -> TaskGraph:
+        """``family.build(spec, direction, *args, **kw)``, validated; built once per (hashable) arguments."""
+        key = (family.name, direction, spec, args, tuple(sorted(kw.items())))
+        g = self._graphs.get(key)
+        if g is None:
+            g = family.build(spec, direction, *args, **kw).validate()
+            self._graphs[key] = g
+            while len(self._graphs) > self.cache_size:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        return g
+
+    def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor], direction: str = "fwd", *,
+            contiguous: bool = True) -> RunResult:
+        """Run ``graph`` on ``inputs``, detached and made contiguous (``contiguous=False`` passes them
+        as they are, e.g. transposed weight views, with no copy)."""
+        inputs = {k: (v.detach().contiguous() if contiguous else v.detach()) for k, v in inputs.items()}
+        device = next(iter(inputs.values())).device
+        res = self.executor_for(graph, device).run(graph, inputs)
+        self.last_trace[direction] = res.trace
+        return res
+
+    def executor_for(self, graph: TaskGraph, device: torch.device) -> Executor:
+        """The executor of a run on ``device``."""
+        if isinstance(self.executor, Executor):
+            ex, ctx = self.executor, getattr(self.executor, "ctx", None)
+            if ctx is not None and torch.device(ctx.device).type != device.type:
+                raise ExecutionError(f"graph {graph.name!r}: inputs are on {device}, but executor {ex.name!r} runs "
+                                     f"on {ctx.device}; give it ExecContext(device=...) of the inputs' device")
+            return ex
+        ctx = ExecContext(rank=self.rank, world_size=self.world_size, comm=self.comm, device=device)
+        cls = EXECUTORS.get(self.executor)
+        if cls is ReferenceExecutor:
+            return cls(ctx)
+        from megaloom.scheduler import make_policy
+
+        return cls(self.units, policy=make_policy(self.policy), ctx=ctx)

@@ -1,0 +1,231 @@
+"""Vector tile ops of MegaMHC (manifold-constrained hyper-connections, ``n`` residual streams).
+
+| op                | engine | what it computes (one token tile)                                          |
+|-------------------|--------|----------------------------------------------------------------------------|
+| mhc_mix_norm      | vector | new residual ``R^T h + post (x) y``, the inverse RMS of its flattening, and  |
+|                   |        | the block input ``RMSNorm(sum_j pre_j new_j) * norm_w``                     |
+| mhc_coeff         | vector | next pre / post / residual mix from the projected logits (Sinkhorn on the mix) |
+| mhc_coeff_bwd     | vector | gradient of mhc_coeff: logits, inverse RMS, and per-tile alpha / bias partials |
+| mhc_mix_norm_bwd  | vector | gradient of mhc_mix_norm, plus per-tile norm-weight partials                  |
+
+Logit layout (``m = n*n + 2n``; 24 for n = 4): ``l[:, 0:n]`` pre, ``l[:, n:2n]`` post,
+``l[:, 2n:]`` the mix, row-major ``[n, n]`` (mix entry ``n*i + j`` is row i, column j). The bias
+splits the same way; alpha is ``(a_pre, a_post, a_mix)``. ``l = raw * inv_rms``, where
+``raw = flat(new) @ phi^T`` (the RMS normalisation commutes with the projection, so it is
+applied after the cube stage as one scale per token).
+
+The backward references are the ``torch.autograd.functional.vjp`` of the forward
+references; the kernels are the analytic gradients (the Sinkhorn iterations are
+reversed step by step from stored row and column sums). Tests check one against the other.
+``mhc_mix_norm_bwd`` reads the saved ``new`` and ``inv_rms``, which must be mhc_mix_norm's
+outputs for the same inputs (its reference recomputes them).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megaloom.graphs.common.ops import acc_dtype, up
+from megaloom.runtime.errors import GraphError
+from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
+
+
+def _check(name: str, ins: list[TensorSpec], want: list[tuple[int, ...] | None]) -> None:
+    got = [s.shape for s in ins]
+    if len(ins) != len(want) or any(w is not None and g != w for g, w in zip(got, want)):
+        raise GraphError(f"{name}: operand shapes {got} do not match {want}")
+
+
+def _bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
+    return float(sum(s.nbytes for s in ins) + sum(o.nbytes for o in outs))
+
+
+def _cost(flops_per_elem: float, elem_operand: int = 0):
+    def cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+        return Cost(flops_per_elem * ins[elem_operand].numel, _bytes(ins, outs))
+    return cost
+
+
+# -- forward references ------------------------------------------------------------------
+def mix_norm_ref(y, h, pre, post, res, norm_w, rms_eps: float = 1e-6):
+    """(new, inv_rms, block): ``new_i = sum_j res[j, i] h_j + post_i y`` stored in h's dtype,
+    the inverse RMS of flat(new), and ``RMSNorm(sum_j pre_j new_j) * norm_w`` (from the stored new)."""
+    new = (torch.einsum("tji,tjh->tih", res, up(h)) + post.unsqueeze(-1) * up(y).unsqueeze(1)).to(h.dtype)
+    nw = up(new)
+    inv = torch.rsqrt(nw.flatten(1).pow(2).mean(-1, keepdim=True) + rms_eps)
+    z = (pre.unsqueeze(-1) * nw).sum(1)
+    block = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + rms_eps) * up(norm_w)).to(h.dtype)
+    return new, inv, block
+
+
+def sinkhorn(m: torch.Tensor, iters: int) -> torch.Tensor:
+    """``iters`` rounds of row then column normalisation of positive [..., n, n] matrices."""
+    for _ in range(iters):
+        m = m / m.sum(-1, keepdim=True)
+        m = m / m.sum(-2, keepdim=True)
+    return m
+
+
+def split_logits(l: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [.., n], post [.., n], mix [.., n, n]) parts of logits laid out as the module docstring says."""
+    return l[..., :n], l[..., n:2 * n], l[..., 2 * n:].unflatten(-1, (n, n))
+
+
+def coeff_ref(raw, inv_rms, alpha, bias, n: int = 4, iters: int = 20, pre_eps: float = 1e-6):
+    """Next (pre, post, res) from the projected logits ``raw * inv_rms``."""
+    lp, lq, lr = split_logits(raw * inv_rms, n)
+    bp, bq, br = split_logits(bias, n)
+    pre = torch.sigmoid(alpha[0] * lp + bp) + pre_eps
+    post = 2 * torch.sigmoid(alpha[1] * lq + bq)
+    return pre, post, sinkhorn(torch.softmax(alpha[2] * lr + br, -1), iters)
+
+
+# -- forward kernels ---------------------------------------------------------------------
+def _mix_norm_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, pre, post, res, w = ins
+    new, inv, block = outs
+    new.copy_(torch.matmul(res.transpose(1, 2), up(h)).addcmul_(post.unsqueeze(-1), up(y).unsqueeze(1)))
+    nw = up(new)  # the stored (rounded) values, as a later reader sees them
+    torch.rsqrt(nw.flatten(1).square().mean(-1, keepdim=True).add_(rms_eps), out=inv)
+    z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
+    block.copy_(F.rms_norm(z, (z.shape[-1],), up(w), rms_eps))
+
+
+def _coeff_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
+    raw, inv, alpha, bias = ins
+    pre, post, res = outs
+    lp, lq, lr = split_logits(raw * inv, n)
+    bp, bq, br = split_logits(bias, n)
+    torch.sigmoid(torch.addcmul(bp, lp, alpha[0]), out=pre).add_(pre_eps)
+    torch.sigmoid(torch.addcmul(bq, lq, alpha[1]), out=post).mul_(2)
+    res.copy_(torch.softmax(torch.addcmul(br, lr, alpha[2]), -1))
+    for _ in range(iters):
+        res.div_(res.sum(-1, keepdim=True))
+        res.div_(res.sum(-2, keepdim=True))
+
+
+# -- backward references: VJPs of the forward references ---------------------------------
+def _coeff_bwd_ref(raw, inv_rms, alpha, bias, g_pre, g_post, g_res, n: int = 4, iters: int = 20, pre_eps: float = 1e-6):
+    def f(r, i, a, b):
+        return coeff_ref(r, i, a, b, n, iters, pre_eps)
+
+    _, (gr, gi, ga, gb) = torch.autograd.functional.vjp(f, (raw, inv_rms, alpha, bias), (g_pre, g_post, g_res))
+    return gr, gi, ga.unsqueeze(0), gb.unsqueeze(0)
+
+
+def _mix_norm_bwd_ref(y, h, pre, post, res, norm_w, new, inv_rms, g_new, g_flat, g_block, g_inv,
+                      rms_eps: float = 1e-6):
+    def f(y_, h_, pre_, post_, res_, w_):
+        return mix_norm_ref(y_, h_, pre_, post_, res_, w_, rms_eps)
+
+    x = (up(y), up(h), pre, post, res, up(norm_w))
+    _, (gy, gh, gpre, gpost, gres, gw) = torch.autograd.functional.vjp(f, x, (up(g_new) + g_flat, g_inv, up(g_block)))
+    return gy.to(y.dtype), gh.to(h.dtype), gpre, gpost, gres, gw.unsqueeze(0)
+
+
+# -- backward kernels: analytic gradients ------------------------------------------------
+def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
+    raw, inv, alpha, bias, g_pre, g_post, g_res = ins
+    g_raw, g_inv, g_alpha, g_bias = outs
+    l = raw * inv
+    lp, lq, lr = split_logits(l, n)
+    bp, bq, br = split_logits(bias, n)
+    sp = torch.sigmoid(alpha[0] * lp + bp)
+    sq = torch.sigmoid(alpha[1] * lq + bq)
+    g_zp = g_pre * sp * (1 - sp)
+    g_zq = 2 * g_post * sq * (1 - sq)
+    m0 = torch.softmax(alpha[2] * lr + br, -1)
+    steps, m = [], m0  # (row sums, row-normalised, column sums, column-normalised) per round
+    for _ in range(iters):
+        r = m.sum(-1, keepdim=True)
+        a = m / r
+        c = a.sum(-2, keepdim=True)
+        m = a / c
+        steps.append((r, a, c, m))
+    g = g_res
+    for r, a, c, m in reversed(steps):
+        g = (g - (g * m).sum(-2, keepdim=True)) / c
+        g = (g - (g * a).sum(-1, keepdim=True)) / r
+    g_zr = m0 * (g - (g * m0).sum(-1, keepdim=True))
+    g_z = torch.cat([g_zp, g_zq, g_zr.flatten(1)], -1)
+    gl_p, gl_q, gl_r = g_zp * alpha[0], g_zq * alpha[1], g_zr.flatten(1) * alpha[2]
+    g_l = torch.cat([gl_p, gl_q, gl_r], -1)
+    torch.mul(g_l, inv, out=g_raw)
+    torch.sum(g_l * raw, -1, keepdim=True, out=g_inv)
+    g_alpha.copy_(torch.stack([(g_zp * lp).sum(), (g_zq * lq).sum(), (g_zr * lr).sum()]).unsqueeze(0))
+    torch.sum(g_z, 0, keepdim=True, out=g_bias)
+
+
+def _mix_norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, pre, post, res, w, new, inv, g_new, g_flat, g_block, g_inv = ins
+    g_y, g_h, g_pre, g_post, g_res, g_w = outs
+    nw, gb = up(new), up(g_block)
+    # block input: z = sum_j pre_j new_j, out = z r w with r = (mean z^2 + eps)^-1/2
+    z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
+    r = torch.rsqrt(z.square().mean(-1, keepdim=True) + rms_eps)
+    torch.sum(gb * z * r, 0, keepdim=True, out=g_w)
+    u = gb * up(w)
+    g_z = r * u - z * r.pow(3) * (u * z).mean(-1, keepdim=True)
+    torch.sum(nw * g_z.unsqueeze(1), -1, out=g_pre)
+    # total gradient of new: its own, the projection's, the block input's, the inverse RMS's
+    g = up(g_new) + g_flat
+    g.addcmul_(pre.unsqueeze(-1), g_z.unsqueeze(1))
+    g.addcmul_(nw, (g_inv * inv.pow(3) / -(nw.shape[1] * nw.shape[2])).unsqueeze(-1))
+    # new_i = sum_j res[j, i] h_j + post_i y
+    g_h.copy_(torch.bmm(res, g))
+    torch.bmm(up(h), g.transpose(1, 2), out=g_res)
+    torch.sum(g * up(y).unsqueeze(1), -1, out=g_post)
+    g_y.copy_(torch.bmm(post.unsqueeze(1), g).squeeze(1))
+
+
+# -- shape rules -------------------------------------------------------------------------
+def _dims(ins: list[TensorSpec]) -> tuple[int, int, int]:
+    """(t, n, H) from the streams operand h (the second)."""
+    return (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
+
+
+def _mix_norm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = _dims(ins)
+    _check("mhc_mix_norm", ins, [(t, hd), (t, n, hd), (t, n), (t, n), (t, n, n), (hd,)])
+    return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype)), ins[0]]
+
+
+def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    n = int(attrs.get("n", 4))
+    t = ins[0].shape[0] if ins and ins[0].shape else 0
+    m = n * n + 2 * n
+    _check("mhc_coeff", ins, [(t, m), (t, 1), (3,), (m,)])
+    dt = ins[0].dtype
+    return [TensorSpec((t, n), dt), TensorSpec((t, n), dt), TensorSpec((t, n, n), dt)]
+
+
+def _coeff_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    n = int(attrs.get("n", 4))
+    t = ins[0].shape[0] if ins and ins[0].shape else 0
+    m = n * n + 2 * n
+    _check("mhc_coeff_bwd", ins, [(t, m), (t, 1), (3,), (m,), (t, n), (t, n), (t, n, n)])
+    dt = ins[0].dtype
+    return [TensorSpec((t, m), dt), TensorSpec((t, 1), dt), TensorSpec((1, 3), dt), TensorSpec((1, m), dt)]
+
+
+def _mix_norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = _dims(ins)
+    _check("mhc_mix_norm_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n), (t, n, n), (hd,), (t, n, hd), (t, 1),
+                                     (t, n, hd), (t, n, hd), (t, hd), (t, 1)])
+    return [ins[0], ins[1], ins[2], ins[3], ins[4], TensorSpec((1, hd), acc_dtype(ins[1].dtype))]
+
+
+SINKHORN_FLOPS = 4.0  # per matrix entry and round: a sum and a divide, rows then columns
+
+register(OpDef("mhc_mix_norm", ("vector",), mix_norm_ref, _mix_norm_shape, _cost(16.0, 1), _mix_norm_kernel,
+               doc="new residual R^T h + post (x) y, the inverse RMS of its flattening, and the block input"))
+register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
+               lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
+               _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
+register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
+               lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
+               _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)",
+               grad_of=GradOf("mhc_coeff", "x0 x1 x2 x3 dy0 dy1 dy2", "dx0 dx1 dx2 dx3")))
+register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(30.0, 1),
+               _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm, plus the per-tile norm-weight partial",
+               grad_of=GradOf("mhc_mix_norm", "x0 x1 x2 x3 x4 x5 y0 y1 dy0 dy0 dy2 dy1", "dx0 dx1 dx2 dx3 dx4 dx5")))

@@ -1,0 +1,300 @@
+"""MegaMoE forward and backward task graphs (one EP rank's view), tile by tile.
+
+Forward, per local expert ``e`` (dependencies are per expert, so experts overlap)::
+
+    x --gather--> xs --all_to_all--> xr[e] --GMM1--> gu[e] --SwiGLU--> a[e] --GMM2--> y[e]
+                  (self rows go straight to xr)                                       |
+    out <--weighted sum over top-k-- yc <--all_to_all (combine; self rows: copy)------+
+
+Backward::
+
+    dout --gather * w--> dys --all_to_all--> dyr[e] --+--> dA = dY W2^T --SwiGLU grad--> dgu[e]
+                                                      +--> dW2[e] = A^T dY             |
+    dx <--sum over top-k-- dxs <--all_to_all-- dxr[e] <-- dX = dG W1^T <---------------+
+                                                          dW1[e] = X^T dG <------------+
+    dw[t, j] = <dout[t], yc[pos[t, j]]>  (top-k weight gradient, off the expert path)
+
+All-to-alls go in rounds with a rotated destination order: in round ``j`` rank ``r``
+sends to ``(r + j) % W`` and receives from ``(r - j) % W`` (rank r starts with r + 1;
+round 0, its own rows, is a local copy); one collective per (expert, round, chunk of at
+most ``comm_tile`` rows), the chunk count being the same on every rank. Every rank issues the same collectives in the
+same order (a chain of control edges, ``ordered_comm``), so real execution never
+mismatches collectives; a round no rank has rows for is skipped on every rank. Without
+the chain (``ordered_comm=False``: simulation of one-sided puts, as MegaKernels issue
+them) comm tasks of different peers and experts may run at once on several channels.
+Tasks carry the tags ``stage``, ``expert``, ``group``, ``rank``, ``peer``, ``direction``
+(and ``round`` and ``link`` for comm).
+
+Schedules: ``sequential`` puts a barrier between stages (the no-overlap baseline);
+``interleaved`` keeps only data dependencies, gives expert group ``g`` priority
+``-g``, and runs dispatch one group ahead of combine in the collective chain.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from megaloom.graphs.common.builder import GraphBuilder
+from megaloom.graphs.common.spec import load_options, parse_spec
+from megaloom.graphs.common.tags import tags
+from megaloom.graphs.common.tiles import split, tile_ranges
+from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
+from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
+
+FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
+BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
+
+
+def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
+    """Chunk ``i`` of ``tile`` rows of a row block (empty past its end)."""
+    lo, hi = block
+    return min(lo + i * tile, hi), min(lo + (i + 1) * tile, hi)
+
+
+class _Builder:
+    """Adds the tasks of one direction: tags, stage barriers, the collective chain."""
+
+    def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str):
+        self.g, self.spec, self.c, self.direction = g, spec, counts, direction
+        self.rank, self.W, self.El = counts.rank, spec.ep, spec.experts_local
+        self.sequential = spec.schedule == "sequential"
+        self._stage_tasks: list[Task] = []
+        self._barrier: Task | None = None
+        self._comm: list[tuple[tuple[int, int, int], Task]] = []
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def stage(self, name: str) -> None:
+        """Start stage ``name``; under ``sequential`` it waits for every earlier task.
+        A task's ``stage`` tag is the current stage unless it passes its own."""
+        if self.sequential and self._stage_tasks:
+            self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine="vector",
+                                        after=self._stage_tasks, tags=self.tags(name))
+            self._stage_tasks = []
+        self._stage = name
+
+    def tags(self, stage: str, expert: int | None = None, peer: int | None = None) -> dict:
+        group = None if expert is None else self.spec.group_of(expert)
+        return tags(stage=stage, rank=self.rank, direction=self.direction, expert=expert, group=group, peer=peer)
+
+    def task(self, op: str, ins, outs, name: str, expert: int | None = None, peer: int | None = None,
+             engine: str | None = None, attrs: dict | None = None, **more: Any) -> Task:
+        prio = 0 if expert is None or self.sequential else -self.spec.group_of(expert)
+        t = self.g.task(op, ins, outs, name=f"{self.direction}.{name}", engine=engine, attrs=attrs,
+                        priority=prio, tags={**self.tags(self._stage, expert, peer), **tags(**more)},
+                        after=(self._barrier,) if self._barrier is not None else ())
+        self._stage_tasks.append(t)
+        return t
+
+    # -- shared pieces ---------------------------------------------------------------
+    def pack(self, src: Buffer, tok: Buffer, send: Buffer, recv: Buffer, scale: Buffer | None = None) -> None:
+        """Gather routed rows of ``src`` into the send layout (own rows: into ``recv``)."""
+        c, tm = self.c, self.spec.tile_m
+        for p in range(self.W):
+            for e in range(self.El):
+                lo, hi = c.send_block(p, e)
+                for a, b in tile_ranges(hi, tm, lo):
+                    if p == self.rank:
+                        r0 = c.recv_block(e, p)[0] + a - lo
+                        dst = recv[r0:r0 + b - a]
+                    else:
+                        dst = send[a:b]
+                    ins = [src, tok[a:b]] + ([scale[a:b]] if scale is not None else [])
+                    self.task("moe_gather", ins, [dst], f"gather.p{p}.e{e}.{a}", expert=e, peer=p)
+
+    def exchange(self, send: Buffer, recv: Buffer, expert: int, combine: bool) -> None:
+        """One expert's all-to-all rounds, each in chunks of at most ``comm_tile`` rows;
+        ``combine`` runs them from recv layout back to send layout."""
+        c, r, W, e = self.c, self.rank, self.W, expert
+        for j in range(1, W):
+            to, frm = (r + j) % W, (r - j) % W
+            if combine:  # owner r returns the rows of source `to`; gets its own rows back from `frm`
+                rows = [c.pair((s + j) % W, s, e) for s in range(W)]  # what rank s sends in this round
+                src_blk, dst_blk = c.recv_block(e, to), c.send_block(frm, e)
+            else:
+                rows = [c.pair(s, (s + j) % W, e) for s in range(W)]
+                src_blk, dst_blk = c.send_block(to, e), c.recv_block(e, frm)
+            src_buf, dst_buf = (recv, send) if combine else (send, recv)
+            tile = self.spec.comm_tile or max(rows + [1])
+            chunks = max(-(-n // tile) for n in rows)  # the same on every rank: 0 skips the round
+            for i in range(chunks):
+                (s0, s1), (d0, d1) = _chunk(src_blk, i, tile), _chunk(dst_blk, i, tile)
+                splits_s, splits_r = [0] * W, [0] * W
+                splits_s[to], splits_r[frm] = s1 - s0, d1 - d0
+                t = self.task("all_to_all", [src_buf[s0:s1]], [dst_buf[d0:d1]], f"{self._stage}.e{e}.j{j}.{i}",
+                              expert=e, peer=to, engine="comm", round=j, link="intra",
+                              attrs={"send_splits": splits_s, "recv_splits": splits_r})
+                self._comm.append((self._chain_slot(e, combine), t))
+        if combine and W > 1:  # own rows
+            lo, hi = c.recv_block(e, r)
+            if hi > lo:
+                s0 = c.send_block(r, e)[0]
+                self.task("copy", [recv[lo:hi]], [send[s0:s0 + hi - lo]], f"{self._stage}.e{e}.self",
+                          expert=e, peer=r, engine="vector")
+
+    def _chain_slot(self, e: int, combine: bool) -> tuple[int, int, int]:
+        grp = self.spec.group_of(e)
+        if self.sequential:
+            return (int(combine), grp, e)
+        return (2 * grp + 3 if combine else 2 * grp, grp, e)  # D0 D1 C0 D2 C1 ...: dispatch a group ahead
+
+    def chain_comm(self) -> None:
+        """Issue the collectives in one order on every rank (control edges; ``ordered_comm``)."""
+        if not self.spec.ordered_comm:
+            return
+        ordered = [t for _, t in sorted(self._comm, key=lambda kt: (kt[0], kt[1].id))]
+        for a, b in zip(ordered, ordered[1:]):
+            a.precede(b)
+
+    def gemm_tiles(self, stage: str, op_in: Buffer, weight: Buffer, out: Buffer, n: int, trans: bool) -> None:
+        """Row tiles x column blocks of ``out[rows_e] = op_in[rows_e] @ weight[e]`` for every expert."""
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
+                for c0, c1 in split(n, self.spec.cube_split):
+                    # column block c of op_in @ W[e] is op_in @ W[e][:, c]; of op_in @ W[e]^T, op_in @ W[e][c, :]^T
+                    w = weight[e:e + 1, c0:c1, :] if trans else weight[e:e + 1, :, c0:c1]
+                    self.task("moe_gmm", [op_in[a:b], w], [out[a:b, c0:c1]], f"{stage}.e{e}.{a}.c{c0}",
+                              expert=e, engine="cube", attrs={"trans_w": True} if trans else None)
+
+    def row_tiles(self, op: str, ins: list[Buffer], out: Buffer, stage: str) -> None:
+        """A vector op applied to each row tile of every expert."""
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
+                self.task(op, [x[a:b] for x in ins], [out[a:b]], f"{stage}.e{e}.{a}", expert=e)
+
+    def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
+        """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
+        blocks (zeros for an idle expert); the weight gradient stays on this rank."""
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
+                for c0, c1 in split(out.shape[2], self.spec.cube_split):
+                    self.task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
+                              f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube")
+
+    def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
+        """``op(*full, *tiled[tile])`` for each token tile."""
+        for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
+            self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
+
+
+def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, c: Counts, names: tuple[str, str], keep: tuple[bool, bool]):
+    """The send-layout and recv-layout buffers of one row stream (one buffer when W == 1)."""
+    def make(name: str, rows: int, out: bool) -> Buffer:
+        return (g.output if out else g.buffer)(name, (rows, spec.hidden), spec.dtype)
+    if spec.ep == 1:  # the layouts coincide
+        one = make(names[0] if keep[0] else names[1], c.recv_rows, any(keep))
+        return one, one
+    return make(names[0], c.send_rows, keep[0]), make(names[1], c.recv_rows, keep[1])
+
+
+def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> TaskGraph:
+    """Forward graph of rank ``counts.rank``. Inputs ``x [T, H]``, ``tok [S]``, ``pos [T, k]``,
+    ``w [T, k]``, ``gate_up [E_l, H, 2I]``, ``down [E_l, I, H]``; output ``out [T, H]`` and,
+    with ``save``, the activations the backward graph needs (``xr``, ``gu``, ``a``, ``yc``)."""
+    T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
+    dt, R, S = spec.dtype, counts.recv_rows, counts.send_rows
+    g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
+    x, tok = g.input("x", (T, H), dt), g.input("tok", (S,), "int64")
+    pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
+    w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
+    keep = g.output if save else g.buffer
+    xs, xr = _layout_buffers(g, spec, counts, ("xs", "xr"), (False, save))
+    gu, a = keep("gu", (R, 2 * I), dt), keep("a", (R, I), dt)
+    yc, y = _layout_buffers(g, spec, counts, ("yc", "y"), (save, False))
+    out = g.output("out", (T, H), dt)
+
+    b = _Builder(g, spec, counts, "fwd")
+    b.stage("dispatch")
+    b.pack(x, tok, xs, xr)
+    for e in range(El):
+        b.exchange(xs, xr, e, combine=False)
+    b.stage("gmm1")
+    b.gemm_tiles("gmm1", xr, w1, gu, 2 * I, trans=False)
+    b.stage("swiglu")
+    b.row_tiles("swiglu", [gu], a, "swiglu")
+    b.stage("gmm2")
+    b.gemm_tiles("gmm2", a, w2, y, H, trans=False)
+    b.stage("combine")
+    for e in range(El):
+        b.exchange(yc, y, e, combine=True)
+    b.stage("weighted_sum")
+    b.token_tiles("moe_unpermute_sum", [yc], [pos, w], out, "weighted_sum")
+    b.chain_comm()
+    return g
+
+
+def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
+    """Backward graph of rank ``counts.rank``. Inputs ``dout [T, H]``, ``tok``, ``pos``,
+    ``ws [S, 1]`` (top-k weights in send layout), the saved ``xr``, ``gu``, ``a``, ``yc`` and
+    the weights; outputs ``dx [T, H]``, ``dw [T, k]``, ``d_gate_up``, ``d_down``."""
+    T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
+    dt, R, S = spec.dtype, counts.recv_rows, counts.send_rows
+    g = TaskGraph(f"megamoe.bwd.r{counts.rank}")
+    dout, tok = g.input("dout", (T, H), dt), g.input("tok", (S,), "int64")
+    pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (S, 1), dt)
+    xr, gu, a = g.input("xr", (R, H), dt), g.input("gu", (R, 2 * I), dt), g.input("a", (R, I), dt)
+    yc = g.input("yc", (S, H), dt)
+    w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
+    dx, dw = g.output("dx", (T, H), dt), g.output("dw", (T, k), dt)
+    dw1, dw2 = g.output("d_gate_up", (El, H, 2 * I), dt), g.output("d_down", (El, I, H), dt)
+    dys, dyr = _layout_buffers(g, spec, counts, ("dys", "dyr"), (False, False))
+    da, dgu = g.buffer("da", (R, I), dt), g.buffer("dgu", (R, 2 * I), dt)
+    dxs, dxr = _layout_buffers(g, spec, counts, ("dxs", "dxr"), (False, False))
+
+    b = _Builder(g, spec, counts, "bwd")
+    b.stage("dispatch")
+    if not b.sequential:  # off the expert path: fills vector gaps while dY travels
+        _topk_grad(b, dout, yc, pos, dw)
+    b.pack(dout, tok, dys, dyr, scale=ws)
+    for e in range(El):
+        b.exchange(dys, dyr, e, combine=False)
+    b.stage("dgmm2")
+    b.gemm_tiles("dgmm2", dyr, w2, da, I, trans=True)
+    b.wgrad("wgrad2", a, dyr, dw2)
+    b.stage("swiglu_grad")
+    b.row_tiles("swiglu_grad", [gu, da], dgu, "swiglu_grad")
+    b.stage("dgmm1")
+    b.gemm_tiles("dgmm1", dgu, w1, dxr, H, trans=True)
+    b.wgrad("wgrad1", xr, dgu, dw1)
+    b.stage("combine")
+    for e in range(El):
+        b.exchange(dxs, dxr, e, combine=True)
+    b.stage("unpermute")
+    b.token_tiles("moe_unpermute_sum", [dxs], [pos], dx, "unpermute")
+    if b.sequential:
+        _topk_grad(b, dout, yc, pos, dw)
+    b.chain_comm()
+    return g
+
+
+def _topk_grad(b: _Builder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
+    for lo, hi in tile_ranges(b.spec.tokens, b.spec.tile_m):
+        b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}", stage="topk_grad")
+
+
+class MoEGraphBuilder(GraphBuilder):
+    """MegaMoE's graphs: the builders take the per-expert counts after the spec; from plain options
+    they come from ``routing`` (see :func:`synthetic_counts`), ``seed`` and ``rank``."""
+
+    extras = {"direction": "fwd", "routing": "balanced", "seed": 0, "rank": 0}
+
+    def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple:
+        return (synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"])),)
+
+    def world(self, spec: str | None = None, **options: Any) -> list[TaskGraph]:
+        """``megaloom simulate --graph megamoe:... --world``: every EP rank's graph (``rank = 0 .. ep - 1``,
+        same options and routing), for :func:`megaloom.scheduler.world.simulate_world`."""
+        with self.named():
+            opts = load_options(spec, self.name, options)
+            if "rank" in opts:
+                raise ConfigError(f"option rank={opts['rank']!r} conflicts with a world simulation, "
+                                  "which builds every rank")
+            ep = parse_spec(MegaMoESpec, {k: v for k, v in opts.items() if k not in self.extras}, what=self.label,
+                            also=self.extras).ep
+            return [self.from_options({**opts, "rank": r}) for r in range(ep)]
+
+
+MEGAMOE = MoEGraphBuilder("megamoe", "MegaMoE", MegaMoESpec, build_forward, build_backward)

@@ -1,0 +1,232 @@
+"""MoE tile ops: row gather, grouped-GEMM tiles, SwiGLU and its gradient, top-k sums.
+
+| op                | engine | what it computes                                                    |
+|-------------------|--------|---------------------------------------------------------------------|
+| moe_gather        | vector | ``src[idx]`` (times ``scale[:, None]`` when given): permute rows    |
+| moe_gmm           | cube   | ``x @ w`` (``w`` one expert's ``[1, k, n]`` slice; ``trans_w``)       |
+| moe_wgrad         | cube   | ``a^T @ b`` into one expert's ``[1, k, n]`` weight-gradient slice     |
+| swiglu            | vector | ``silu(g) * u`` with ``[g | u]`` the two halves of the last dim     |
+| swiglu_grad       | vector | ``[dg | du]`` of :func:`swiglu` given the upstream gradient         |
+| moe_unpermute_sum | vector | ``sum_k w[t, k] * rows[pos[t, k]]`` (``w`` optional: plain sum)      |
+| moe_topk_grad     | vector | ``dw[t, k] = <dout[t], rows[pos[t, k]]>``: gradient of top-k weights |
+
+Index operands (``idx``, ``pos``) are int64 regions of graph buffers, so one graph
+serves every routing with the same per-expert counts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from megaloom.ops.basic import precision
+from megaloom.runtime.errors import GraphError
+from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
+
+
+def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
+    return float(sum(s.nbytes for s in ins) + sum(s.nbytes for s in outs))
+
+
+def _elementwise(ins: list[TensorSpec], outs: list[TensorSpec], flops_per: float) -> Cost:
+    return Cost(flops=flops_per * outs[0].numel, bytes=_io_bytes(ins, outs), precision=precision(outs[0].dtype))
+
+
+def _expect(cond: bool, op: str, msg: str, ins: list[TensorSpec]) -> None:
+    if not cond:
+        raise GraphError(f"{op}: {msg}; operands {[(s.shape, s.dtype) for s in ins]}")
+
+
+def _matrix(w: torch.Tensor) -> torch.Tensor:
+    """One expert's weight slice ``[1, k, n]`` (or a plain ``[k, n]``) as a matrix."""
+    return w[0] if w.dim() == 3 else w
+
+
+# -- moe_gather ----------------------------------------------------------------------
+def _gather_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) in (2, 3) and len(ins[0].shape) == 2 and len(ins[1].shape) == 1 and ins[1].dtype == "int64",
+            "moe_gather", "takes src [N, H], idx [n] int64 and an optional scale [n, 1]", ins)
+    n = ins[1].shape[0]
+    if len(ins) == 3:
+        _expect(ins[2].shape == (n, 1) and ins[2].dtype == ins[0].dtype, "moe_gather",
+                "scale must be [n, 1] of the source dtype", ins)
+    return [TensorSpec((n, ins[0].shape[1]), ins[0].dtype)]
+
+
+def _gather_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    o = outs[0]
+    return Cost(flops=o.numel if len(ins) == 3 else 0.0, bytes=2.0 * o.nbytes + ins[1].nbytes,
+                precision=precision(o.dtype))
+
+
+def _gather_ref(src: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    rows = src[idx]
+    return rows if scale is None else rows * scale
+
+
+def _gather_kernel(ins, outs) -> None:
+    torch.index_select(ins[0], 0, ins[1], out=outs[0])
+    if len(ins) == 3:
+        outs[0].mul_(ins[2])
+
+
+# -- moe_gmm / moe_wgrad -------------------------------------------------------------
+def _gmm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) == 2 and len(ins[0].shape) == 2 and len(ins[1].shape) in (2, 3)
+            and (len(ins[1].shape) == 2 or ins[1].shape[0] == 1), "moe_gmm",
+            "takes x [m, k] and one expert's weight [1, k, n] or [k, n]", ins)
+    k, n = ins[1].shape[-2:]
+    if attrs.get("trans_w"):
+        k, n = n, k
+    _expect(ins[0].shape[1] == k, "moe_gmm", f"inner dims differ (trans_w={bool(attrs.get('trans_w'))})", ins)
+    _expect(ins[0].dtype == ins[1].dtype, "moe_gmm", "operand dtypes differ", ins)
+    return [TensorSpec((ins[0].shape[0], n), ins[0].dtype)]
+
+
+def _gmm_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    m, k = ins[0].shape
+    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=_io_bytes(ins, outs), precision=precision(ins[0].dtype))
+
+
+def _gmm_ref(x: torch.Tensor, w: torch.Tensor, trans_w: bool = False) -> torch.Tensor:
+    w = _matrix(w)
+    return x @ (w.t() if trans_w else w)
+
+
+def _gmm_kernel(ins, outs, trans_w: bool = False) -> None:
+    w = _matrix(ins[1])
+    torch.mm(ins[0], w.t() if trans_w else w, out=outs[0])
+
+
+def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) == 2 and len(ins[0].shape) == 2 and len(ins[1].shape) == 2
+            and ins[0].shape[0] == ins[1].shape[0] and ins[0].dtype == ins[1].dtype, "moe_wgrad",
+            "takes a [m, k] and b [m, n] of one dtype", ins)
+    return [TensorSpec((1, ins[0].shape[1], ins[1].shape[1]), ins[0].dtype)]
+
+
+def _wgrad_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    (m, k), n = ins[0].shape, ins[1].shape[1]
+    return Cost(flops=2.0 * m * k * n, bytes=_io_bytes(ins, outs), precision=precision(ins[0].dtype))
+
+
+def _wgrad_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.t() @ b)[None]
+
+
+def _wgrad_kernel(ins, outs) -> None:
+    torch.mm(ins[0].t(), ins[1], out=outs[0][0])
+
+
+# -- swiglu --------------------------------------------------------------------------
+def _halves(gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    i = gu.shape[-1] // 2
+    return gu[..., :i], gu[..., i:]
+
+
+def _swiglu_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) == 1 and len(ins[0].shape) == 2 and ins[0].shape[1] % 2 == 0, "swiglu",
+            "takes gate_up [m, 2I]", ins)
+    return [TensorSpec((ins[0].shape[0], ins[0].shape[1] // 2), ins[0].dtype)]
+
+
+def swiglu(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gu = [gate | up]`` along the last dim."""
+    g, u = _halves(gu)
+    return F.silu(g) * u
+
+
+def _swiglu_kernel(ins, outs) -> None:
+    g, u = _halves(ins[0])
+    torch.mul(F.silu(g), u, out=outs[0])
+
+
+def _swiglu_grad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) == 2 and len(ins[0].shape) == 2 and ins[1].shape == (ins[0].shape[0], ins[0].shape[1] // 2)
+            and ins[0].dtype == ins[1].dtype, "swiglu_grad", "takes gate_up [m, 2I] and grad [m, I]", ins)
+    return [ins[0]]
+
+
+def swiglu_grad(gu: torch.Tensor, da: torch.Tensor) -> torch.Tensor:
+    """Gradient of :func:`swiglu` w.r.t. ``gu`` given ``da``, as ``[dgate | dup]``."""
+    g, u = _halves(gu)
+    s = torch.sigmoid(g)
+    silu = g * s
+    return torch.cat([da * u * (s * (1 + g * (1 - s))), da * silu], dim=-1)
+
+
+def _swiglu_grad_kernel(ins, outs) -> None:
+    gu, da = ins
+    g, u = _halves(gu)
+    dg, du = _halves(outs[0])
+    s = torch.sigmoid(g)
+    torch.mul(da, g * s, out=du)
+    torch.mul(da * u, s * (1 + g * (1 - s)), out=dg)
+
+
+# -- top-k sums ----------------------------------------------------------------------
+def _unpermute_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) in (2, 3) and len(ins[0].shape) == 2 and len(ins[1].shape) == 2 and ins[1].dtype == "int64",
+            "moe_unpermute_sum", "takes rows [S, H], pos [t, k] int64 and optional weights [t, k]", ins)
+    if len(ins) == 3:
+        _expect(ins[2].shape == ins[1].shape and ins[2].dtype == ins[0].dtype, "moe_unpermute_sum",
+                "weights must be [t, k] of the rows' dtype", ins)
+    return [TensorSpec((ins[1].shape[0], ins[0].shape[1]), ins[0].dtype)]
+
+
+def _topk_cost(rows: TensorSpec, pos: TensorSpec, other: TensorSpec) -> Cost:
+    """2 t k H flops; reads t k gathered rows, ``pos`` and ``other`` (the output or dout)."""
+    (t, k), h = pos.shape, rows.shape[1]
+    return Cost(flops=2.0 * t * k * h, bytes=float(t * k * h * TensorSpec((1,), rows.dtype).nbytes
+                                                    + pos.nbytes + other.nbytes), precision=precision(rows.dtype))
+
+
+def _unpermute_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    return _topk_cost(ins[0], ins[1], outs[0])
+
+
+def moe_unpermute_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_k w[t, k] * rows[pos[t, k]]`` (weights 1 when ``w`` is None)."""
+    t, k = pos.shape
+    g = rows.index_select(0, pos.reshape(-1)).view(t, k, rows.shape[1])
+    return (g if w is None else g * w[..., None]).sum(1)
+
+
+def _unpermute_kernel(ins, outs) -> None:
+    outs[0].copy_(moe_unpermute_sum(*ins))
+
+
+def _topk_grad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) == 3 and len(ins[0].shape) == 2 and len(ins[2].shape) == 2 and ins[2].dtype == "int64"
+            and ins[0].shape[0] == ins[2].shape[0] and ins[0].shape[1] == ins[1].shape[1], "moe_topk_grad",
+            "takes dout [t, H], rows [S, H] and pos [t, k] int64", ins)
+    return [TensorSpec(ins[2].shape, ins[0].dtype)]
+
+
+def moe_topk_grad(dout: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``dw[t, k] = <dout[t], rows[pos[t, k]]>``."""
+    t, k = pos.shape
+    g = rows.index_select(0, pos.reshape(-1)).view(t, k, rows.shape[1])
+    return (g * dout[:, None, :]).sum(-1)
+
+
+def _topk_grad_kernel(ins, outs) -> None:
+    outs[0].copy_(moe_topk_grad(*ins))
+
+
+register(OpDef("moe_gather", ("vector", "comm"), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
+               doc="rows of src picked by idx (times scale): MoE permute / dispatch packing"))
+register(OpDef("moe_gmm", ("cube",), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
+               doc="one grouped-GEMM tile: x @ w[e] (w[e]^T when trans_w)"))
+register(OpDef("moe_wgrad", ("cube",), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
+               doc="expert weight-gradient tile: a^T @ b into [1, k, n]"))
+register(OpDef("swiglu", ("vector",), swiglu, _swiglu_shape, lambda i, o, a: _elementwise(i, o, 5.0),
+               _swiglu_kernel, doc="silu(gate) * up"))
+register(OpDef("swiglu_grad", ("vector",), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _elementwise(i, o, 10.0),
+               _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
+register(OpDef("moe_unpermute_sum", ("vector",), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
+               _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))
+register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
+               lambda i, o, a: _topk_cost(i[1], i[2], i[0]),
+               _topk_grad_kernel, doc="gradient of the top-k weights",
+               grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
+

@@ -1,0 +1,216 @@
+"""MegaMoE spec and routing metadata (computed on the host, as real trainers do).
+
+Row layouts (``W`` EP ranks, ``E_l`` experts per rank, global expert ``g = p * E_l + e``
+lives on rank ``p`` as local expert ``e``):
+
+- *send* layout, on the source rank: its ``T * k`` routed rows sorted by global expert
+  (stable), so the rows for (destination ``p``, local expert ``e``) are one block;
+- *recv* layout, on the owner rank: blocks ``[local expert e][source rank s]``, so each
+  local expert's rows ``X_e`` are contiguous. At ``W == 1`` both layouts coincide.
+
+Graphs depend on the per-expert counts only (``counts[s][g]``: rows source rank ``s``
+routes to global expert ``g``); token indices travel as int64 input buffers, so one
+graph, cached by counts, serves every routing with those counts. Buffers are sized from
+the actual counts: any imbalance is handled, an expert may get 0 rows, nothing is dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+import torch
+
+from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.runtime.errors import ConfigError
+
+SCHEDULES = ("sequential", "interleaved")
+ROUTINGS = ("balanced", "random", "skewed")
+
+
+@dataclass(frozen=True, slots=True)
+class MegaMoESpec(GraphSpec):
+    """Shapes and tiling of one MoE expert block, per EP rank.
+
+    ``tokens``: tokens per rank (T); ``experts``: global expert count (E); ``ep``: EP
+    size; ``tile_m``: rows per tile (dispatch packing, GEMM rows, SwiGLU, top-k sums);
+    ``cube_split``: column blocks per GEMM row tile (spread over the cube units);
+    ``wgrad_split``: row blocks of each expert weight gradient (times ``cube_split``
+    column blocks); ``comm_tile``: rows per all-to-all chunk (0: one chunk per expert and
+    peer round); ``ordered_comm``: chain the collectives in one order on every rank
+    (needed to execute on real ranks; off to simulate one-sided puts on all channels);
+    ``schedule``: ``sequential`` (stage barriers) or ``interleaved`` (per-expert
+    dependencies, expert groups of ``group_size`` prioritised in order).
+    """
+
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    ep: int = 1
+    dtype: str = "float32"
+    tile_m: int = 128
+    cube_split: int = 1
+    wgrad_split: int = 1
+    schedule: str = "interleaved"
+    group_size: int = 1
+    comm_tile: int = 0
+    ordered_comm: bool = True
+
+    def __post_init__(self) -> None:
+        problems = positive(self, *(f.name for f in fields(self) if f.type == "int" and f.name != "comm_tile"))
+        if not isinstance(self.comm_tile, int) or self.comm_tile < 0:
+            problems.append(f"comm_tile must be a non-negative integer, got {self.comm_tile!r}")
+        if not problems:
+            if self.experts % self.ep:
+                problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
+            if self.top_k > self.experts:
+                problems.append(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
+        if not isinstance(self.ordered_comm, bool):
+            problems.append(f"ordered_comm must be a bool, got {self.ordered_comm!r}")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        report("MegaMoESpec", problems + dtype_problems(self))
+
+    @property
+    def experts_local(self) -> int:
+        return self.experts // self.ep
+
+    @property
+    def rows(self) -> int:
+        """Routed rows each rank sends (``T * k``)."""
+        return self.tokens * self.top_k
+
+    def group_of(self, expert: int) -> int:
+        return expert // self.group_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class Counts:
+    """Rows each source rank routes to each global expert, with the derived offsets."""
+
+    rank: int
+    ep: int
+    experts_local: int
+    counts: tuple[tuple[int, ...], ...]  # [W][E]
+    send_off: list[int] = field(init=False)  # [E + 1]: this rank's send-layout block starts
+    recv_off: list[list[int]] = field(init=False)  # [E_l][W + 1]: recv-layout block starts
+
+    def __post_init__(self) -> None:
+        mine = self.counts[self.rank]
+        self.send_off = [0]
+        for c in mine:
+            self.send_off.append(self.send_off[-1] + c)
+        self.recv_off, at = [], 0
+        for e in range(self.experts_local):
+            offs = [at]
+            for s in range(self.ep):
+                at += self.counts[s][self.rank * self.experts_local + e]
+                offs.append(at)
+            self.recv_off.append(offs)
+
+    @property
+    def send_rows(self) -> int:
+        return self.send_off[-1]
+
+    @property
+    def recv_rows(self) -> int:
+        return self.recv_off[-1][-1] if self.recv_off else 0
+
+    def send_block(self, dest: int, e: int) -> tuple[int, int]:
+        """Rows of this rank's send layout bound for local expert ``e`` of ``dest``."""
+        g = dest * self.experts_local + e
+        return self.send_off[g], self.send_off[g + 1]
+
+    def recv_block(self, e: int, src: int) -> tuple[int, int]:
+        """Rows of this rank's recv layout for local expert ``e`` that came from ``src``."""
+        return self.recv_off[e][src], self.recv_off[e][src + 1]
+
+    def expert_rows(self, e: int) -> tuple[int, int]:
+        """All rows of local expert ``e`` in the recv layout."""
+        return self.recv_off[e][0], self.recv_off[e][-1]
+
+    def pair(self, src: int, dest: int, e: int) -> int:
+        """Rows ``src`` sends to local expert ``e`` of ``dest``."""
+        return self.counts[src][dest * self.experts_local + e]
+
+    def key(self) -> tuple:
+        return (self.rank, self.counts)
+
+    def __hash__(self) -> int:  # the derived offsets follow from the key: graphs are cached by counts
+        return hash(self.key())
+
+
+@dataclass(slots=True)
+class Routing:
+    """Host routing metadata of one rank: counts plus the token permutation tensors.
+
+    ``tok[s]``: token of send-layout row ``s``; ``flat[s]``: its (token, slot) index in
+    the flattened ``[T, k]`` top-k arrays; ``pos[t, j]``: send-layout row of (t, j).
+    """
+
+    counts: Counts
+    tok: torch.Tensor
+    flat: torch.Tensor
+    pos: torch.Tensor
+
+
+def local_counts(topk_ids: torch.Tensor, experts: int) -> list[int]:
+    """Rows this rank routes to each global expert; ids outside ``[0, experts)`` raise ConfigError."""
+    if topk_ids.numel() and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= experts):
+        raise ConfigError(f"top-k ids must lie in [0, {experts}), got range "
+                          f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
+    return torch.bincount(topk_ids.reshape(-1).long(), minlength=experts).tolist()
+
+
+def make_routing(topk_ids: torch.Tensor, spec: MegaMoESpec, rank: int = 0,
+                 all_counts: Sequence[Sequence[int]] | None = None) -> Routing:
+    """Routing metadata of ``rank``; ``all_counts`` holds every rank's :func:`local_counts`
+    (exchanged by the caller; only this rank's at ``ep == 1``)."""
+    if tuple(topk_ids.shape) != (spec.tokens, spec.top_k):
+        raise ConfigError(f"top-k ids are {tuple(topk_ids.shape)}, spec expects {(spec.tokens, spec.top_k)}")
+    mine = local_counts(topk_ids, spec.experts)
+    if all_counts is None:
+        if spec.ep != 1:
+            raise ConfigError(f"ep={spec.ep}: pass every rank's counts (all_counts)")
+        all_counts = [mine]
+    all_counts = tuple(tuple(int(c) for c in row) for row in all_counts)
+    if len(all_counts) != spec.ep or any(len(r) != spec.experts for r in all_counts) or list(all_counts[rank]) != mine:
+        raise ConfigError(f"all_counts must be {spec.ep} rows of {spec.experts} counts with row {rank} "
+                          f"matching this rank's top-k ids")
+    flat = torch.argsort(topk_ids.reshape(-1).long(), stable=True)
+    pos = torch.empty_like(flat)
+    pos[flat] = torch.arange(flat.numel())
+    return Routing(Counts(rank, spec.ep, spec.experts_local, all_counts), flat // spec.top_k, flat,
+                   pos.view(spec.tokens, spec.top_k))
+
+
+def synthetic_counts(spec: MegaMoESpec, routing: str = "balanced", *, rank: int = 0, seed: int = 0,
+                     skew: float = 1.2) -> Counts:
+    """Per-expert counts of every rank for simulation.
+
+    ``balanced``: each rank spreads its ``T * k`` rows evenly (remainders rotated by rank);
+    ``random``: uniform random choices; ``skewed``: Zipf(``skew``) expert popularity over a
+    seeded random expert order (hot experts get many rows, cold ones may get none).
+    """
+    if routing not in ROUTINGS:
+        raise ConfigError(f"routing must be one of {ROUTINGS}, got {routing!r}")
+    if not 0 <= rank < spec.ep:
+        raise ConfigError(f"rank {rank} is outside ep={spec.ep}")
+    E, S = spec.experts, spec.rows
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "skewed":
+        probs = torch.arange(1, E + 1, dtype=torch.float64).pow(-skew)[torch.randperm(E, generator=gen)]
+    else:
+        probs = torch.ones(E, dtype=torch.float64)
+    rows = []
+    for s in range(spec.ep):
+        if routing == "balanced":
+            rows.append(tuple(S // E + (1 if (g - s) % E < S % E else 0) for g in range(E)))
+        else:
+            pick = torch.multinomial(probs, S, replacement=True, generator=gen)
+            rows.append(tuple(torch.bincount(pick, minlength=E).tolist()))
+    return Counts(rank, spec.ep, spec.experts_local, tuple(rows))

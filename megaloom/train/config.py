@@ -1,0 +1,265 @@
+"""Training configuration: YAML sections, a declarative schema, validation and overrides.
+
+A config file has the sections of :data:`SCHEMA`; every key is optional (defaults below).
+Command-line overrides ``--section.key=value`` (value parsed as YAML) are applied before
+validation, so they are checked like the file. Every problem found is collected and
+raised together as one :class:`ConfigError` naming the key and the allowed values.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import yaml
+
+from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import load_yaml, parse_yaml
+
+
+@dataclass(slots=True, frozen=True)
+class Key:
+    """One config key: its default, accepted Python types, and optional extra check."""
+
+    default: Any
+    types: tuple[type, ...]
+    choices: tuple[Any, ...] | None = None
+    check: Callable[[Any], str | None] | None = None  # returns a problem description or None
+    doc: str = ""
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in self.types)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
+               list: "a list", dict: "a mapping", type(None): "null"}
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _fraction(v: Any) -> str | None:
+    return None if 0 <= v <= 1 else "must be within [0, 1]"
+
+
+def _betas(v: Any) -> str | None:
+    ok = len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v)
+    return None if ok else "must be two numbers in [0, 1)"
+
+
+def _int_list(v: Any) -> str | None:
+    return None if all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in v) else "must be a list of step numbers >= 0"
+
+
+def _str_list(v: Any) -> str | None:
+    return None if all(isinstance(s, str) for s in v) else "must be a list of strings"
+
+
+def _rules(v: Any) -> str | None:
+    return None if all(isinstance(r, dict) for r in v) else "must be a list of mappings (one per rule)"
+
+
+_NUM = (int, float)
+_OPT_STR = (str, type(None))
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    "run": {
+        "seed": Key(0, (int,), doc="seed of model init, data order and every RNG"),
+        "out_dir": Key("runs/train", (str,), doc="metrics.jsonl, traces and (by default) checkpoints go here"),
+        "log_interval": Key(1, (int,), check=_positive, doc="steps between progress/metrics lines"),
+        "progress": Key(True, (bool,), doc="draw the progress bar on stderr (rank 0)"),
+    },
+    "model": {
+        "kind": Key("qwen3_moe", (str,), choices=("qwen3_moe", "deepseek_v3", "path"),
+                    doc="transformers model family built with random weights, or 'path' for a local checkpoint"),
+        "config": Key({}, (dict,), doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
+        "path": Key(None, _OPT_STR, doc="local directory with config.json (+ weights) when kind is 'path'"),
+        "dtype": Key("float32", (str,), choices=("float32", "bfloat16"), doc="parameter dtype"),
+    },
+    "data": {
+        "source": Key("synthetic", (str,), choices=("synthetic", "text"), doc="seeded token stream or a local text file"),
+        "path": Key(None, _OPT_STR, doc="the text file (byte-level tokens) when source is 'text'"),
+        "seq_len": Key(16, (int,), check=_positive, doc="tokens per sequence"),
+        "batch_size": Key(4, (int,), check=_positive, doc="sequences per step per data-parallel rank"),
+        "branching": Key(2, (int,), check=_positive, doc="synthetic stream: successors per token (lower = easier)"),
+    },
+    "optimizer": {
+        "name": Key("adamw", (str,), choices=("adamw", "sgd")),
+        "lr": Key(1e-3, _NUM, check=_positive),
+        "weight_decay": Key(0.0, _NUM, check=_non_negative),
+        "betas": Key([0.9, 0.95], (list,), check=_betas),
+        "eps": Key(1e-8, _NUM, check=_positive),
+        "momentum": Key(0.0, _NUM, check=_fraction, doc="sgd only"),
+        "grad_clip": Key(1.0, _NUM, check=_non_negative, doc="max global grad norm; 0 disables"),
+    },
+    "schedule": {
+        "steps": Key(20, (int,), check=_positive, doc="total optimizer steps"),
+        "warmup_steps": Key(0, (int,), check=_non_negative),
+        "decay": Key("constant", (str,), choices=("constant", "linear", "cosine")),
+        "min_lr_ratio": Key(0.1, _NUM, check=_fraction, doc="final lr / peak lr for linear and cosine decay"),
+    },
+    "parallel": {
+        "ep_size": Key(1, (int,), check=_positive, doc="expert-parallel group size (divides world size and expert count)"),
+        "fsdp": Key(False, (bool,), doc="shard non-expert parameters over the data-parallel ranks (uneven shards allowed)"),
+        "backend": Key("gloo", (str,), choices=("gloo", "nccl"), doc="torch.distributed backend under torchrun"),
+        "timeout_s": Key(60, _NUM, check=_positive, doc="collective timeout"),
+    },
+    "low_precision": {
+        "format": Key("none", (str,), choices=("none", "mxfp8"), doc="swap nn.Linear for MXFP8Linear when 'mxfp8'"),
+        "linear": Key(None, (str, type(None)), choices=(None, "none", "mxfp8"), doc="another name for format"),
+        "scale_mode": Key("floor", (str,), choices=("floor", "rceil"), doc="MX block scale rounding"),
+        "include": Key(["*"], (list,), check=_str_list, doc="module-name globs of the Linear layers to swap"),
+        "exclude": Key(["lm_head"], (list,), check=_str_list, doc="globs kept in high precision"),
+        "rtol": Key(0.1, _NUM, check=_positive, doc="bound on the MXFP8 model's logits error vs float32 before training"),
+    },
+    "replace": {
+        "rules": Key([], (list,), check=_rules, doc="the replacement plan: list of {match, type, with, options}"),
+        "check_outputs": Key(True, (bool,), doc="compare the replaced model's logits with the original's before training"),
+        "rtol": Key(1e-5, _NUM, check=_positive, doc="relative tolerance of that check"),
+    },
+    "checkpoint": {
+        "interval": Key(0, (int,), check=_non_negative, doc="steps between checkpoints; 0 saves only at the end"),
+        "dir": Key(None, _OPT_STR, doc="checkpoint directory (default: <run.out_dir>/checkpoints)"),
+        "resume": Key(False, (bool, str), doc="true: resume from the latest checkpoint in dir; a path: from that one"),
+        "keep": Key(2, (int,), check=_positive, doc="checkpoints kept on disk"),
+        "stop_after": Key(None, (int, type(None)), check=_positive, doc="stop (after saving) once this step is done; for tests and preemption"),
+    },
+    "trace": {
+        "steps": Key([], (list,), check=_int_list, doc="steps (1-based) whose forward/backward are recorded"),
+        "dir": Key(None, _OPT_STR, doc="trace directory (default: <run.out_dir>/traces)"),
+        "perfetto": Key(True, (bool,), doc="also write Chrome Trace Event JSON that Perfetto opens"),
+    },
+}
+
+
+class Config(dict):
+    """A validated config: ``cfg["section"]["key"]``, or ``cfg.section.key``-style via :meth:`get`."""
+
+    def __getattr__(self, name: str) -> dict[str, Any]:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(dict(self), sort_keys=False)
+
+
+def _check_value(section: str, name: str, key: Key, value: Any) -> str | None:
+    where = f"{section}.{name}"
+    bad_type = not isinstance(value, key.types) or (isinstance(value, bool) and bool not in key.types)
+    if isinstance(value, int) and not isinstance(value, bool) and float in key.types:
+        bad_type = False
+    if bad_type:
+        return f"{where}: got {value!r}, expected {key.allowed()}"
+    if key.choices is not None and value not in key.choices:
+        return f"{where}: got {value!r}, expected {key.allowed()}"
+    if key.check is not None and value is not None:
+        problem = key.check(value)
+        if problem:
+            return f"{where}: got {value!r}, {problem}"
+    return None
+
+
+def validate(raw: dict[str, Any] | None) -> Config:
+    """Fill defaults and check every section and key; raise one ConfigError listing all problems."""
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
+    problems: list[str] = []
+    out = Config()
+    for section in raw:
+        if section not in SCHEMA:
+            problems.append(f"unknown section {section!r}; allowed: {', '.join(SCHEMA)}")
+    for section, keys in SCHEMA.items():
+        given = raw.get(section) or {}
+        if section == "replace" and isinstance(given, list):  # shorthand: the section is the rule list
+            given = {"rules": given}
+        if not isinstance(given, dict):
+            problems.append(f"{section}: expected a mapping of keys, got {type(given).__name__}")
+            given = {}
+        for name in given:
+            if name not in keys:
+                problems.append(f"unknown key {section}.{name}; allowed: {', '.join(keys)}")
+        values: dict[str, Any] = {}
+        for name, key in keys.items():
+            value = copy.deepcopy(given.get(name, key.default))
+            problem = _check_value(section, name, key, value)
+            if problem:
+                problems.append(problem)
+            values[name] = value
+        out[section] = values
+    problems += _cross_checks(out)
+    if problems:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
+    return out
+
+
+def _cross_checks(cfg: Config) -> list[str]:
+    problems = []
+    m, d = cfg["model"], cfg["data"]
+    if m.get("kind") == "path" and not m.get("path"):
+        problems.append("model.path: required when model.kind is 'path'")
+    if m.get("kind") == "path" and m.get("config"):
+        problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
+    if d.get("source") == "text" and not d.get("path"):
+        problems.append("data.path: required when data.source is 'text'")
+    for i, step in enumerate(cfg["trace"].get("steps") or []):
+        if isinstance(step, int) and isinstance(cfg["schedule"].get("steps"), int) and not 1 <= step <= cfg["schedule"]["steps"]:
+            problems.append(f"trace.steps[{i}]: step {step} outside 1..{cfg['schedule']['steps']} (schedule.steps)")
+    return problems
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--optimizer.lr=0.01", "--model.config.hidden_size=64"]`` -> nested dict (values parsed as YAML)."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        if not arg.startswith("--") or "=" not in arg or "." not in arg.split("=", 1)[0]:
+            raise ConfigError(f"bad override {arg!r}: expected --section.key=value (sections: {', '.join(SCHEMA)})")
+        path, text = arg[2:].split("=", 1)
+        try:
+            value = parse_yaml(text) if text else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {arg!r}: value is not valid YAML ({e.problem})") from None
+        *parents, leaf = path.split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {arg!r} conflicts with an earlier override of {p!r}")
+        node[leaf] = value
+    return out
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``over`` into a copy of ``base`` (mappings merge, anything else replaces)."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
+    """Read a YAML file (or nothing: all defaults), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = load_yaml(path, "config") or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: config must be a mapping of sections, got {type(raw).__name__}")
+    if overrides:
+        over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        if isinstance(raw.get("replace"), list) and "replace" in over:
+            raw["replace"] = {"rules": raw["replace"]}
+        raw = merge(raw, over)
+    return validate(raw)

@@ -1,0 +1,234 @@
+"""The trainer: a YAML config in, a trained model, metrics, traces and checkpoints out.
+
+    config ──> build model (seeded) ──> replacement plan (validated, then applied,
+    outputs checked) ──> parallel set-up (EP / FSDP / data parallel) ──> optimizer
+    ──> for each step: batch(step, rank) -> forward -> loss -> backward -> grad sync
+        -> clip -> lr(step) -> optimizer step -> metrics / progress / trace / checkpoint
+
+Every random choice is derived from ``run.seed`` and the step number, so a run that
+stops after step k and resumes from its checkpoint reproduces the losses of an
+uninterrupted run exactly.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaloom.train import checkpoint as ckpt
+from megaloom.train.config import Config
+from megaloom.train.data import make_stream
+from megaloom.models.hf_moe import build_model
+from megaloom.train.progress import MetricsLog, Progress, memory_mib
+from megaloom.runtime.perfetto import write_chrome
+from megaloom.train.step_trace import GraphTraces, StepTracer
+from megaloom.models.swaps import MegaMoEBlock
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one optimizer step produced (loss averaged over all data-parallel ranks)."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    tokens_per_s: float
+    mem_mib: float
+    time_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+def lr_factor(step: int, sched: dict) -> float:
+    """Multiplier of the peak lr for 0-based ``step``: linear warm-up, then constant / linear / cosine decay."""
+    warm, total, floor = sched["warmup_steps"], sched["steps"], sched["min_lr_ratio"]
+    if step < warm:
+        return (step + 1) / warm
+    if sched["decay"] == "constant":
+        return 1.0
+    p = min(1.0, (step - warm) / max(1, total - warm))
+    shape = 1.0 - p if sched["decay"] == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
+    return floor + (1.0 - floor) * shape
+
+
+def make_optimizer(params: list[nn.Parameter], opt: dict) -> torch.optim.Optimizer:
+    if opt["name"] == "sgd":
+        return torch.optim.SGD(params, lr=opt["lr"], momentum=opt["momentum"], weight_decay=opt["weight_decay"])
+    return torch.optim.AdamW(params, lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
+                             weight_decay=opt["weight_decay"], foreach=False)
+
+
+def causal_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of ``tokens [B, S+1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``)."""
+    logits = model(input_ids=tokens[:, :-1], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
+class Trainer:
+    """Builds everything a config describes; :meth:`fit` runs the remaining steps.
+
+    ``comm`` is a megaloom Communicator (tests pass one from ``megaloom.comm.spawn``);
+    by default it is a TorchCommunicator under torchrun (``WORLD_SIZE`` > 1), else local.
+    """
+
+    def __init__(self, cfg: Config, comm: Any = None, log=None):
+        self.cfg, self.log = cfg, log or (lambda msg: None)
+        self.comm = comm if comm is not None else _default_comm(cfg["parallel"])
+        self.rank, self.world = self.comm.rank, self.comm.world_size
+        run = cfg["run"]
+        self.seed = run["seed"]
+        self.base_model = build_model(cfg["model"], self.seed)
+        self.vocab = int(self.base_model.config.vocab_size)
+        self.swaps = self._apply_plan()
+        self.parallel = _setup_parallel(self.base_model, cfg["parallel"], self.comm)
+        self.model = self.parallel.model  # the base model (FSDP wraps its modules in place)
+        self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg["optimizer"])
+        self.data = make_stream(cfg["data"], self.vocab, self.seed)
+        self.ckpt_dir = cfg["checkpoint"]["dir"] or os.path.join(run["out_dir"], "checkpoints")
+        self.trace_dir = cfg["trace"]["dir"] or os.path.join(run["out_dir"], "traces")
+        self.step = 0
+        resume_from = ckpt.find(cfg["checkpoint"]["resume"], self.ckpt_dir)
+        if resume_from is not None:
+            self._load(resume_from)
+        self.tracer = StepTracer(self.base_model, self.rank, self.world) if cfg["trace"]["steps"] else None
+        self.metrics = MetricsLog(os.path.join(run["out_dir"], "metrics.jsonl"), fresh=self.step == 0) if self.rank == 0 else None
+
+    # -- set-up -------------------------------------------------------------------
+    def _apply_plan(self) -> list[Any]:
+        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.models.plan`)."""
+        lp = self.cfg["low_precision"]
+        if not self.cfg["replace"]["rules"] and (lp["linear"] or lp["format"]) == "none":
+            return []
+        from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
+        return apply_config_plan(self.base_model, self.cfg, self.log, self.comm)
+
+    # -- one step -----------------------------------------------------------------
+    def train_step(self) -> StepRecord:
+        """Run optimizer step ``self.step + 1`` (1-based in records, 0-based for data and lr)."""
+        t0 = time.perf_counter()
+        tracing = self.tracer is not None and self.step + 1 in self.cfg["trace"]["steps"]
+        with self.tracer.active() if tracing else nullcontext():
+            if tracing:
+                self._graph_traces(clear=True)
+            batch = self.data.batch(self.step, self.parallel.data_rank, self.parallel.data_world)
+            with self._phase(tracing, "forward"):
+                loss = causal_lm_loss(self.model, batch)
+            with self._phase(tracing, "backward"):
+                loss.backward()
+            with self._phase(tracing, "grad_sync"):
+                self.parallel.sync_grads()
+            with self._phase(tracing, "optimizer"):
+                norm = self._clip()
+                lr = self.cfg["optimizer"]["lr"] * lr_factor(self.step, self.cfg["schedule"])
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            if tracing:  # the graphs' own task events, on cube / vector / comm tracks
+                for name, direction, trace in self._graph_traces():
+                    self.tracer.add_events(trace.events, name, direction)
+        self.step += 1
+        if tracing:
+            self._write_trace()
+        mean_loss = self.parallel.mean(loss.detach())
+        dt = time.perf_counter() - t0
+        tokens = batch[:, 1:].numel() * self.parallel.data_world
+        return StepRecord(self.step, mean_loss, lr, norm, tokens, tokens / max(dt, 1e-9), memory_mib(), dt)
+
+    def _graph_traces(self, clear: bool = False) -> list[tuple[str, str, Any]]:
+        """(module, direction, trace) of the graphs MegaMoE blocks and MegaGate routers ran since the last clear."""
+        out = []
+        for name, m in self.base_model.named_modules():
+            m = getattr(m, "inner", m)  # under FSDP a router sits inside its ShardedModule
+            if isinstance(m, MegaMoEBlock):
+                out += [(name, d, t) for d, t in m.runner.last_trace.items()]
+                if clear:
+                    m.runner.last_trace.clear()
+            if isinstance(getattr(m, "graph_traces", None), GraphTraces):
+                out += [(name, d, t) for d, t in m.graph_traces.runs]
+                if clear:
+                    m.graph_traces.runs.clear()
+        return out
+
+    def _phase(self, tracing: bool, name: str):
+        return self.tracer.phase(name) if tracing else nullcontext()
+
+    def _clip(self) -> float:
+        clip = self.cfg["optimizer"]["grad_clip"]
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = self.parallel.grad_norm(params)
+        if clip > 0 and norm > clip:
+            for p in params:
+                p.grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    # -- the loop -----------------------------------------------------------------
+    def fit(self) -> list[StepRecord]:
+        """Train until ``schedule.steps`` (or ``checkpoint.stop_after``); returns this call's records."""
+        sched, ck, run = self.cfg["schedule"], self.cfg["checkpoint"], self.cfg["run"]
+        stop = min(sched["steps"], ck["stop_after"] or sched["steps"])
+        bar = Progress(sched["steps"], enabled=run["progress"] and self.rank == 0)
+        records = []
+        try:
+            while self.step < stop:
+                rec = self.train_step()
+                records.append(rec)
+                if rec.step % run["log_interval"] == 0 or rec.step == stop:
+                    bar.update(rec.as_dict())
+                    if self.metrics is not None:
+                        self.metrics.write(rec.as_dict())
+                if (ck["interval"] and rec.step % ck["interval"] == 0) or rec.step == stop:
+                    self.save()
+        finally:
+            bar.close()
+            if self.tracer is not None:
+                self.tracer.close()
+        return records
+
+    # -- checkpoints and traces ---------------------------------------------------
+    def save(self) -> str:
+        """Checkpoint this step (DCP, see :mod:`megaloom.train.checkpoint`); a collective. Returns the step directory."""
+        path = ckpt.save(self.ckpt_dir, self.step, self.parallel, self.optimizer, self.cfg["checkpoint"]["keep"])
+        self.log(f"saved checkpoint of step {self.step} to {path}")
+        return path
+
+    def _load(self, path: str) -> None:
+        self.step = ckpt.load(path, self.parallel, self.optimizer)
+        self.log(f"resumed from {path} at step {self.step}")
+
+    def _write_trace(self) -> None:
+        os.makedirs(self.trace_dir, exist_ok=True)
+        trace = self.tracer.trace(self.step)
+        base = os.path.join(self.trace_dir, f"step{self.step}.rank{self.rank}")
+        trace.save(base + ".trace")
+        if self.cfg["trace"]["perfetto"]:
+            write_chrome(trace, base + ".json")
+        self.log(f"trace of step {self.step}: {base}.trace")
+
+
+def _default_comm(par: dict) -> Any:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from megaloom.comm.torch_comm import TorchCommunicator
+        return TorchCommunicator(backend=par["backend"], timeout=par["timeout_s"])
+    from megaloom.comm.communicator import LocalCommunicator
+    return LocalCommunicator()
+
+
+def _setup_parallel(model: nn.Module, par: dict, comm: Any):
+    from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
+    return setup(model, par, comm)
+
+
+def train(cfg: Config, comm: Any = None, log=None) -> list[StepRecord]:
+    """Build a :class:`Trainer` from ``cfg`` and run it."""
+    return Trainer(cfg, comm=comm, log=log).fit()

@@ -31,7 +31,7 @@ needs_ext = pytest.mark.skipif(not native.AVAILABLE, reason="the compiled kernel
 DTYPES = ("float32", "bfloat16", "float16")
 # max |native - torch| in ULP of the result dtype, per op (torch's own float32 sqrt is not
 # correctly rounded on this build, so even sqrt has one ULP)
-ULP = {"exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "sigmoid": 2, "erf": 1, "pow": 1}
+ULP = {"exp": 1, "log": 1, "sqrt": 1, "tanh": 1, "sigmoid": 3, "erf": 1, "pow": 1}
 EXACT = sorted(set(PRIMITIVES) - set(ULP) - {"cast", "where"})
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -3.0, math.inf, -math.inf, math.nan, 1e-40, -1e-40, 88.5, -104.0, 1e30,
            -1e30, 65504.0, 3e38, 1e-5]

@@ -10,7 +10,7 @@ ratios are against the Inductor kernel of the same round set. Then compile laten
 DVM signature, a cache hit, the first ``dvm.jit`` call on a new input shape (small
 inputs), and torch.compile's first call. One JSON line per figure.
 
-    python benchmarks/dvm.py [--rows 8192 --cols 4096 --reps 7 --no-inductor --only silu]
+    python benchmarks/dvm.py [--rows 8192 --cols 4096 --reps 7 --threads 1 --no-inductor --only silu]
 """
 from __future__ import annotations
 
@@ -54,16 +54,18 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def interleaved(cands: dict[str, object], reps: int) -> dict[str, list[float]]:
-    """Time every candidate once per round, rounds repeated: load spikes hit all alike."""
+def interleaved(cands: dict[str, object], reps: int) -> dict[str, list[tuple[float, float]]]:
+    """(wall, process CPU) seconds of every candidate, once per round, rounds repeated: load
+    spikes hit all alike. CPU time counts every thread of this process, and not the time
+    the machine gives to other jobs (with --threads 1 it is the kernel's own time)."""
     for fn in cands.values():
         fn()
-    times: dict[str, list[float]] = {k: [] for k in cands}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in cands}
     for _ in range(reps):
         for k, fn in cands.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append((time.perf_counter() - t0, time.process_time() - c0))
     return times
 
 
@@ -99,11 +101,13 @@ def bench_function(name: str, fn, x: torch.Tensor, reps: int, inductor: bool) ->
     cands["dvm_jit_allocating"] = lambda: j(x)
     times = interleaved(cands, reps)
     base = "inductor_kernel" if inductor else "dvm_native_kernel"
-    bmed, bmin = statistics.median(times[base]), min(times[base])
-    for k, ts in times.items():
+    wall = {k: [w for w, _ in ts] for k, ts in times.items()}
+    cpu = {k: statistics.median(c for _, c in ts) for k, ts in times.items()}
+    bmed, bmin = statistics.median(wall[base]), min(wall[base])
+    for k, ts in wall.items():
         emit(figure=f"{name}.{k}", median_ms=statistics.median(ts) * 1e3, min_ms=min(ts) * 1e3,
              max_ms=max(ts) * 1e3, ratio_median=statistics.median(ts) / bmed, ratio_min=min(ts) / bmin,
-             vs=base, reps=reps)
+             cpu_median_ms=cpu[k] * 1e3, cpu_ratio_median=cpu[k] / cpu[base], vs=base, reps=reps)
 
 
 def bench_compile(n: int) -> None:
@@ -152,7 +156,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow to compile)")
     ap.add_argument("--only", choices=sorted(FUNCTIONS), action="append", help="functions to time (default: all)")
+    ap.add_argument("--threads", type=int, help="torch intra-op threads (DVM and Inductor kernels alike)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     emit(figure="machine", torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(),
          native=native.AVAILABLE, isa=native.isa(), load_avg=list(os.getloadavg()), shape=[args.rows, args.cols])
     x = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0))

@@ -3,6 +3,10 @@
     compute: max(flops / unit_peak(engine, precision), bytes / unit_mem_bw(engine)) + task_overhead
     comm:    alpha(link) + max(comm_bytes / (beta(link) / comm units), bytes / unit_mem_bw) + task_overhead
 
+A task runs on one unit unless it spans ``width`` units (an imported kernel runs on as many
+SMs as its grid fills, a collective on the whole link): its rates are multiplied by them.
+Copies (engine ``copy``) are costed as comm over their link (``host`` for PCIe copies).
+
 A task that carries a measured duration (``attrs["duration"]`` in seconds, as trace
 replay builds them) takes exactly that. Coefficients per op class (the op name) can be
 overridden, which is the hook calibration fits: ``CostModel(p, overrides={"matmul":
@@ -62,25 +66,27 @@ class CostModel:
                   for op, fit in self.profile.ops.items()}
         self.overrides = {op: _coeffs(op, v) for op, v in {**fitted, **(overrides or {})}.items()}
 
-    def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None) -> float:
-        """Seconds one task of ``cost`` takes on one unit of ``engine`` (``op`` selects overrides)."""
+    def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None, width: float = 1,
+                 link_override: tuple[float, float] | None = None) -> float:
+        """Seconds one task of ``cost`` takes on ``width`` units of ``engine`` (``op`` selects
+        overrides; ``link_override`` replaces the link's ``(alpha, beta)``)."""
         p = self.profile
         o = self.overrides.get(op) if op is not None else None
-        if engine == "comm":
-            alpha, beta = p.link(link)
-            rate = beta / p.units.get("comm", 1)
+        if engine in ("comm", "copy"):
+            alpha, beta = link_override if link_override is not None else p.link(link)
+            rate = beta / p.units.get(engine, 1) * width
             fixed = alpha + p.task_overhead
             if o is not None:
                 rate = rate if o.throughput is None else o.throughput
                 fixed = fixed if o.overhead is None else o.overhead
-            wire = cost.comm_bytes / rate
-            memory = cost.bytes / p.unit_mem_bw(engine) if cost.bytes else 0.0
+            wire = cost.comm_bytes / rate if cost.comm_bytes else 0.0
+            memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + fixed
         compute = 0.0
         if cost.flops:
-            rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision)
+            rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision) * width
             compute = cost.flops / rate
-        bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine)
+        bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine) * width
         memory = cost.bytes / bw
         overhead = o.overhead if o is not None and o.overhead is not None else p.task_overhead
         return (compute if compute > memory else memory) + overhead

@@ -87,7 +87,7 @@ def test_cli_calibrate_from_traces_and_replay_imported_profile(tmp_path, execute
     perfetto = tmp_path / "pred.json"
     assert main(["replay", str(tp), "--profile", "h100", "--perfetto", str(perfetto)]) == 0
     text = capsys.readouterr().out
-    assert "recorded" in text and "replayed" in text
+    assert "recorded" in text and "identity replay" in text and "h100" in text and "import of" in text
     assert json.loads(perfetto.read_text())["traceEvents"]
     assert main(["replay", str(tmp_path / "missing.json")]) == 2
 

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 RUNNING = -1
 DONE = -2
+MAX_UNITS = 1 << 16  # units of one engine kind: far above any chip, low enough that per-unit state stays small
 
 
 class Policy:
@@ -61,6 +62,9 @@ class Core:
             raise ScheduleError(
                 f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
             )
+        many = [e for e, n in units.items() if n > MAX_UNITS]
+        if many:
+            raise ScheduleError(f"engine kinds {many} have more than {MAX_UNITS} units; given {units}")
         self.graph = graph
         self.policy = policy if policy is not None else FIFO()
         self.policy.prepare(graph, units)

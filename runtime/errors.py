@@ -51,3 +51,7 @@ class TraceFormatError(FileFormatError):
 
 class ConfigError(MegaloomError):
     """A configuration file, YAML section or command-line option is invalid."""
+
+
+class CheckpointError(FileFormatError):
+    """A checkpoint is missing, truncated, tampered with, does not fit the model, or could not be written."""

@@ -14,6 +14,7 @@ writes (WAW). Explicit control edges can be added with ``precede``/``succeed``.
 """
 from __future__ import annotations
 
+import operator
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from megaloom.runtime.compose import Composed, compose
 from megaloom.runtime.dot import to_dot
 from megaloom.runtime.dtypes import dtype_name, itemsize
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import Box, BoxIndex, box_shape, box_size, full_box, in_bounds
 from megaloom.runtime.registry import Cost, TensorSpec, get_op
 from megaloom.runtime.serialize import fill_graph, graph_to_dict, read_graph, save_graph
@@ -94,12 +96,18 @@ class Region:
             if not isinstance(ix, slice) or ix.step not in (None, 1):
                 raise GraphError(f"regions take unit-step slices only, got {ix!r} for {self}")
             lo, hi = box[d]
-            start, stop, _ = ix.indices(hi - lo)
+            try:
+                start, stop, _ = ix.indices(hi - lo)
+            except TypeError:
+                raise GraphError(f"regions take integer slice bounds, got {ix!r} for {self}") from None
             box[d] = (lo + start, lo + max(start, stop))
         return Region(self.buffer, tuple(box))
 
     def split(self, dim: int, size: int) -> list[Region]:
         """Tiles of at most ``size`` elements along ``dim``."""
+        dim, size = _integer(dim, f"split dim of {self}"), _integer(size, f"tile size of {self}")
+        if not 0 <= dim < len(self.box):
+            raise GraphError(f"cannot split {self} along dim {dim}: it has {len(self.box)} dims")
         if size <= 0:
             raise GraphError(f"tile size must be positive, got {size}")
         lo, hi = self.box[dim]
@@ -162,6 +170,13 @@ class Task:
         return f"Task({self.name!r}, op={self.op!r}, engine={self.engine!r})"
 
 
+def _integer(v: Any, what: str) -> int:
+    """``v`` as an int (Python or NumPy integer); a float, string or bool raises GraphError."""
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        raise GraphError(f"{what} must be an integer, got {v!r}")
+    return operator.index(v)
+
+
 class TaskGraph:
     """A DAG of tasks over buffers; the same graph runs on every executor."""
 
@@ -217,7 +232,9 @@ class TaskGraph:
         inp, out = bool(is_input), bool(is_output)
         if name in self.buffers:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
-        shape = tuple(int(s) for s in shape)
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise GraphError(f"buffer {name!r}: shape must be a sequence of integers, got {shape!r}")
+        shape = tuple(_integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
         if any(s < 0 for s in shape):
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
         buf = Buffer(name, shape, dtype_name(dtype), inp, out)
@@ -270,6 +287,9 @@ class TaskGraph:
         ``engine`` defaults to the op's default engine kind; ``cost`` overrides the op's
         cost function; ``after`` adds control edges.
         """
+        if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
+            raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
+        priority = _integer(priority, f"task {name or op!r}: priority")
         ins = tuple(self.as_region(r) for r in inputs)
         outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self.tasks)
@@ -286,7 +306,7 @@ class TaskGraph:
                 engine = get_op(op).engine
             except GraphError:
                 engine = "vector"  # unknown ops are reported by validate()
-        t = Task(tid, name, op, engine, ins, outs, dict(attrs or {}), int(priority), dict(tags or {}), cost, self)
+        t = Task(tid, name, op, engine, ins, outs, dict(attrs or {}), priority, dict(tags or {}), cost, self)
         self.tasks.append(t)
         self.succ.append([])
         self.pred.append([])
@@ -418,13 +438,14 @@ class TaskGraph:
         if len(pred) != n or not all(isinstance(a, int) and 0 <= a < n for p in pred for a in p):
             raise GraphError(f"graph {self.name!r}: edges must list predecessors by task id (0..{n - 1}) for each "
                              f"of the {n} tasks")
+        self.pred = [list(dict.fromkeys(p)) for p in pred]  # in one pass: linear however many edges a task has
         self.succ = [[] for _ in range(n)]
-        self.pred = [[] for _ in range(n)]
-        self._forward_only, self._hazards_ordered = True, False
-        self._version += 1
-        for b, preds in enumerate(pred):
+        for b, preds in enumerate(self.pred):
             for a in preds:
-                self._link(a, b)
+                self.succ[a].append(b)
+        self._forward_only = all(a < b for b, preds in enumerate(self.pred) for a in preds)
+        self._hazards_ordered = False
+        self._version += 1
 
     def compose(self, sub: TaskGraph, prefix: str = "", bind: dict | None = None) -> Composed:
         """Add the sub-graph ``sub`` as one unit; ``bind`` maps its buffers (by name) to
@@ -454,7 +475,8 @@ class TaskGraph:
     @classmethod
     def load(cls, path: str | os.PathLike) -> TaskGraph:
         """Read a graph file; a corrupt or newer file raises TraceFormatError naming it."""
-        return cls.from_dict(read_graph(path), os.fspath(path))
+        with gc_paused():  # millions of small objects: collections would cost more than the reading
+            return cls.from_dict(read_graph(path), os.fspath(path))
 
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self.tasks)}, buffers={len(self.buffers)})"

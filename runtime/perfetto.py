@@ -11,6 +11,7 @@ import json
 import os
 from typing import Any
 
+from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write
 from megaloom.runtime.record import Observer
 from megaloom.runtime.trace import Trace
@@ -52,8 +53,12 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
 
 
 def write_chrome(trace: Trace, path: str | os.PathLike) -> None:
-    """Write the Chrome JSON atomically."""
-    atomic_write(path, json.dumps(to_chrome(trace), default=str).encode())
+    """Write the Chrome JSON atomically; a value JSON cannot hold (NaN, Infinity) raises TraceFormatError."""
+    try:
+        data = json.dumps(to_chrome(trace), default=str, allow_nan=False)
+    except ValueError as e:  # the only ValueError json.dumps raises: an out-of-range float
+        raise TraceFormatError(f"{path}: a tag or meta value is not finite, which JSON cannot hold ({e})") from None
+    atomic_write(path, data.encode())
 
 
 class PerfettoObserver(Observer):

@@ -13,10 +13,9 @@ dispatch; reference counting still frees memory.
 """
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
+from megaloom.runtime.files import gc_paused  # noqa: F401  (the executors take it from here)
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Trace, TraceEvent
 
@@ -101,17 +100,3 @@ class Recorder:
             for o in self.observers:
                 o.on_run_end(trace)
         return trace
-
-
-@contextmanager
-def gc_paused(pause: bool = True) -> Iterator[None]:
-    """Keep the cyclic garbage collector off inside the block (when ``pause``); it is turned
-    back on after, if it was on."""
-    was_enabled = gc.isenabled()
-    if pause:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if pause and was_enabled:
-            gc.enable()

@@ -8,13 +8,14 @@ The functions here reach the graph through its public API; ``TaskGraph.save``,
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from megaloom.runtime.errors import GraphError, TraceFormatError
-from megaloom.runtime.files import atomic_write, read_msgpack
+from megaloom.runtime.files import atomic_write, gc_paused, read_msgpack
 from megaloom.runtime.registry import Cost
 
 if TYPE_CHECKING:
@@ -47,8 +48,9 @@ def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
 def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:
     """Write ``g`` atomically; attrs and tags must be msgpack-encodable."""
     try:
-        data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
-    except TypeError as e:
+        with gc_paused():
+            data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
+    except (TypeError, ValueError) as e:  # ValueError: UnicodeEncodeError of a lone surrogate
         raise GraphError(f"graph {g.name!r}: attrs or tags are not msgpack-encodable: {e}") from e
     atomic_write(path, data)
 
@@ -89,8 +91,9 @@ def fill_graph(g: TaskGraph, d: dict[str, Any], where: str = "<graph>") -> TaskG
             regions.append(g.buffers[r[0]].region(r[1]))
         c = t.get("cost")
         _want(c is None or (isinstance(c, list) and len(c) == 4 and isinstance(c[3], str)
-                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c[:3])),
-              where, f"task {t['name']!r} has a malformed cost")
+                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                                    for v in c[:3])),
+              where, f"task {t['name']!r} has a malformed cost (finite non-negative flops, bytes, comm bytes)")
         g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
                attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
     _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)

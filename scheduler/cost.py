@@ -16,6 +16,8 @@ they apply by default, and ``overrides`` take precedence over them.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -95,10 +97,15 @@ class CostModel:
         """A task's duration: its measured ``attrs['duration']`` if it has one, else the model's."""
         d = task.attrs.get(DURATION_ATTR) if task.attrs else None
         if d is not None:
-            if isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0:
-                raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a non-negative number of seconds, got {d!r}")
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < math.inf:
+                raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a finite non-negative number of "
+                                  f"seconds, got {d!r}")
             return float(d)
-        return self.duration(graph.costs()[task.id], task.engine, task.tags.get("link", "intra"), op=task.op)
+        cost = graph.costs()[task.id]
+        d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op)
+        if not 0 <= d < math.inf:
+            raise ConfigError(f"task {task.name!r}: its cost {cost} gives a duration of {d!r} s")
+        return d
 
     def durations(self, graph: TaskGraph) -> list[float]:
         """Every task's duration, by task id."""

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import load_yaml
 from megaloom.runtime.plugins import Registry
@@ -159,8 +160,8 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         raise ConfigError(f"{where}: key 'name' must be a non-empty string")
     units = {}
     for e, n in _mapping(where, "units", d["units"]).items():
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
+            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer at most {MAX_UNITS}, got {n!r}")
         units[str(e)] = n
     peaks: dict[str, dict[str, float]] = {}
     for e, rates in _mapping(where, "peak", d["peak"]).items():

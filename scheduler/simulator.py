@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Callable, Iterable, Mapping
 
-from megaloom.runtime.core import Core, Policy
+from megaloom.runtime.core import MAX_UNITS, Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
@@ -60,8 +60,8 @@ def parse_units(text: str) -> dict[str, int]:
     """``"cube=24,vector=48,comm=4"`` as a dict; bad items raise ConfigError."""
     out = parse_options(text, what="unit count")
     for k, v in out.items():
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ConfigError(f"bad unit count '{k}={v}': expected ENGINE=N with N a positive integer")
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
+            raise ConfigError(f"bad unit count '{k}={v}': expected ENGINE=N with N a positive integer at most {MAX_UNITS}")
     if not out:
         raise ConfigError(f"no unit counts in {text!r}: expected e.g. cube=24,vector=48,comm=4")
     return out
@@ -91,8 +91,8 @@ class Simulator:
         self.profile = load_profile(profile)
         self.units = dict(self.profile.units)
         for e, n in (units or {}).items():
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ConfigError(f"units[{e!r}] must be a positive integer, got {n!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
+                raise ConfigError(f"units[{e!r}] must be a positive integer at most {MAX_UNITS}, got {n!r}")
             self.units[e] = n
         self.policy = make_policy(policy)
         self.cost_model = cost_model if cost_model is not None else CostModel(self.profile)

@@ -72,7 +72,7 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
                 f"model.config: unknown key(s) {', '.join(unknown)} for {config_name}; allowed: {', '.join(sorted(allowed))}")
         try:
             config = config_cls(**kwargs)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # transformers validates fields with its own exception types
             raise ConfigError(f"model.config: {config_name} rejected the values: {e}") from None
         with _default_dtype(dtype):
             model = getattr(tf, model_name)(config)

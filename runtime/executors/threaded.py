@@ -86,14 +86,17 @@ class ThreadExecutor(Executor):
 
     async def run_async(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
         """Run in a worker thread so the event loop stays free. Cancelling the awaiting
-        task stops the run (workers finish the kernel they are in) before it re-raises."""
+        task stops the run before it re-raises, within :attr:`_Run.ABANDON_AFTER` seconds
+        even when a kernel hangs (its worker is abandoned and reported)."""
         cancel = threading.Event()
         job = asyncio.ensure_future(asyncio.to_thread(self._run, graph, inputs, cancel))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
             cancel.set()
-            await asyncio.wait([job])
+            await asyncio.wait([job])  # within ABANDON_AFTER: a hung kernel is left behind
+            if not job.cancelled():
+                job.exception()  # the run's "cancelled" error is this cancellation: retrieved here
             raise
 
     def _run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
@@ -145,6 +148,7 @@ class _Run:
     """
 
     IDLE_POLL = 0.05  # seconds a parked worker sleeps before it looks again by itself
+    ABANDON_AFTER = 0.5  # seconds a cancelled or interrupted run waits for kernels before leaving them
 
     def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor,
                  rec: Recorder, cancel: threading.Event | None = None):
@@ -154,6 +158,7 @@ class _Run:
         self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
         self.n_parked = 0
         self.error: BaseException | None = None
+        self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.finished = threading.Event()
         self.last_progress = time.perf_counter()
         self.ops = [get_op(t.op) for t in graph.tasks] if ex.kernels != "null" else []
@@ -184,23 +189,41 @@ class _Run:
             while not self.finished.wait(poll):
                 with self.lock:
                     if self.cancel is not None and self.cancel.is_set():
+                        self.cancelled = True
                         self._stop(ExecutionError(f"run of graph {self.graph.name!r} was cancelled"))
                     elif self.error is None and time.perf_counter() - self.last_progress > stall:
                         self._stop(self._deadlock())
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
+                self.cancelled = True
                 self._stop(e)
             raise
         finally:
             # a failed run waits (bounded) for tasks still inside a kernel, so none outlives it;
-            # a stalled run does not wait again for the task that stalled it
-            deadline = time.perf_counter() + (1.0 if isinstance(self.error, DeadlockError) else max(1.0, stall))
+            # a stalled run does not wait again for the task that stalled it, a cancelled one hardly
+            wait = self.ABANDON_AFTER if self.cancelled else 1.0 if isinstance(self.error, DeadlockError) \
+                else max(1.0, stall)
+            deadline = time.perf_counter() + wait
             for th in threads:
                 if th.ident is not None:
                     th.join(max(0.0, deadline - time.perf_counter()))
+            self._report_abandoned([th for th in threads if th.is_alive()])
         if self.error is not None:
             raise self.error
         return [r for rec in records for r in rec]
+
+    def _report_abandoned(self, stuck: list[threading.Thread]) -> None:
+        """Name the workers left inside a kernel (daemon threads: they end when it returns)."""
+        if not stuck or self.error is None:
+            return
+        with self.lock:
+            running = ", ".join(repr(t) for t, why in self.core.blocked().items() if why == ["(running)"])
+        note = f"abandoned {len(stuck)} worker(s) still inside a kernel ({', '.join(th.name for th in stuck)}; " \
+               f"task(s) {running or '?'})"
+        if type(self.error) is ExecutionError:  # a cancelled or failed run: the note joins the message
+            self.error.args = (f"{self.error}; {note}",)
+        elif hasattr(self.error, "add_note"):  # the caller's KeyboardInterrupt, say
+            self.error.add_note(f"megaloom: {note}")
 
     def _deadlock(self) -> DeadlockError:
         return self.core.deadlock(f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "

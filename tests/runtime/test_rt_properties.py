@@ -2,7 +2,8 @@
 
 A drawn graph reads only regions that are graph inputs or already fully written, writes
 overlapping tiles (offsets in half-tile steps), in place and over earlier results, so
-every hazard kind (RAW, WAR, WAW) shows up; some tasks also get extra control edges.
+every hazard kind (RAW, WAR, WAW) shows up; some tasks also get extra control edges. Rows
+of the output no task wrote are filled last, since an output must be written in full.
 """
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -52,6 +53,9 @@ def graphs(draw) -> tuple[TaskGraph, dict[str, torch.Tensor]]:
                 written[r] = True
         if i and draw(st.integers(0, 4)) == 0:   # a control edge to an earlier task
             g.tasks[draw(st.integers(0, i - 1))].precede(t)
+    for s in range(0, ROWS, T):  # an output is written in full (validate() checks it)
+        if not all(written[s:s + T]):
+            g.task("copy", [x[s:s + T]], [out[s:s + T]], name=f"fill{s}")
     seed = draw(st.integers(0, 2**16))
     gen = torch.Generator().manual_seed(seed)
     inputs = {"x": torch.rand(ROWS, T, generator=gen), "w": torch.rand(T, T, generator=gen) / T,

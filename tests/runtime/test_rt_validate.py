@@ -164,3 +164,33 @@ def test_long_accumulation_chains_validate_fast():
     t0 = time.perf_counter()
     g.validate()
     assert time.perf_counter() - t0 < 10.0   # was minutes when every pair of writers was compared
+
+
+def test_output_not_written_in_full_is_refused_before_any_run():
+    import torch
+
+    from megaloom.runtime import ReferenceExecutor, ThreadExecutor
+
+    g = TaskGraph("half")
+    x, y = g.input("x", (8, 2)), g.output("y", (8, 2))
+    g.task("copy", [x[0:4]], [y[0:4]], name="top")  # rows 4-7 of y: uninitialised memory
+    e = raises(g, "rule 'unwritten output'", "output 'y': no task writes y[4:8, 0:2]", "uninitialised")
+    assert e.tasks == ()
+    for ex in (ThreadExecutor(), ReferenceExecutor()):
+        with pytest.raises(GraphError, match="no task writes y"):
+            ex.run(g, {"x": torch.ones(8, 2)})
+    g.task("copy", [x[4:8]], [y[4:8]], name="bottom")  # written in full: no zeroing needed
+    for ex in (ThreadExecutor(), ReferenceExecutor()):
+        assert torch.equal(ex.run(g, {"x": torch.ones(8, 2)})["y"], torch.ones(8, 2))
+
+
+def test_column_tiles_in_any_order_cover_an_output():
+    g = TaskGraph("cols")
+    x, y = g.input("x", (4, 64)), g.output("y", (4, 64))
+    for a in [5, 3, 0, 7, 1, 6, 2, 4]:
+        g.task("copy", [x[:, a * 8:(a + 1) * 8]], [y[:, a * 8:(a + 1) * 8]])
+    g.validate()
+    g2 = TaskGraph("inout")
+    z = g2.inout("z", (4,))
+    g2.task("silu", [z[0:2]], [z[0:2]])  # an in-out buffer starts with the caller's data
+    g2.validate()

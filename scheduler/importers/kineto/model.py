@@ -571,7 +571,10 @@ class Model:
         for e in self.raw.flows:
             if e.get("cat") == "ac2g":
                 continue  # launch correlations: already edges
-            chains.setdefault((e.get("cat"), e.get("id")), []).append(e)
+            try:
+                chains.setdefault((e.get("cat"), e.get("id")), []).append(e)
+            except TypeError:  # a list or object as flow id or category: no chain to join
+                self.report.count("skipped", "flow event with a malformed id or category")
         starts = {t: [self.tasks[i].start for i in ids] for t, ids in self.track_tasks.items()}
         for chain in chains.values():
             chain.sort(key=lambda e: ("stf".index(e["ph"]), float(e["ts"])))

@@ -25,7 +25,7 @@ from megaloom.ops.dvm.primitives import PRIMITIVES
 from megaloom.ops.dvm.program import Program, instr
 from megaloom.runtime.errors import ExecutionError
 
-from test_dvm_numerics import _inputs, _tolerance
+from .test_numerics import _inputs, _tolerance
 
 needs_ext = pytest.mark.skipif(not native.AVAILABLE, reason="the compiled kernels are not built")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -15,7 +15,7 @@ S = (16, 8)
 @pytest.fixture(autouse=True)
 def tiled_backend():
     """The fusion pass is checked bit for bit: fused tasks run on the tiled torch backend,
-    which makes the very torch calls of the unfused chain (tests/dvm/test_dvm_native.py
+    which makes the very torch calls of the unfused chain (tests/dvm/test_native.py
     covers the native backend)."""
     old = dvm.options().backend
     dvm.configure(backend="tiled")

@@ -6,30 +6,44 @@
 Expert parallel: pass ``comm`` (a :class:`megaloom.comm.Communicator`, e.g.
 ``TorchCommunicator(group)``); each rank then holds ``experts / world_size`` experts and
 exchanges per-expert counts on the host before building (or reusing) its graphs.
+
+The graph runs are two ``torch.library`` custom ops, ``megaloom::moe_forward`` and
+``megaloom::moe_backward``, with fake (shape-only) implementations and an autograd
+formula, so ``torch.compile`` traces a block that calls :func:`megamoe` without a graph
+break (``fullgraph=True`` works). :func:`megamoe` honours ``torch.autocast``: under autocast
+the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
+would. Double backward (``create_graph=True``) differentiates the first-order gradients of
+megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
 
+import itertools
 import math
+import weakref
 from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from megaloom.graphs.common.runner import GraphRunner
 from megaloom.graphs.moe.graph import MEGAMOE
-from megaloom.graphs.moe.spec import MegaMoESpec, Routing, local_counts, make_routing
+from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
-from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 
 SAVED = ("xr", "gu", "a", "yc")
+ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
+_RUNNERS: weakref.WeakValueDictionary[int, MegaMoERunner] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
 
 class MegaMoERunner(GraphRunner):
     """A :class:`GraphRunner` of one MegaMoE spec: host routing, then the forward and backward
-    graphs, built once per (spec, counts). ``executor``, ``units``, ``policy``: as for GraphRunner."""
+    graphs, built once per (spec, counts). ``executor``, ``units``, ``policy``: as for GraphRunner.
+    ``key`` names the runner to the custom ops (which take no Python objects)."""
 
     def __init__(self, spec: MegaMoESpec, comm: Any = None, *, executor: str | Executor = "thread",
                  units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
@@ -41,10 +55,12 @@ class MegaMoERunner(GraphRunner):
                               "its collectives in one order")
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
+        self.key = next(_KEYS)
+        _RUNNERS[self.key] = self
 
-    def route(self, topk_ids: torch.Tensor) -> tuple[MegaMoESpec, Routing]:
-        """Host routing: this rank's counts, exchanged with every rank when ``ep > 1``."""
-        spec = replace(self.spec, tokens=int(topk_ids.shape[0]))
+    def route(self, topk_ids: torch.Tensor, dtype: torch.dtype) -> tuple[MegaMoESpec, Routing]:
+        """Host routing of ``dtype`` activations: this rank's counts, exchanged with every rank when ``ep > 1``."""
+        spec = replace(self.spec, tokens=int(topk_ids.shape[0]), dtype=dtype_name(dtype))
         all_counts = None
         if spec.ep > 1:
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
@@ -64,26 +80,118 @@ class MegaMoERunner(GraphRunner):
                             "gate_up": gate_up, "down": down}, "bwd", contiguous=False)
 
 
-class MegaMoEFunction(torch.autograd.Function):
-    """``out = MoE(x; ids, w, gate_up, down)`` through the MegaMoE graphs; ids get no gradient."""
+def _runner(key: int) -> MegaMoERunner:
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        raise ExecutionError(f"MegaMoE runner {key} is gone (its module was deleted)")
+    return runner
 
-    @staticmethod
-    def forward(ctx, runner: MegaMoERunner, x, topk_ids, topk_weights, gate_up, down):
-        spec, routing = runner.route(topk_ids)
-        save = any(ctx.needs_input_grad)
-        # executor threads have grad mode on: hand them detached tensors
-        x, topk_weights, gate_up, down = (t.detach() for t in (x, topk_weights, gate_up, down))
-        res = runner.forward(spec, routing, x.contiguous(), topk_weights.contiguous(), gate_up, down, save)
-        if save:
-            ctx.runner, ctx.spec, ctx.routing = runner, spec, routing
-            ctx.save_for_backward(topk_weights, gate_up, down, *(res[n] for n in SAVED))
-        return res["out"]
 
-    @staticmethod
-    def backward(ctx, dout):
-        w, gate_up, down, *saved = ctx.saved_tensors
-        res = ctx.runner.backward(ctx.spec, ctx.routing, dout.contiguous(), w, dict(zip(SAVED, saved)), gate_up, down)
-        return None, res["dx"], None, res["dw"], res["d_gate_up"], res["d_down"]
+@torch.library.custom_op("megaloom::moe_forward", mutates_args=())
+def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, runner: int,
+                 save: bool) -> list[Tensor]:
+    """``[out]``, plus with ``save`` the activations (:data:`SAVED`) and routing (:data:`ROUTING`) backward needs."""
+    r = _runner(runner)
+    spec, routing = r.route(topk_ids, x.dtype)
+    res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
+                    down.detach(), save)
+    if not save:
+        return [res["out"]]
+    counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
+    return [res["out"], *(res[n] for n in SAVED), routing.tok, routing.flat, routing.pos, counts]
+
+
+@_moe_forward.register_fake
+def _(x, topk_ids, topk_weights, gate_up, down, runner, save):
+    t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
+    out = x.new_empty(t, h)
+    if not save:
+        return [out]
+    spec = _runner(runner).spec
+    rows = t * k if spec.ep == 1 else torch.library.get_ctx().new_dynamic_size()  # received rows
+    i = down.shape[1]
+    ids = topk_ids.new_empty(t * k, dtype=torch.int64)
+    return [out, x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i), x.new_empty(t * k, h),
+            ids, torch.empty_like(ids), topk_ids.new_empty(t, k, dtype=torch.int64),
+            topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
+
+
+@torch.library.custom_op("megaloom::moe_backward", mutates_args=())
+def _moe_backward(dout: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, saved: list[Tensor],
+                  runner: int) -> list[Tensor]:
+    """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
+    r = _runner(runner)
+    acts, (tok, flat, pos, counts) = saved[:len(SAVED)], saved[len(SAVED):]
+    spec = replace(r.spec, tokens=int(dout.shape[0]), dtype=dtype_name(dout.dtype))
+    routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
+    res = r.backward(spec, routing, dout.detach().contiguous(), topk_weights.detach(), dict(zip(SAVED, acts)),
+                     gate_up.detach(), down.detach())
+    return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
+
+
+@_moe_backward.register_fake
+def _(dout, topk_weights, gate_up, down, saved, runner):
+    return [torch.empty_like(dout), torch.empty_like(topk_weights), torch.empty_like(gate_up), torch.empty_like(down)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, gate_up, down, runner, save = inputs
+    ctx.runner = runner
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, *output[1:])
+
+
+def _backward(ctx, grads):
+    x, topk_ids, topk_weights, gate_up, down, *saved = ctx.saved_tensors
+    dout = grads[0]
+    if torch.is_grad_enabled():  # create_graph=True: first-order gradients that are themselves differentiable
+        return (*_differentiable_grads(ctx.runner, dout, x, topk_ids, topk_weights, gate_up, down), None, None)
+    dx, dw, dgu, ddn = _moe_backward(dout.contiguous(), topk_weights, gate_up, down, saved, ctx.runner)
+    return dx, None, dw, dgu, ddn, None, None
+
+
+def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up, down):
+    """(dx, None, dw, d gate_up, d down) of the eager reference block, with a graph for double backward."""
+    from megaloom.graphs.moe.reference import moe_reference
+
+    if _runner(runner).world_size > 1:
+        raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
+                             "under expert parallelism the experts live on other ranks")
+    with torch.enable_grad():
+        ins = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, topk_weights, gate_up, down)]
+        out = moe_reference(ins[0], topk_ids, ins[1], ins[2], ins[3])
+        dx, dw, dgu, ddn = torch.autograd.grad(out, ins, dout, create_graph=True)
+    return dx, None, dw, dgu, ddn
+
+
+_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``x``'s device type, else ``x``'s dtype."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor,
+            down: Tensor) -> Tensor:
+    """``out [T, H] = sum_j w[t, j] MLP_{ids[t, j]}(x[t])`` through the MegaMoE graphs of ``runner``.
+
+    ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]``, ``gate_up [E_local, H, 2I]``, ``down
+    [E_local, I, H]`` (views are fine: they are passed without a copy). Under ``torch.autocast``
+    every operand is cast to the autocast dtype (differentiably: gradients reach float32
+    parameters in float32); otherwise x and the weights must share a dtype. ``T`` may be 0.
+    """
+    dt = compute_dtype(x)
+    if torch.is_autocast_enabled(x.device.type):
+        x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
+    if not x.dtype == gate_up.dtype == down.dtype:
+        raise ConfigError(f"MegaMoE: hidden states are {x.dtype}, expert weights {gate_up.dtype} / {down.dtype} "
+                          "(cast the module with .to(dtype), or run under torch.autocast)")
+    ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
+    w = topk_weights.reshape(ids.shape).to(dt)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
+    return _moe_forward(x, ids, w, gate_up, down, runner.key, save)[0]
 
 
 class MegaMoE(nn.Module):
@@ -91,9 +199,10 @@ class MegaMoE(nn.Module):
 
     Parameters ``gate_up [E_local, H, 2I]`` (gate then up projection) and ``down
     [E_local, I, H]`` are ordinary ``nn.Parameter`` s of this rank's experts
-    (``E_local = experts / world_size``). Top-k weights are used in the parameter dtype.
-    ``options``: tiling and schedule fields of :class:`MegaMoESpec` (``tile_m``,
-    ``cube_split``, ``wgrad_split``, ``schedule``, ``group_size``, ``ordered_comm``).
+    (``E_local = experts / world_size``). Top-k weights are used in the compute dtype (the
+    parameters', or autocast's). ``options``: tiling and schedule fields of
+    :class:`MegaMoESpec` (``tile_m``, ``cube_split``, ``wgrad_split``, ``schedule``,
+    ``group_size``, ``ordered_comm``).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *, comm: Any = None,
@@ -122,13 +231,9 @@ class MegaMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        if x.dtype != self.gate_up.dtype:
-            raise ConfigError(f"MegaMoE: hidden states are {x.dtype}, parameters {self.gate_up.dtype}")
-        ids = topk_ids.reshape(x.shape[0], -1)
-        w = topk_weights.reshape(ids.shape).to(self.gate_up.dtype)
-        out = MegaMoEFunction.apply(self.runner, x, ids, w, self.gate_up, self.down)
-        return out.view(shape)
+        out = megamoe(self.runner, hidden_states.reshape(-1, shape[-1]), topk_ids, topk_weights, self.gate_up,
+                      self.down)
+        return out.view(*shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         s = self.spec

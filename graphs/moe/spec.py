@@ -31,7 +31,7 @@ ROUTINGS = ("balanced", "random", "skewed")
 class MegaMoESpec(GraphSpec):
     """Shapes and tiling of one MoE expert block, per EP rank.
 
-    ``tokens``: tokens per rank (T); ``experts``: global expert count (E); ``ep``: EP
+    ``tokens``: tokens per rank (T, may be 0); ``experts``: global expert count (E); ``ep``: EP
     size; ``tile_m``: rows per tile (dispatch packing, GEMM rows, SwiGLU, top-k sums);
     ``cube_split``: column blocks per GEMM row tile (spread over the cube units);
     ``wgrad_split``: row blocks of each expert weight gradient (times ``cube_split``
@@ -58,9 +58,11 @@ class MegaMoESpec(GraphSpec):
     ordered_comm: bool = True
 
     def __post_init__(self) -> None:
-        problems = positive(self, *(f.name for f in fields(self) if f.type == "int" and f.name != "comm_tile"))
-        if not isinstance(self.comm_tile, int) or self.comm_tile < 0:
-            problems.append(f"comm_tile must be a non-negative integer, got {self.comm_tile!r}")
+        problems = positive(self, *(f.name for f in fields(self) if f.type == "int"
+                                    and f.name not in ("comm_tile", "tokens")))
+        for name in ("comm_tile", "tokens"):  # a rank may have no tokens in a step
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                problems.append(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if not problems:
             if self.experts % self.ep:
                 problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")

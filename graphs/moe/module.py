@@ -17,16 +17,14 @@ megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
 
-import itertools
 import math
-import weakref
 from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
-from megaloom.graphs.common.runner import GraphRunner
+from megaloom.graphs.common.runner import GraphRunner, runner_for
 from megaloom.graphs.moe.graph import MEGAMOE
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
@@ -36,14 +34,11 @@ from megaloom.runtime.executors.base import RunResult
 
 SAVED = ("xr", "gu", "a", "yc")
 ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
-_RUNNERS: weakref.WeakValueDictionary[int, MegaMoERunner] = weakref.WeakValueDictionary()
-_KEYS = itertools.count()
 
 
 class MegaMoERunner(GraphRunner):
     """A :class:`GraphRunner` of one MegaMoE spec: host routing, then the forward and backward
-    graphs, built once per (spec, counts). ``executor``, ``units``, ``policy``: as for GraphRunner.
-    ``key`` names the runner to the custom ops (which take no Python objects)."""
+    graphs, built once per (spec, counts). ``executor``, ``units``, ``policy``: as for GraphRunner."""
 
     def __init__(self, spec: MegaMoESpec, comm: Any = None, *, executor: str | Executor = "thread",
                  units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
@@ -55,8 +50,6 @@ class MegaMoERunner(GraphRunner):
                               "its collectives in one order")
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
-        self.key = next(_KEYS)
-        _RUNNERS[self.key] = self
 
     def route(self, topk_ids: torch.Tensor, dtype: torch.dtype) -> tuple[MegaMoESpec, Routing]:
         """Host routing of ``dtype`` activations: this rank's counts, exchanged with every rank when ``ep > 1``."""
@@ -80,18 +73,11 @@ class MegaMoERunner(GraphRunner):
                             "gate_up": gate_up, "down": down}, "bwd", contiguous=False)
 
 
-def _runner(key: int) -> MegaMoERunner:
-    runner = _RUNNERS.get(key)
-    if runner is None:
-        raise ExecutionError(f"MegaMoE runner {key} is gone (its module was deleted)")
-    return runner
-
-
 @torch.library.custom_op("megaloom::moe_forward", mutates_args=())
 def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, runner: int,
                  save: bool) -> list[Tensor]:
     """``[out]``, plus with ``save`` the activations (:data:`SAVED`) and routing (:data:`ROUTING`) backward needs."""
-    r = _runner(runner)
+    r = runner_for(runner)
     spec, routing = r.route(topk_ids, x.dtype)
     res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
                     down.detach(), save)
@@ -107,7 +93,7 @@ def _(x, topk_ids, topk_weights, gate_up, down, runner, save):
     out = x.new_empty(t, h)
     if not save:
         return [out]
-    spec = _runner(runner).spec
+    spec = runner_for(runner).spec
     rows = t * k if spec.ep == 1 else torch.library.get_ctx().new_dynamic_size()  # received rows
     i = down.shape[1]
     ids = topk_ids.new_empty(t * k, dtype=torch.int64)
@@ -120,7 +106,7 @@ def _(x, topk_ids, topk_weights, gate_up, down, runner, save):
 def _moe_backward(dout: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, saved: list[Tensor],
                   runner: int) -> list[Tensor]:
     """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
-    r = _runner(runner)
+    r = runner_for(runner)
     acts, (tok, flat, pos, counts) = saved[:len(SAVED)], saved[len(SAVED):]
     spec = replace(r.spec, tokens=int(dout.shape[0]), dtype=dtype_name(dout.dtype))
     routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
@@ -136,7 +122,7 @@ def _(dout, topk_weights, gate_up, down, saved, runner):
 
 def _setup_context(ctx, inputs, output) -> None:
     x, topk_ids, topk_weights, gate_up, down, runner, save = inputs
-    ctx.runner = runner
+    ctx.runner, ctx.keep = runner, runner_for(runner)
     ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, *output[1:])
 
@@ -154,7 +140,7 @@ def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up,
     """(dx, None, dw, d gate_up, d down) of the eager reference block, with a graph for double backward."""
     from megaloom.graphs.moe.reference import moe_reference
 
-    if _runner(runner).world_size > 1:
+    if runner_for(runner).world_size > 1:
         raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
                              "under expert parallelism the experts live on other ranks")
     with torch.enable_grad():

@@ -25,14 +25,13 @@ import torch
 from torch import Tensor, nn
 
 from megaloom.graphs.common.runner import GraphRunner, runner_for
-from megaloom.graphs.moe.graph import MEGAMOE
+from megaloom.graphs.moe.graph import MEGAMOE, saved_names
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 
-SAVED = ("xr", "gu", "a", "yc")
 ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
 
 
@@ -51,13 +50,18 @@ class MegaMoERunner(GraphRunner):
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
 
-    def route(self, topk_ids: torch.Tensor, dtype: torch.dtype) -> tuple[MegaMoESpec, Routing]:
-        """Host routing of ``dtype`` activations: this rank's counts, exchanged with every rank when ``ep > 1``."""
-        spec = replace(self.spec, tokens=int(topk_ids.shape[0]), dtype=dtype_name(dtype))
+    def spec_for(self, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
+        """The spec of a call: ``tokens`` rows of ``dtype``, expert GEMMs in MXFP8 with scale rule ``mx``
+        (empty: in ``dtype``)."""
+        return replace(self.spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
+                       scale_mode=mx or self.spec.scale_mode)
+
+    def route(self, topk_ids: torch.Tensor, spec: MegaMoESpec) -> Routing:
+        """Host routing: this rank's counts, exchanged with every rank when ``ep > 1``."""
         all_counts = None
         if spec.ep > 1:
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
-        return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
+        return make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
@@ -75,54 +79,64 @@ class MegaMoERunner(GraphRunner):
 
 @torch.library.custom_op("megaloom::moe_forward", mutates_args=())
 def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, runner: int,
-                 save: bool) -> list[Tensor]:
-    """``[out]``, plus with ``save`` the activations (:data:`SAVED`) and routing (:data:`ROUTING`) backward needs."""
+                 mx: str, save: bool) -> list[Tensor]:
+    """``[out]``, plus with ``save`` the activations (:func:`saved_names`) and routing (:data:`ROUTING`)
+    backward needs. ``mx``: the MXFP8 scale rule of the expert GEMMs, or empty (no MXFP8)."""
     r = runner_for(runner)
-    spec, routing = r.route(topk_ids, x.dtype)
+    spec = r.spec_for(int(x.shape[0]), x.dtype, mx)
+    routing = r.route(topk_ids, spec)
     res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
                     down.detach(), save)
     if not save:
         return [res["out"]]
     counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
-    return [res["out"], *(res[n] for n in SAVED), routing.tok, routing.flat, routing.pos, counts]
+    return [res["out"], *(res[n] for n in saved_names(spec)), routing.tok, routing.flat, routing.pos, counts]
 
 
 @_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, gate_up, down, runner, save):
+def _(x, topk_ids, topk_weights, gate_up, down, runner, mx, save):
     t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
     out = x.new_empty(t, h)
     if not save:
         return [out]
     spec = runner_for(runner).spec
-    rows = t * k if spec.ep == 1 else torch.library.get_ctx().new_dynamic_size()  # received rows
+    ctx = torch.library.get_ctx()
+    rows = t * k if spec.ep == 1 else ctx.new_dynamic_size()  # received rows
     i = down.shape[1]
+    if mx:  # token-axis FP8 copies of xr and a: each expert's rows padded to 32
+        blocks = ctx.new_dynamic_size()
+        acts = [x.new_empty(blocks * 32, h, dtype=torch.float8_e4m3fn), x.new_empty(blocks, h, dtype=torch.float8_e8m0fnu),
+                x.new_empty(rows, 2 * i), x.new_empty(blocks * 32, i, dtype=torch.float8_e4m3fn),
+                x.new_empty(blocks, i, dtype=torch.float8_e8m0fnu)]
+    else:
+        acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
     ids = topk_ids.new_empty(t * k, dtype=torch.int64)
-    return [out, x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i), x.new_empty(t * k, h),
-            ids, torch.empty_like(ids), topk_ids.new_empty(t, k, dtype=torch.int64),
+    return [out, *acts, x.new_empty(t * k, h), ids, torch.empty_like(ids), topk_ids.new_empty(t, k, dtype=torch.int64),
             topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
 
 
 @torch.library.custom_op("megaloom::moe_backward", mutates_args=())
 def _moe_backward(dout: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, saved: list[Tensor],
-                  runner: int) -> list[Tensor]:
+                  runner: int, mx: str) -> list[Tensor]:
     """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
     r = runner_for(runner)
-    acts, (tok, flat, pos, counts) = saved[:len(SAVED)], saved[len(SAVED):]
-    spec = replace(r.spec, tokens=int(dout.shape[0]), dtype=dtype_name(dout.dtype))
+    spec = r.spec_for(int(dout.shape[0]), dout.dtype, mx)
+    names = saved_names(spec)
+    acts, (tok, flat, pos, counts) = saved[:len(names)], saved[len(names):]
     routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
-    res = r.backward(spec, routing, dout.detach().contiguous(), topk_weights.detach(), dict(zip(SAVED, acts)),
+    res = r.backward(spec, routing, dout.detach().contiguous(), topk_weights.detach(), dict(zip(names, acts)),
                      gate_up.detach(), down.detach())
     return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
 
 
 @_moe_backward.register_fake
-def _(dout, topk_weights, gate_up, down, saved, runner):
+def _(dout, topk_weights, gate_up, down, saved, runner, mx):
     return [torch.empty_like(dout), torch.empty_like(topk_weights), torch.empty_like(gate_up), torch.empty_like(down)]
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, topk_ids, topk_weights, gate_up, down, runner, save = inputs
-    ctx.runner, ctx.keep = runner, runner_for(runner)
+    x, topk_ids, topk_weights, gate_up, down, runner, mx, save = inputs
+    ctx.runner, ctx.mx, ctx.keep = runner, mx, runner_for(runner)
     ctx.mark_non_differentiable(*output[1:])
     ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, *output[1:])
 
@@ -131,9 +145,11 @@ def _backward(ctx, grads):
     x, topk_ids, topk_weights, gate_up, down, *saved = ctx.saved_tensors
     dout = grads[0]
     if torch.is_grad_enabled():  # create_graph=True: first-order gradients that are themselves differentiable
-        return (*_differentiable_grads(ctx.runner, dout, x, topk_ids, topk_weights, gate_up, down), None, None)
-    dx, dw, dgu, ddn = _moe_backward(dout.contiguous(), topk_weights, gate_up, down, saved, ctx.runner)
-    return dx, None, dw, dgu, ddn, None, None
+        if ctx.mx:
+            raise ExecutionError("MegaMoE double backward (create_graph=True) is not supported with MXFP8 experts")
+        return (*_differentiable_grads(ctx.runner, dout, x, topk_ids, topk_weights, gate_up, down), None, None, None)
+    dx, dw, dgu, ddn = _moe_backward(dout.contiguous(), topk_weights, gate_up, down, saved, ctx.runner, ctx.mx)
+    return dx, None, dw, dgu, ddn, None, None, None
 
 
 def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up, down):
@@ -160,13 +176,14 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor,
-            down: Tensor) -> Tensor:
+            down: Tensor, mx: str | None = None) -> Tensor:
     """``out [T, H] = sum_j w[t, j] MLP_{ids[t, j]}(x[t])`` through the MegaMoE graphs of ``runner``.
 
     ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]``, ``gate_up [E_local, H, 2I]``, ``down
     [E_local, I, H]`` (views are fine: they are passed without a copy). Under ``torch.autocast``
     every operand is cast to the autocast dtype (differentiably: gradients reach float32
-    parameters in float32); otherwise x and the weights must share a dtype. ``T`` may be 0.
+    parameters in float32); otherwise x and the weights must share a dtype. ``T`` may be 0. ``mx``:
+    the expert GEMMs in MXFP8 with this scale rule (``"floor"`` or ``"rceil"``).
     """
     dt = compute_dtype(x)
     if torch.is_autocast_enabled(x.device.type):
@@ -177,7 +194,7 @@ def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Te
     ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
     w = topk_weights.reshape(ids.shape).to(dt)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
-    return _moe_forward(x, ids, w, gate_up, down, runner.key, save)[0]
+    return _moe_forward(x, ids, w, gate_up, down, runner.key, mx or "", save)[0]
 
 
 class MegaMoE(nn.Module):

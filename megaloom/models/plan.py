@@ -35,7 +35,7 @@ from torch import nn
 
 from megaloom.models.hf_moe import block_parts, is_moe_block, is_router
 from megaloom.models.replace import Check, Factory, Replacement, ReplacementPlan, Rule, glob_problem
-from megaloom.models.swaps import MegaMoEBlock, RoutedExperts, gate_problems, make_gate, moe_problems
+from megaloom.models.swaps import MegaMoEBlock, RoutedExperts, gate_problems, make_gate, moe_problems, routed_experts
 from megaloom.ops.mxfp8 import SCALE_MODES, GroupedExperts, MXFP8GroupedExperts, MXFP8Linear, dim_problems
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.plugins import Registry
@@ -60,6 +60,7 @@ class Target:
     options: tuple[str, ...]
     describe: str
     rule: Callable[[dict, Any, str, list[str]], tuple[Factory, Check]]
+    preview: Callable[[nn.Module], dict[int, nn.Module]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +131,7 @@ def _rule(i: int, raw: dict, modules: dict[str, nn.Module], comm: Any, problems:
         return None
     factory, check = target.rule(dict(options), comm, where, problems)
     return Rule(f"{where} ({kind})", tuple(accepted.values()), factory, include, exclude, check=check,
-                skip=lambda m: _ours(type(m)))
+                skip=lambda m: _ours(type(m)), preview=target.preview)
 
 
 def _mega_gate(options: dict, comm: Any, where: str, problems: list[str]) -> tuple[Factory, Check]:
@@ -154,8 +155,14 @@ def _mega_moe(options: dict, comm: Any, where: str, problems: list[str]) -> tupl
 
 
 TARGETS: Registry[Target] = Registry("replacement target")
+def _experts_preview(block: nn.Module) -> dict[int, nn.Module]:
+    """A block's experts as the MegaMoEBlock will hold them (so ``low_precision`` can select them)."""
+    experts = block_parts(block).experts
+    return {id(experts): routed_experts(experts)}
+
+
 TARGETS.register("mega_moe", Target(is_moe_block, "an MoE block (a router and experts)", MOE_OPTIONS,
-                                    "MegaMoEBlock (routed experts as MegaMoE graphs)", _mega_moe))
+                                    "MegaMoEBlock (routed experts as MegaMoE graphs)", _mega_moe, _experts_preview))
 TARGETS.register("mega_gate", Target(is_router, "an MoE router (a 2-D weight and top_k)", GATE_OPTIONS,
                                      "MegaGate (router as graphs)", _mega_gate))
 
@@ -241,9 +248,11 @@ def config_plans(model: nn.Module, cfg: dict, comm: Any = None) -> tuple[Replace
     except ConfigError as e:
         problems.append(str(e))
         low = ReplacementPlan([])
-    for plan in (modules, low):
+    stand_ins: dict[int, nn.Module] = {}
+    for plan in (modules, low):  # low precision is checked against the model as the module plan leaves it
         try:
-            plan.match(model)
+            selected = plan.match(model, stand_ins)
+            stand_ins = plan.stand_ins(selected) if plan is modules else stand_ins
         except ConfigError as e:
             problems += str(e).splitlines()[1:]
     if problems:

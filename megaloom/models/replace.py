@@ -37,7 +37,9 @@ class Rule:
     not errors: e.g. dims a format cannot take); ``skip`` types (or a predicate) are left alone
     (typically the target type, so a plan applies once); modules inside an ``inside`` type are
     never selected (e.g. expert MLPs whose weights another module reads);
-    ``require_match``: every include glob must match at least one module of the type.
+    ``require_match``: every include glob must match at least one module of the type;
+    ``preview(module)``: what the replacement will make of the module's descendants, by id (stand-ins
+    another plan is checked against before this one is applied).
     """
 
     name: str
@@ -50,6 +52,7 @@ class Rule:
     require_match: bool = True
     unfit: Check | None = None
     inside: tuple[type, ...] = ()
+    preview: Callable[[nn.Module], dict[int, nn.Module]] | None = None
 
     def selects(self, path: str, module: nn.Module) -> bool:
         skipped = self.skip(module) if callable(self.skip) else isinstance(module, self.skip)
@@ -116,8 +119,20 @@ class ReplacementPlan:
         self.rules = list(rules)
         self.skipped: list[tuple[str, str, str]] = []  # (module name, rule, reason) of unfit modules, set by match
 
-    def match(self, model: nn.Module) -> list[tuple[tuple[str, ...], Rule, nn.Module]]:
-        """(names, rule, module) of every module to replace; raises ConfigError listing every problem."""
+    @staticmethod
+    def stand_ins(selected: list[tuple[tuple[str, ...], Rule, nn.Module]]) -> dict[int, nn.Module]:
+        """What applying the ``selected`` matches will put in place of existing modules (by id), from
+        the rules' previews."""
+        out: dict[int, nn.Module] = {}
+        for _, rule, mod in selected:
+            if rule.preview is not None:
+                out |= rule.preview(mod)
+        return out
+
+    def match(self, model: nn.Module, stand_ins: dict[int, nn.Module] | None = None
+              ) -> list[tuple[tuple[str, ...], Rule, nn.Module]]:
+        """(names, rule, module) of every module to replace; raises ConfigError listing every problem.
+        ``stand_ins`` (by id) are matched in place of the model's modules (another plan's preview)."""
         problems: list[str] = []
         for rule in self.rules:
             for kind, globs in (("include", rule.include), ("exclude", rule.exclude)):
@@ -131,7 +146,7 @@ class ReplacementPlan:
         modules: dict[int, nn.Module] = {}
         for path, mod in model.named_modules(remove_duplicate=False):
             paths.setdefault(id(mod), []).append(path)
-            modules[id(mod)] = mod
+            modules[id(mod)] = (stand_ins or {}).get(id(mod), mod)
         chosen: dict[int, Rule] = {}
         self.skipped = []
         for rule in self.rules:

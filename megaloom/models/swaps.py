@@ -141,6 +141,11 @@ class ListExperts(RoutedExperts, nn.ModuleList):
         return self.weights()[1].shape[1]
 
 
+def routed_experts(experts: nn.Module) -> RoutedExperts:
+    """The routed experts a :class:`MegaMoEBlock` holds for a block's ``experts`` (same Parameters)."""
+    return ListExperts(experts) if isinstance(experts, nn.ModuleList) else FusedExperts(experts)
+
+
 class MegaMoEBlock(nn.Module):
     """An MoE block whose routed experts run as the MegaMoE task graphs.
 
@@ -160,7 +165,7 @@ class MegaMoEBlock(nn.Module):
         ep = getattr(comm, "world_size", 1)
         if parts.num_experts % ep or (ep > 1 and not parts.fused):
             raise ConfigError(f"{type(block).__name__}: cannot split its experts over {ep} ranks")
-        experts = FusedExperts(parts.experts) if parts.fused else ListExperts(parts.experts)
+        experts = routed_experts(parts.experts)
         for name, child in block.named_children():  # same names, same order: same state_dict keys
             if child is parts.router and gate is not None:
                 child = gate
@@ -197,7 +202,7 @@ class MegaMoEBlock(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         _, weights, indices = getattr(self, self.router_name)(x)
         gate_up, down = self.experts.weights()
-        y = megamoe(self.runner, x, indices, weights, gate_up, down).view(shape)
+        y = megamoe(self.runner, x, indices, weights, gate_up, down, self.experts.mx).view(shape)
         if self.shared_name is not None:
             s = getattr(self, self.shared_name)(hidden_states)
             if self.shared_gated:

@@ -6,8 +6,9 @@ the full state dict) and a load at another world size reads exactly the rows eac
 rank's new shard covers (save on 4 ranks, load on 3 or 2, bit-exact).
 
 Keys: ``model.<param>`` for parameters (shards, or whole when replicated) and buffers,
-``optim.<param>.<state>`` for optimizer state (sharded like its parameter when it has
-the shard's shape, else replicated). :func:`save` / :func:`load` take a ShardedModule;
+``optim.state.<param>.<state>`` for optimizer state (sharded like its parameter when it has
+the shard's shape, else replicated): the layout ``torch.distributed.checkpoint.state_dict``'s
+``get_state_dict`` gives a model and optimizer saved as ``{"model": ..., "optim": ...}``. :func:`save` / :func:`load` take a ShardedModule;
 :func:`save_params` / :func:`load_params` take any ``{name: (local tensor, layout or
 None)}`` map (the trainer's whole model: FSDP shards, expert-parallel slices, replicated
 weights). ``extra`` is one small msgpack value per rank (step, RNG states, ...), saved as
@@ -51,6 +52,7 @@ from megaloom.runtime.errors import FileFormatError
 from megaloom.runtime.files import atomic_write, read_msgpack
 
 MANIFEST, EXTRA = "megaloom.manifest", "megaloom.extra"
+OPTIM = "optim.state."  # optimizer state keys: optim.state.<param>.<state>, as torch's get_state_dict names them
 FORMAT, VERSION = "megaloom-checkpoint", 1
 
 
@@ -140,9 +142,9 @@ def state_of(params: Params, optimizer: torch.optim.Optimizer | None = None
             continue
         for key, v in optimizer.state.get(t, {}).items():
             if isinstance(v, torch.Tensor):
-                state[f"optim.{fqn}.{key}"] = v.detach()
+                state[f"{OPTIM}{fqn}.{key}"] = v.detach()
                 if lay is not None and v.dim() and tuple(v.shape) == lay.local_shape:
-                    layouts[f"optim.{fqn}.{key}"] = lay
+                    layouts[f"{OPTIM}{fqn}.{key}"] = lay
     return state, layouts
 
 
@@ -270,9 +272,9 @@ def _read_extra(man: dict[str, Any]) -> Any:
 def _make_optimizer_state(tensors: dict[str, Any], params: Params, optimizer: torch.optim.Optimizer) -> None:
     """Optimizer state named in the checkpoint, created (zeros) in the shape the new layout gives it."""
     for key, info in tensors.items():
-        if not key.startswith("optim."):
+        if not key.startswith(OPTIM):
             continue
-        fqn, name = key[len("optim."):].rsplit(".", 1)
+        fqn, name = key[len(OPTIM):].rsplit(".", 1)
         if fqn not in params:
             raise CheckpointError(f"checkpoint entry {key!r} names parameter {fqn!r}, which the model lacks")
         t, lay = params[fqn]

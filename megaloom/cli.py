@@ -12,7 +12,7 @@ import sys
 
 from megaloom.runtime.errors import MegaloomError
 
-COMMANDS = ["demo", "launch", "collect", "train", "simulate", "replay", "profiles", "calibrate", "trace"]
+COMMANDS = ["demo", "launch", "collect", "train", "export", "simulate", "replay", "profiles", "calibrate", "trace"]
 
 
 def build_parser() -> argparse.ArgumentParser:

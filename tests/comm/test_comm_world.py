@@ -192,7 +192,7 @@ def _full_state(model, opt) -> dict[str, list]:
                 full = torch.empty(lay.shape, dtype=v.dtype)
                 gather_uneven(model.comm, v, list(lay.sizes), full)
                 v = full
-            out[f"optim.{fqn}.{key}"] = v.tolist()
+            out[f"optim.state.{fqn}.{key}"] = v.tolist()
     return out
 
 
@@ -305,7 +305,7 @@ def test_checkpoint_is_readable_by_dcp_to_torch_save(saved, tmp_path):
     dcp_to_torch_save(ckpt, out)
     full = torch.load(out, weights_only=True)
     assert set(full) == set(results[0]["state"])
-    assert full["model.0.weight"].shape == (9, 6) and full["optim.2.bias.exp_avg_sq"].shape == (5,)
+    assert full["model.0.weight"].shape == (9, 6) and full["optim.state.2.bias.exp_avg_sq"].shape == (5,)
     for k, v in results[0]["state"].items():
         assert torch.equal(full[k], _tensor(v)), k
     man = verify(ckpt)

@@ -259,6 +259,43 @@ class _Builder:
                               f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube",
                               attrs={"group_offsets": [hi - lo], "layout": "TN", "out_dtype": self.spec.dtype})
 
+    def forward_gemm(self, stage: str, x: Buffer, w: Buffer, out: Buffer, save: bool) -> None:
+        """``out[e] = x[e] @ w[e]`` per expert, in the spec's precision; under MXFP8 with ``save``, ``x`` is
+        also kept as the token-axis FP8 output ``<x>_mx`` (what the weight gradient reads)."""
+        n = out.shape[1]
+        if not self.spec.mxfp8:
+            self.gemm_tiles(stage, x, w, out, n, trans=False)
+            return
+        wq, xq = _mx_buffers(self.g, f"{w.name}_q", w.shape, "cols"), _mx_buffers(self.g, f"{x.name}_q", x.shape, "rows")
+        self.quant_weights(f"quant_{w.name}", w, wq, "cols")
+        self.quant_rows(f"quant_{x.name}", x, xq)
+        if save:
+            self.quant_tokens(f"quant_{x.name}_t", x, _mx_buffers(self.g, f"{x.name}_mx", (self.padded_rows,
+                                                                                         x.shape[1]), "cols", out=True))
+        self.mx_gemm_tiles(stage, xq, wq, out, n, "NN")
+
+    def backward_gemms(self, which: str, dy: Buffer, w: Buffer, dx: Buffer, act: Buffer | tuple[Buffer, Buffer],
+                       dw: Buffer) -> None:
+        """GEMM ``which`` backward: ``dx = dy w[e]^T`` per expert and ``dw[e] = act[e]^T dy[e]`` (``act``:
+        the saved forward input; under MXFP8 its token-axis FP8 payload and scales)."""
+        n = dx.shape[1]
+        if not self.spec.mxfp8:
+            self.gemm_tiles(f"dgmm{which}", dy, w, dx, n, trans=True)
+            self.wgrad(f"wgrad{which}", act, dy, dw)
+            return
+        wq, dyq = _mx_buffers(self.g, f"{w.name}_q", w.shape, "rows"), _mx_buffers(self.g, f"{dy.name}_q", dy.shape, "rows")
+        dyt = _mx_buffers(self.g, f"{dy.name}_mx", (self.padded_rows, dy.shape[1]), "cols")
+        self.quant_weights(f"quant_{w.name}", w, wq, "rows")
+        self.quant_rows(f"quant_{dy.name}", dy, dyq)
+        self.quant_tokens(f"quant_{dy.name}_t", dy, dyt)
+        self.mx_gemm_tiles(f"dgmm{which}", dyq, wq, dx, n, "NT")
+        self.mx_wgrad(f"wgrad{which}", act, dyt, dw)
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows of the token-axis MXFP8 layout (every local expert's rows padded to 32)."""
+        return self.padded[-1][1] if self.padded else 0
+
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
         for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
@@ -309,29 +346,11 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> Ta
     for e in range(El):
         b.exchange(xs, xr, e, combine=False)
     b.stage("gmm1")
-    if mx:
-        padded = b.padded[-1][1] if El else 0
-        w1q = _mx_buffers(g, "gate_up_q", (El, H, 2 * I), "cols")
-        xq = _mx_buffers(g, "xr_q", (R, H), "rows")
-        b.quant_weights("quant_w1", w1, w1q, "cols")
-        b.quant_rows("quant_x", xr, xq)
-        if save:
-            b.quant_tokens("quant_xt", xr, _mx_buffers(g, "xr_mx", (padded, H), "cols", out=True))
-        b.mx_gemm_tiles("gmm1", xq, w1q, gu, 2 * I, "NN")
-    else:
-        b.gemm_tiles("gmm1", xr, w1, gu, 2 * I, trans=False)
+    b.forward_gemm("gmm1", xr, w1, gu, save)
     b.stage("swiglu")
     b.row_tiles("swiglu", [gu], a, "swiglu")
     b.stage("gmm2")
-    if mx:
-        w2q, aq = _mx_buffers(g, "down_q", (El, I, H), "cols"), _mx_buffers(g, "a_q", (R, I), "rows")
-        b.quant_weights("quant_w2", w2, w2q, "cols")
-        b.quant_rows("quant_a", a, aq)
-        if save:
-            b.quant_tokens("quant_at", a, _mx_buffers(g, "a_mx", (padded, I), "cols", out=True))
-        b.mx_gemm_tiles("gmm2", aq, w2q, y, H, "NN")
-    else:
-        b.gemm_tiles("gmm2", a, w2, y, H, trans=False)
+    b.forward_gemm("gmm2", a, w2, y, save)
     b.stage("combine")
     for e in range(El):
         b.exchange(yc, y, e, combine=True)
@@ -351,7 +370,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (S,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (S, 1), dt)
     b = _Builder(g, spec, counts, "bwd")
-    padded = b.padded[-1][1] if El else 0
+    padded = b.padded_rows
 
     def saved_mx(name: str, cols: int) -> tuple[Buffer, Buffer]:
         return g.input(name, (padded, cols), FP8), g.input(f"{name}_scales", (padded // BLOCK, cols), E8M0)
@@ -374,31 +393,11 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     for e in range(El):
         b.exchange(dys, dyr, e, combine=False)
     b.stage("dgmm2")
-    if mx:
-        w2q, dyq = _mx_buffers(g, "down_q", (El, I, H), "rows"), _mx_buffers(g, "dyr_q", (R, H), "rows")
-        dyt = _mx_buffers(g, "dyr_mx", (padded, H), "cols")
-        b.quant_weights("quant_w2", w2, w2q, "rows")
-        b.quant_rows("quant_dy", dyr, dyq)
-        b.quant_tokens("quant_dyt", dyr, dyt)
-        b.mx_gemm_tiles("dgmm2", dyq, w2q, da, I, "NT")
-        b.mx_wgrad("wgrad2", a, dyt, dw2)
-    else:
-        b.gemm_tiles("dgmm2", dyr, w2, da, I, trans=True)
-        b.wgrad("wgrad2", a, dyr, dw2)
+    b.backward_gemms("2", dyr, w2, da, a, dw2)
     b.stage("swiglu_grad")
     b.row_tiles("swiglu_grad", [gu, da], dgu, "swiglu_grad")
     b.stage("dgmm1")
-    if mx:
-        w1q, dgq = _mx_buffers(g, "gate_up_q", (El, H, 2 * I), "rows"), _mx_buffers(g, "dgu_q", (R, 2 * I), "rows")
-        dgt = _mx_buffers(g, "dgu_mx", (padded, 2 * I), "cols")
-        b.quant_weights("quant_w1", w1, w1q, "rows")
-        b.quant_rows("quant_dg", dgu, dgq)
-        b.quant_tokens("quant_dgt", dgu, dgt)
-        b.mx_gemm_tiles("dgmm1", dgq, w1q, dxr, H, "NT")
-        b.mx_wgrad("wgrad1", xr, dgt, dw1)
-    else:
-        b.gemm_tiles("dgmm1", dgu, w1, dxr, H, trans=True)
-        b.wgrad("wgrad1", xr, dgu, dw1)
+    b.backward_gemms("1", dgu, w1, dxr, xr, dw1)
     b.stage("combine")
     for e in range(El):
         b.exchange(dxs, dxr, e, combine=True)

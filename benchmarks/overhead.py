@@ -18,6 +18,7 @@ import statistics
 import time
 
 from megaloom.runtime import TaskGraph, ThreadExecutor
+from megaloom.scheduler import parse_units
 
 ENGINES = ("cube", "vector", "comm")
 
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--units", default="cube=2,vector=2,comm=1", help="engine units, e.g. cube=2,vector=2,comm=1")
     args = ap.parse_args()
-    units = {k: int(v) for k, v in (p.split("=") for p in args.units.split(","))}
+    units = parse_units(args.units)
     workers = sum(units.values())
     dag = random_dag(args.tasks)
     n = len(dag)

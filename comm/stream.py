@@ -1,39 +1,52 @@
 """Stream trace events from ranks to one collector over ZeroMQ (PUSH -> PULL), msgpack-encoded.
 
 Messages are msgpack maps ``{"v": 1, "kind": "hello" | "events" | "bye", "rank": int,
-"sent": float, ...}``; ``events`` carries ``rows`` (one list per event, in
-:class:`TraceEvent` field order) and ``bye`` the run's ``meta``. ``sent`` is the rank's
-``time.perf_counter()`` at sending, the clock its events use. The collector aligns
-each rank to its own wall clock with ``offset = min(received_at - sent)`` over that
-rank's messages (skew plus the smallest one-way delay, microseconds on one host).
-Malformed or oversized messages are dropped and counted; a rank that vanishes only
-loses its unsent events.
+"sid": int, "sent": float, ...}``; ``events`` carries ``rows`` (one list per event, in
+:class:`TraceEvent` field order) and ``bye`` the run's ``meta``. ``sid`` is a random
+number each streamer picks: the first session heard for a rank owns it, and messages for
+that rank from any other session are dropped and counted (``spoofed``), so a rank's bye
+counts once and a stray sender cannot finish or skew another rank (one that claims a rank
+before the real one does is indistinguishable from it: the stream is not authenticated).
+``sent`` is the rank's ``time.perf_counter()`` at sending, the clock its events use. The
+collector aligns each rank to its own wall clock with ``offset = min(received_at - sent)``
+over that rank's messages (skew plus the smallest one-way delay, microseconds on one host).
+
+Nothing a sender does makes the collector hang, crash or grow without bound: ZeroMQ
+refuses messages over ``max_message`` bytes before buffering them (``MAXMSGSIZE``: it drops
+that sender's connection, which reconnects); malformed messages are dropped and counted;
+event rows are checked field by field like trace files (finite times, bounded ids and
+amounts) and bad ones dropped and counted; events beyond ``max_events`` are dropped and
+counted. A rank that vanishes only loses its unsent events.
 """
 from __future__ import annotations
 
+import math
+import os
+import secrets
 import threading
 import time
-import os
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import zmq
 
 from megaloom.runtime.errors import CommError
-from megaloom.runtime.executors.base import Observer
-from megaloom.runtime.trace import FIELD_TYPES, REQUIRED_COLUMNS, Trace, TraceEvent
+from megaloom.runtime.record import Observer
+from megaloom.runtime.trace import MAX_TIME, REQUIRED_COLUMNS, Trace, TraceEvent, meta_problem, row_problem
 
 PROTOCOL = 1
 MAX_MESSAGE = 8 << 20
+MAX_EVENTS = 5_000_000  # about 2 GB of events in memory
 _FIELDS = [f.name for f in fields(TraceEvent)]
 
 
 class TraceStreamer(Observer):
     """An executor observer that PUSHes this rank's events to ``endpoint`` in batches.
 
-    Sends never block: when the collector is absent and the queue is full, events are
-    dropped and counted in ``dropped``. ``close`` waits at most ``linger`` seconds.
+    Sends never block: when the collector is absent and the queue is full, or a message
+    would exceed :data:`MAX_MESSAGE`, events are dropped and counted in ``dropped``.
+    ``close`` waits at most ``linger`` seconds.
     """
 
     def __init__(self, endpoint: str, rank: int, *, batch: int = 256, linger: float = 1.0, hwm: int = 1000):
@@ -45,12 +58,16 @@ class TraceStreamer(Observer):
         self._sock.connect(endpoint)
         self._lock = threading.Lock()
         self._rows: list[list[Any]] = []
+        self._sid = secrets.randbits(62)
         self._send({"kind": "hello"})
 
     def _send(self, msg: dict[str, Any]) -> None:
-        msg.update(v=PROTOCOL, rank=self.rank, sent=time.perf_counter())
+        msg.update(v=PROTOCOL, rank=self.rank, sid=self._sid, sent=time.perf_counter())
+        data = msgpack.packb(msg, use_bin_type=True)
         try:
-            self._sock.send(msgpack.packb(msg, use_bin_type=True), zmq.NOBLOCK)
+            if len(data) > MAX_MESSAGE:  # the collector would drop the connection
+                raise zmq.Again
+            self._sock.send(data, zmq.NOBLOCK)
         except zmq.Again:
             self.dropped += len(msg.get("rows", ())) or 1
 
@@ -93,12 +110,15 @@ def _plain(v: Any) -> bool:
 
 @dataclass(slots=True)
 class CollectStats:
-    """What a collector saw: messages accepted and dropped, by reason; ranks seen and finished."""
+    """What a collector saw: messages accepted and dropped (malformed, or for a rank another
+    session owns), event rows dropped (bad values, over the cap), ranks seen and finished."""
 
     received: int = 0
     malformed: int = 0
-    oversized: int = 0
+    spoofed: int = 0
     events: int = 0
+    bad_rows: int = 0
+    over_cap: int = 0
     ranks: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
 
@@ -106,15 +126,18 @@ class CollectStats:
 class Collector:
     """PULL socket bound to ``endpoint`` (loopback by default) that merges ranks' events.
 
-    ``run`` returns when ``ranks`` ranks have said bye, or after ``idle`` seconds
-    without a message, or after ``duration`` seconds in all, whichever comes first.
+    ``run`` returns when ``ranks`` ranks have said bye, after ``idle`` seconds without a
+    message, after ``duration`` seconds in all, or once :meth:`stop` is called (from a
+    signal handler, say), whichever comes first. Events beyond ``max_events`` are dropped.
     """
 
-    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", *, max_message: int = MAX_MESSAGE):
-        self.max_message = max_message
+    def __init__(self, endpoint: str = "tcp://127.0.0.1:0", *, max_message: int = MAX_MESSAGE,
+                 max_events: int = MAX_EVENTS):
+        self.max_events = max_events
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message)  # refused before it is buffered
         try:
             self._sock.bind(endpoint if not endpoint.endswith(":0") else endpoint[:-2] + ":*")
         except zmq.ZMQError as e:
@@ -125,17 +148,28 @@ class Collector:
         self._events: dict[int, list[TraceEvent]] = {}
         self._offset: dict[int, float] = {}
         self._meta: dict[int, dict[str, Any]] = {}
+        self._owner: dict[int, Any] = {}  # rank -> the session that first spoke for it
+        self._stop = threading.Event()
 
-    def run(self, ranks: int | None = None, *, idle: float = 10.0, duration: float | None = None) -> Trace:
-        """Receive until done (see class docstring); the merged, clock-aligned trace."""
+    def stop(self) -> None:
+        """Make :meth:`run` return at its next poll (within 50 ms); safe from a signal handler."""
+        self._stop.set()
+
+    def run(self, ranks: int | None = None, *, idle: float = 10.0, duration: float | None = None,
+            every: float | None = None, save: Callable[[Trace], None] | None = None) -> Trace:
+        """Receive until done (see class docstring); the merged, clock-aligned trace.
+        With ``every`` and ``save``, ``save(trace so far)`` is called every ``every`` seconds."""
         start = time.monotonic()
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        last = time.monotonic()
-        while ranks is None or len(self.stats.finished) < ranks:
+        last = saved = time.monotonic()
+        while (ranks is None or len(self.stats.finished) < ranks) and not self._stop.is_set():
             now = time.monotonic()
             if now - last > idle or (duration is not None and now - start > duration):
                 break
+            if every is not None and save is not None and now - saved >= every:
+                save(self.trace())
+                saved = now
             if not poller.poll(50):
                 continue
             while True:
@@ -149,36 +183,43 @@ class Collector:
 
     def feed(self, raw: bytes, received_at: float) -> None:
         """Account one message received at wall time ``received_at``; never raises on bad input."""
-        if len(raw) > self.max_message:
-            self.stats.oversized += 1
-            return
         try:
             msg = msgpack.unpackb(raw, raw=False, strict_map_key=False)
             rank, kind, sent, rows = _check(msg)
         except Exception:  # msgpack and our checks raise many unrelated types on bad input
             self.stats.malformed += 1
             return
+        sid = msg.get("sid")
+        if self._owner.setdefault(rank, sid) != sid:
+            self.stats.spoofed += 1
+            return
         self.stats.received += 1
         self.stats.ranks.add(rank)
         off = received_at - sent
         self._offset[rank] = min(self._offset.get(rank, off), off)
         if kind == "events":
-            self._events.setdefault(rank, []).extend(TraceEvent(*r) for r in rows)
-            self.stats.events += len(rows)
+            good = [r for r in rows if row_problem(_FIELDS[: len(r)], r) is None]
+            self.stats.bad_rows += len(rows) - len(good)
+            room = max(0, self.max_events - self.stats.events)
+            self.stats.over_cap += max(0, len(good) - room)
+            self._events.setdefault(rank, []).extend(TraceEvent(*r) for r in good[:room])
+            self.stats.events += min(room, len(good))
         elif kind == "bye":
             self.stats.finished.add(rank)
-            self._meta[rank] = msg.get("meta") if isinstance(msg.get("meta"), dict) else {}
+            meta = msg.get("meta")
+            self._meta[rank] = meta if meta_problem(meta) is None else {}
 
     def trace(self) -> Trace:
         """The events so far, one clock (seconds since the earliest event), sorted by start."""
         t0 = min((e.start + self._offset[r] for r, evs in self._events.items() for e in evs), default=0.0)
         events = [replace(e, rank=r, start=e.start + self._offset[r] - t0, end=e.end + self._offset[r] - t0)
                   for r, evs in self._events.items() for e in evs]
-        events.sort(key=lambda e: (e.start, e.rank, e.tid))
+        events.sort(key=lambda e: (e.start, e.rank, e.task_id))
         meta = dict(next(iter(self._meta.values()), {}))
-        meta.update(mode="execute", clock="wall", world_size=len(self.stats.ranks), ranks=sorted(self.stats.ranks),
-                     finished=sorted(self.stats.finished), dropped_malformed=self.stats.malformed,
-                     dropped_oversized=self.stats.oversized)
+        s = self.stats
+        meta.update(mode="execute", clock="wall", world_size=len(s.ranks), ranks=sorted(s.ranks),
+                    finished=sorted(s.finished), dropped_malformed=s.malformed, dropped_spoofed=s.spoofed,
+                    dropped_bad_rows=s.bad_rows, dropped_over_cap=s.over_cap)
         return Trace(events, meta)
 
     def close(self) -> None:
@@ -189,14 +230,15 @@ def _check(msg: Any) -> tuple[int, str, float, list]:
     if not isinstance(msg, dict) or msg.get("v") != PROTOCOL:
         raise ValueError("not a megaloom trace message")
     rank, kind, sent, rows = msg.get("rank"), msg.get("kind"), msg.get("sent"), msg.get("rows", [])
-    if not isinstance(rank, int) or rank < 0 or kind not in ("hello", "events", "bye"):
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 31 \
+            or kind not in ("hello", "events", "bye"):
         raise ValueError("bad rank or kind")
-    if not isinstance(sent, (int, float)) or not isinstance(rows, list):
+    if isinstance(sent, bool) or not isinstance(sent, (int, float)) or not math.isfinite(sent) \
+            or abs(sent) > MAX_TIME or not isinstance(rows, list):
         raise ValueError("bad header")
+    if not isinstance(msg.get("sid"), (int, type(None))):
+        raise ValueError("bad session id")
     for row in rows:
         if not isinstance(row, list) or not REQUIRED_COLUMNS <= len(row) <= len(_FIELDS):  # older ranks send fewer
             raise ValueError("bad event row")
-        for name, v in zip(_FIELDS, row):
-            if not isinstance(v, FIELD_TYPES[name]) or isinstance(v, bool):
-                raise ValueError(f"bad field {name}")
     return rank, kind, float(sent), rows

@@ -64,7 +64,10 @@ class TorchCommunicator(Communicator):
     ``check`` (default True): exchange split sizes before every all_to_all (a call may
     also pass ``check=False``) and dtype and shape before every all_gather,
     reduce_scatter and all_reduce, so a mismatch is a CommError on every rank before
-    data moves; costs two tiny collectives per call. With NCCL each rank uses GPU
+    data moves; costs two tiny collectives per call. A checked send is preceded by its
+    element count and dtype, so a recv of another size or dtype is a CommError, never
+    stale values (a send larger than the recv makes gloo abort the receiving process,
+    which its peers see as a CommError; the receiver cannot refuse it in time). With NCCL each rank uses GPU
     ``LOCAL_RANK`` (torchrun's variable; else rank modulo the GPU count).
     """
 
@@ -140,14 +143,34 @@ class TorchCommunicator(Communicator):
 
     def send(self, tensor, peer, *, tag=0, async_op=False) -> Handle:
         self._check_peer(peer)
-        return self._run(f"send to rank {peer}", lambda: dist.isend(
-            tensor.contiguous(), self._global(peer), group=self.group, tag=tag), async_op)
+        what = f"send to rank {peer}"
+        head = self._run(what, lambda: dist.isend(_header(tensor), self._global(peer), group=self.group, tag=tag),
+                         True) if self.check else None
+        return self._run(what, lambda: dist.isend(tensor.contiguous(), self._global(peer), group=self.group, tag=tag),
+                         async_op, head.wait if head is not None else None)
 
     def recv(self, tensor, peer, *, tag=0, async_op=False) -> Handle:
+        """With ``check``, the sender's size and dtype travel ahead of the data (one tiny
+        message), so a smaller or different send is a CommError, never stale values."""
         self._check_peer(peer)
+        what = f"recv from rank {peer}"
         dst, then = _contiguous_target(tensor)
-        return self._run(f"recv from rank {peer}", lambda: dist.irecv(
-            dst, self._global(peer), group=self.group, tag=tag), async_op, then)
+        if self.check:
+            got = torch.empty(2, dtype=torch.int64, device=self.device)
+            head = self._run(what, lambda: dist.irecv(got, self._global(peer), group=self.group, tag=tag), True)
+            copy_back = then
+
+            def then() -> None:
+                head.wait()
+                want = _header(tensor).tolist()
+                n, code = got.tolist()
+                if [n, code] != want:
+                    sent = _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype code {code}"
+                    raise CommError(f"rank {self.rank}: {what}: it sent {n} elements of {sent}, "
+                                    f"the receiving tensor holds {want[0]} of {tensor.dtype}")
+                if copy_back is not None:
+                    copy_back()
+        return self._run(what, lambda: dist.irecv(dst, self._global(peer), group=self.group, tag=tag), async_op, then)
 
     def barrier(self) -> None:
         self._run("barrier", lambda: dist.barrier(group=self.group, async_op=True), False)
@@ -176,6 +199,14 @@ class TorchCommunicator(Communicator):
 
     def _global(self, peer: int) -> int:
         return peer if self.group is None else dist.get_global_rank(self.group, peer)
+
+
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    """What a checked send announces: its element count and dtype (an index into ``_DTYPES``)."""
+    return torch.tensor([t.numel(), _DTYPES.index(t.dtype)], dtype=torch.int64, device=t.device)
 
 
 def _contiguous_target(t: torch.Tensor, copy_in: bool = False):

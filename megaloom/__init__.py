@@ -17,7 +17,7 @@ _EXPORTS = {
         "register", "get_op", "all_ops", "ReferenceExecutor", "ThreadExecutor", "ExecContext", "Observer",
         "RunResult", "Trace", "TraceEvent", "merge", "metrics", "summary", "to_chrome", "write_chrome",
         "MegaloomError", "GraphError", "ScheduleError", "ExecutionError", "DeadlockError", "CommError",
-        "TraceFormatError", "ConfigError",
+        "TraceFormatError", "ConfigError", "CheckpointError",
     ],
     "megaloom.scheduler": ["Simulator", "CostModel", "HardwareProfile", "load_profile", "list_profiles", "make_policy"],
     "megaloom.graphs": ["MegaMoE", "MegaGate", "MegaMHC"],

@@ -11,6 +11,7 @@ and dtype); every other buffer is added to the host under ``prefix + name`` with
 same role (input, output, in-out or scratch). Tasks are added under ``prefix + name``
 in the sub-graph's order, so data dependencies are derived against the host's earlier
 tasks as for any task, and the sub-graph's own edges (control edges too) are kept.
+:func:`compose` reaches both graphs through their public API.
 """
 from __future__ import annotations
 
@@ -70,17 +71,15 @@ Bindable = Union["Buffer", "Region"]
 def compose(g: TaskGraph, sub: TaskGraph, prefix: str = "", bind: Mapping[str | Buffer, Bindable] | None = None,
             ) -> Composed:
     """Add every buffer and task of ``sub`` to ``g``; see the module docstring."""
-    from megaloom.runtime.graph import Buffer, Region, _as_region
-
     if sub is g:
         raise GraphError(f"graph {g.name!r} cannot be composed into itself")
     regions: dict[str, Region] = {}
     for key, target in (bind or {}).items():
-        name = key.name if isinstance(key, Buffer) else key
+        name = key if isinstance(key, str) else key.name
         buf = sub.buffers.get(name)
-        if buf is None or (isinstance(key, Buffer) and key is not buf):
+        if buf is None or (not isinstance(key, str) and key is not buf):
             raise GraphError(f"bind names buffer {name!r}, which sub-graph {sub.name!r} does not have")
-        r = _as_region(target)
+        r = g.as_region(target)
         if g.buffers.get(r.buffer.name) is not r.buffer:
             raise GraphError(f"bind maps {name!r} to {r}, which is not a buffer of graph {g.name!r}")
         if r.shape != buf.shape or r.dtype != buf.dtype:
@@ -88,11 +87,12 @@ def compose(g: TaskGraph, sub: TaskGraph, prefix: str = "", bind: Mapping[str | 
         regions[name] = r
     for name, buf in sub.buffers.items():
         if name not in regions:
-            regions[name] = g._add_buffer(prefix + name, buf.shape, buf.dtype, buf.is_input, buf.is_output).full
+            regions[name] = g.add_buffer(prefix + name, buf.shape, buf.dtype, is_input=buf.is_input,
+                                         is_output=buf.is_output).full
 
     def place(r: Region) -> Region:
         host = regions[r.buffer.name]
-        return Region(host.buffer, tuple((h0 + a, h0 + b) for (h0, _), (a, b) in zip(host.box, r.box)))
+        return host.buffer.region((h0 + a, h0 + b) for (h0, _), (a, b) in zip(host.box, r.box))
 
     added = [g.task(t.op, [place(r) for r in t.inputs], [place(r) for r in t.outputs], name=prefix + t.name,
                     engine=t.engine, attrs=dict(t.attrs), priority=t.priority, tags=dict(t.tags), cost=t.cost)

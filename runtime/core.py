@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Sequence
 
-from megaloom.runtime.errors import ScheduleError
+from megaloom.runtime.errors import DeadlockError, ScheduleError
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
 
 RUNNING = -1
 DONE = -2
+MAX_UNITS = 1 << 16  # units of one engine kind: far above any chip, low enough that per-unit state stays small
 
 
 class Policy:
@@ -61,6 +62,9 @@ class Core:
             raise ScheduleError(
                 f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
             )
+        many = [e for e, n in units.items() if n > MAX_UNITS]
+        if many:
+            raise ScheduleError(f"engine kinds {many} have more than {MAX_UNITS} units; given {units}")
         self.graph = graph
         self.policy = policy if policy is not None else FIFO()
         self.policy.prepare(graph, units)
@@ -114,6 +118,14 @@ class Core:
             else:
                 out[tasks[tid].name] = [tasks[p].name for p in self.graph.pred[tid] if unmet[p] != DONE]
         return out
+
+    def deadlock(self, why: str, shown: int = 20) -> DeadlockError:
+        """The error of a run that stalled: ``why``, then each task not done (the first
+        ``shown``) with what it waits for; ``blocked`` on the error holds them all."""
+        blocked = self.blocked()
+        lines = [f"{t} waits for {', '.join(w) or 'nothing'}" for t, w in list(blocked.items())[:shown]]
+        more = f"\n  ... and {len(blocked) - shown} more" if len(blocked) > shown else ""
+        return DeadlockError(f"{why}:\n  " + "\n  ".join(lines) + more, blocked)
 
     def states(self) -> Sequence[int]:
         return self.unmet

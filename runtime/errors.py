@@ -27,8 +27,10 @@ class ExecutionError(MegaloomError):
         self.task = task
 
 
-class DeadlockError(ExecutionError):
-    """A run made no progress; ``blocked`` maps each waiting task to what it waits for."""
+class DeadlockError(ExecutionError, ScheduleError):
+    """A run stalled: no task can make progress (a cycle, a policy that never hands tasks
+    out, a task that never ends). ``blocked`` maps each task not done to what it waits for.
+    Raised by every executor and the simulator, so it is both an execution and a schedule error."""
 
     def __init__(self, message: str, blocked: dict[str, list[str]]):
         super().__init__(message)
@@ -49,3 +51,7 @@ class TraceFormatError(FileFormatError):
 
 class ConfigError(MegaloomError):
     """A configuration file, YAML section or command-line option is invalid."""
+
+
+class CheckpointError(FileFormatError):
+    """A checkpoint is missing, truncated, tampered with, does not fit the model, or could not be written."""

@@ -14,13 +14,22 @@ writes (WAW). Explicit control edges can be added with ``precede``/``succeed``.
 """
 from __future__ import annotations
 
+import operator
+import os
+from collections import Counter
 from dataclasses import dataclass, field
+from graphlib import CycleError, TopologicalSorter
 from typing import Any, Iterable, Sequence
 
+from megaloom.runtime.compose import Composed, compose
+from megaloom.runtime.dot import to_dot
 from megaloom.runtime.dtypes import dtype_name, itemsize
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import Box, BoxIndex, box_shape, box_size, full_box, in_bounds
-from megaloom.runtime.registry import Cost
+from megaloom.runtime.registry import Cost, TensorSpec, get_op
+from megaloom.runtime.serialize import fill_graph, graph_to_dict, read_graph, save_graph
+from megaloom.runtime.validate import validate
 
 
 @dataclass(eq=False, slots=True)
@@ -44,6 +53,10 @@ class Buffer:
 
     def __getitem__(self, index: Any) -> Region:
         return self.full[index]
+
+    def region(self, box: Box) -> Region:
+        """The region of this buffer covering ``box`` (one (start, stop) pair per dim)."""
+        return Region(self, tuple(tuple(b) for b in box))
 
     def split(self, dim: int, size: int) -> list[Region]:
         """Tiles of at most ``size`` elements along ``dim`` (the last may be shorter)."""
@@ -83,12 +96,18 @@ class Region:
             if not isinstance(ix, slice) or ix.step not in (None, 1):
                 raise GraphError(f"regions take unit-step slices only, got {ix!r} for {self}")
             lo, hi = box[d]
-            start, stop, _ = ix.indices(hi - lo)
+            try:
+                start, stop, _ = ix.indices(hi - lo)
+            except TypeError:
+                raise GraphError(f"regions take integer slice bounds, got {ix!r} for {self}") from None
             box[d] = (lo + start, lo + max(start, stop))
         return Region(self.buffer, tuple(box))
 
     def split(self, dim: int, size: int) -> list[Region]:
         """Tiles of at most ``size`` elements along ``dim``."""
+        dim, size = _integer(dim, f"split dim of {self}"), _integer(size, f"tile size of {self}")
+        if not 0 <= dim < len(self.box):
+            raise GraphError(f"cannot split {self} along dim {dim}: it has {len(self.box)} dims")
         if size <= 0:
             raise GraphError(f"tile size must be positive, got {size}")
         lo, hi = self.box[dim]
@@ -151,12 +170,11 @@ class Task:
         return f"Task({self.name!r}, op={self.op!r}, engine={self.engine!r})"
 
 
-def _as_region(x: Buffer | Region) -> Region:
-    if isinstance(x, Region):
-        return x
-    if isinstance(x, Buffer):
-        return x.full
-    raise GraphError(f"expected a Buffer or Region, got {type(x).__name__}")
+def _integer(v: Any, what: str) -> int:
+    """``v`` as an int (Python or NumPy integer); a float, string or bool raises GraphError."""
+    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
+        raise GraphError(f"{what} must be an integer, got {v!r}")
+    return operator.index(v)
 
 
 class TaskGraph:
@@ -175,7 +193,9 @@ class TaskGraph:
         self._version = 0  # bumped by every change; keys the caches below
         self._cache: dict[str, tuple[int, object]] = {}
 
-    def _cached(self, key: str, make):
+    def cached(self, key: str, make):
+        """``make()``, computed once per graph version under ``key`` (any change to the graph
+        recomputes it)."""
         hit = self._cache.get(key)
         if hit is not None and hit[0] == self._version:
             return hit[1]
@@ -183,11 +203,38 @@ class TaskGraph:
         self._cache[key] = (self._version, value)
         return value
 
+    @property
+    def forward_only(self) -> bool:
+        """True when every edge goes from a task to a later-added one (task ids are then a
+        topological order)."""
+        return self._forward_only
+
+    @property
+    def hazards_derived(self) -> bool:
+        """True when the edges include every hazard derived from buffer accesses; False for a
+        graph whose edges were set as a file states them (:meth:`set_edges`)."""
+        return self._hazards_ordered
+
+    @staticmethod
+    def as_region(x: Buffer | Region) -> Region:
+        """``x`` as a region: a buffer stands for all of it."""
+        if isinstance(x, Region):
+            return x
+        if isinstance(x, Buffer):
+            return x.full
+        raise GraphError(f"expected a Buffer or Region, got {type(x).__name__}")
+
     # -- buffers ---------------------------------------------------------------------
-    def _add_buffer(self, name: str, shape: Sequence[int], dtype: Any, inp: bool, out: bool) -> Buffer:
+    def add_buffer(self, name: str, shape: Sequence[int], dtype: Any = "float32", *,
+                   is_input: bool = False, is_output: bool = False) -> Buffer:
+        """A buffer of any role (:meth:`input`, :meth:`output`, :meth:`inout` and :meth:`buffer`
+        name the four)."""
+        inp, out = bool(is_input), bool(is_output)
         if name in self.buffers:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
-        shape = tuple(int(s) for s in shape)
+        if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+            raise GraphError(f"buffer {name!r}: shape must be a sequence of integers, got {shape!r}")
+        shape = tuple(_integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
         if any(s < 0 for s in shape):
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
         buf = Buffer(name, shape, dtype_name(dtype), inp, out)
@@ -198,19 +245,19 @@ class TaskGraph:
 
     def input(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A buffer the caller provides."""
-        return self._add_buffer(name, shape, dtype, True, False)
+        return self.add_buffer(name, shape, dtype, is_input=True)
 
     def output(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A buffer the run returns."""
-        return self._add_buffer(name, shape, dtype, False, True)
+        return self.add_buffer(name, shape, dtype, is_output=True)
 
     def inout(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A buffer the caller provides and the run returns (updated in place)."""
-        return self._add_buffer(name, shape, dtype, True, True)
+        return self.add_buffer(name, shape, dtype, is_input=True, is_output=True)
 
     def buffer(self, name: str, shape: Sequence[int], dtype: Any = "float32") -> Buffer:
         """A scratch buffer internal to the graph."""
-        return self._add_buffer(name, shape, dtype, False, False)
+        return self.add_buffer(name, shape, dtype)
 
     @property
     def inputs(self) -> list[Buffer]:
@@ -240,8 +287,11 @@ class TaskGraph:
         ``engine`` defaults to the op's default engine kind; ``cost`` overrides the op's
         cost function; ``after`` adds control edges.
         """
-        ins = tuple(_as_region(r) for r in inputs)
-        outs = tuple(_as_region(r) for r in outputs)
+        if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
+            raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
+        priority = _integer(priority, f"task {name or op!r}: priority")
+        ins = tuple(self.as_region(r) for r in inputs)
+        outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self.tasks)
         name = name if name is not None else f"{op}#{tid}"
         if name in self._by_name:
@@ -252,13 +302,11 @@ class TaskGraph:
             if not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
         if engine is None:
-            from megaloom.runtime.registry import get_op
-
             try:
                 engine = get_op(op).engine
             except GraphError:
                 engine = "vector"  # unknown ops are reported by validate()
-        t = Task(tid, name, op, engine, ins, outs, dict(attrs or {}), int(priority), dict(tags or {}), cost, self)
+        t = Task(tid, name, op, engine, ins, outs, dict(attrs or {}), priority, dict(tags or {}), cost, self)
         self.tasks.append(t)
         self.succ.append([])
         self.pred.append([])
@@ -327,8 +375,6 @@ class TaskGraph:
         """Task ids in an order that respects every edge; a cycle raises GraphError."""
         if self._forward_only:
             return list(range(len(self.tasks)))
-        from graphlib import CycleError, TopologicalSorter
-
         ts = TopologicalSorter({i: p for i, p in enumerate(self.pred)})
         try:
             return list(ts.static_order())
@@ -356,14 +402,12 @@ class TaskGraph:
 
     def validate(self) -> TaskGraph:
         """Check every rule; raise GraphError naming the tasks of the first broken rule."""
-        from megaloom.runtime.validate import validate
-
-        self._cached("validated", lambda: validate(self) or True)
+        self.cached("validated", lambda: validate(self) or True)
         return self
 
     def costs(self) -> list[Cost]:
         """Every task's cost, by task id (computed once per graph version)."""
-        return self._cached("costs", lambda: [self._compute_cost(t) for t in self.tasks])
+        return self.cached("costs", lambda: [self._compute_cost(t) for t in self.tasks])
 
     def task_cost(self, t: Task) -> Cost:
         """The task's cost: its own override, else the op's cost function."""
@@ -372,16 +416,12 @@ class TaskGraph:
     def _compute_cost(self, t: Task) -> Cost:
         if t.cost is not None:
             return t.cost
-        from megaloom.runtime.registry import TensorSpec, get_op
-
         ins = [TensorSpec(r.shape, r.dtype) for r in t.inputs]
         outs = [TensorSpec(r.shape, r.dtype) for r in t.outputs]
         return get_op(t.op).cost(ins, outs, t.attrs)
 
     def summary(self) -> str:
         """A short text table: tasks per engine and op, buffers, edges."""
-        from collections import Counter
-
         by_engine = Counter(t.engine for t in self.tasks)
         by_op = Counter(t.op for t in self.tasks)
         n_edges = sum(len(s) for s in self.succ)
@@ -390,25 +430,53 @@ class TaskGraph:
         lines += [f"  op     {k:<20} {v:>8}" for k, v in sorted(by_op.items())]
         return "\n".join(lines)
 
-    def compose(self, sub: TaskGraph, prefix: str = "", bind: dict | None = None):
+    def set_edges(self, pred: Sequence[Sequence[int]]) -> None:
+        """Replace every edge: ``pred[b]`` lists the ids of the tasks task ``b`` waits for,
+        as a saved file states them. The edges no longer come from buffer accesses, so
+        :meth:`validate` then checks the reads and double writes against them."""
+        n = len(self.tasks)
+        if len(pred) != n or not all(isinstance(a, int) and 0 <= a < n for p in pred for a in p):
+            raise GraphError(f"graph {self.name!r}: edges must list predecessors by task id (0..{n - 1}) for each "
+                             f"of the {n} tasks")
+        self.pred = [list(dict.fromkeys(p)) for p in pred]  # in one pass: linear however many edges a task has
+        self.succ = [[] for _ in range(n)]
+        for b, preds in enumerate(self.pred):
+            for a in preds:
+                self.succ[a].append(b)
+        self._forward_only = all(a < b for b, preds in enumerate(self.pred) for a in preds)
+        self._hazards_ordered = False
+        self._version += 1
+
+    def compose(self, sub: TaskGraph, prefix: str = "", bind: dict | None = None) -> Composed:
         """Add the sub-graph ``sub`` as one unit; ``bind`` maps its buffers (by name) to
         regions of this graph, the rest are added as ``prefix + name``. Returns a
         :class:`~megaloom.runtime.compose.Composed` (its tasks, ``precede``/``succeed``,
         and ``unit["buf"]``: the region standing for a sub-graph buffer)."""
-        from megaloom.runtime.compose import compose
-
         return compose(self, sub, prefix, bind)
 
-    def save(self, path: str) -> None:
-        from megaloom.runtime.serialize import save_graph
+    def to_dot(self) -> str:
+        """The graph as Graphviz DOT: tasks labelled with name and op, filled by engine kind
+        (see :mod:`megaloom.runtime.dot`)."""
+        return to_dot(self)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The graph as stored in a file (see :mod:`megaloom.runtime.serialize`)."""
+        return graph_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
+        """Rebuild a graph from its stored form, checking every field (``where`` names it in errors)."""
+        return fill_graph(cls(), d, where)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the graph atomically as versioned msgpack."""
         save_graph(self, path)
 
-    @staticmethod
-    def load(path: str) -> TaskGraph:
-        from megaloom.runtime.serialize import load_graph
-
-        return load_graph(path)
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TaskGraph:
+        """Read a graph file; a corrupt or newer file raises TraceFormatError naming it."""
+        with gc_paused():  # millions of small objects: collections would cost more than the reading
+            return cls.from_dict(read_graph(path), os.fspath(path))
 
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self.tasks)}, buffers={len(self.buffers)})"

@@ -1,5 +1,10 @@
 """Metrics of a trace: makespan, busy time and utilisation per engine, comm hidden under
-compute, cube/vector overlap, critical path, and a text summary."""
+compute, cube/vector overlap, critical path, and a text summary.
+
+Comm hidden, overlap and the critical path are over device engines only: ``host`` work
+(runtime calls of an imported trace) is neither compute nor comm, and on the critical path
+it only carries dependencies (the path is the longest chain of device work).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +13,8 @@ from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import Trace, TraceEvent
 
 COMPUTE = ("cube", "vector")
+HOST_ENGINES = frozenset({"host"})
+"""Engine kinds that are not device work."""
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -42,8 +49,9 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
 
 
 def critical_path(events: list[TraceEvent]) -> float:
-    """Longest chain of task durations along recorded dependencies (per rank)."""
-    by_key = {(e.rank, e.tid): e for e in events}
+    """Longest chain of device task durations along recorded dependencies (per rank); host
+    tasks lie on chains but add no time, so the path is at most the device span."""
+    by_key = {(e.rank, e.task_id): e for e in events}
 
     def deps(k: tuple[int, int]) -> list[tuple[int, int]]:
         return [(k[0], d) for d in by_key[k].deps if (k[0], d) in by_key]
@@ -68,8 +76,58 @@ def critical_path(events: list[TraceEvent]) -> float:
                 continue
             stack.pop()
             open_.discard(k)
-            finish[k] = max((finish[d] for d in ds), default=0.0) + by_key[k].duration
+            e = by_key[k]
+            finish[k] = max((finish[d] for d in ds), default=0.0) + (0.0 if e.engine in HOST_ENGINES else e.duration)
     return max(finish.values(), default=0.0)
+
+
+def _tag_seconds(e: TraceEvent, key: str) -> float:
+    v = e.tags.get(key, 0.0)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
+
+
+def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
+    """The longest chain of busy time along dependencies, host work included, as Holistic Trace
+    Analysis defines its critical path: device ops with the delay before them (launch and
+    queue latency), host calls with the CPU-op time before them (tag ``cpu``), not idle host
+    time nor waiting in syncs. Returns its length and its time per engine kind (``delay``:
+    device latency). Events must be in dependency order within a rank (task ids, as traces keep them).
+    """
+    best, best_key = 0.0, None
+    finish: dict[tuple[int, int], float] = {}
+    via: dict[tuple[int, int], tuple[int, int] | None] = {}
+    weight: dict[tuple[int, int], tuple[float, float]] = {}
+    lane: dict[tuple[int, int], tuple[int, str, int]] = {}
+    for e in sorted(events, key=lambda e: (e.rank, e.task_id)):
+        key = (e.rank, e.task_id)
+        lane[key] = (e.rank, e.engine, e.unit)
+        host = e.engine in HOST_ENGINES
+        gap = _tag_seconds(e, "cpu") if host else _tag_seconds(e, "delay")
+        # a host call's CPU time before it follows its thread's previous call; via another
+        # dependency (a flow from another thread) that time overlaps the path already counted
+        prev = max(((finish[(e.rank, d)] + (gap if not host or lane[(e.rank, d)] == lane[key] else 0.0), (e.rank, d))
+                    for d in e.deps if (e.rank, d) in finish), default=(gap, None))
+        weight[key] = (e.duration, prev[0] - (finish[prev[1]] if prev[1] is not None else 0.0))
+        finish[key], via[key] = prev[0] + e.duration, prev[1]
+        if finish[key] > best:
+            best, best_key = finish[key], key
+    parts: dict[str, float] = {}
+    engine = {(e.rank, e.task_id): e.engine for e in events}
+    while best_key is not None:
+        dur, gap = weight[best_key]
+        kind = engine[best_key]
+        parts[kind] = parts.get(kind, 0.0) + dur
+        if gap:
+            g = "host" if kind in HOST_ENGINES else "delay"
+            parts[g] = parts.get(g, 0.0) + gap
+        best_key = via[best_key]
+    return best, parts
+
+
+def device_span(trace: Trace) -> float:
+    """First device task start to last device task end (the makespan when there is no host work)."""
+    dev = [e for e in trace.events if e.engine not in HOST_ENGINES]
+    return max(e.end for e in dev) - min(e.start for e in dev) if dev else 0.0
 
 
 @dataclass(slots=True)
@@ -82,6 +140,12 @@ class Metrics:
     cube_vector_overlap: float
     critical_path: float
     tasks: int
+    device_span: float = 0.0
+
+    @property
+    def exposed_comm(self) -> float:
+        """Comm time (per rank) not hidden under compute."""
+        return self.comm_time * (1.0 - self.comm_hidden)
 
 
 def metrics(trace: Trace) -> Metrics:
@@ -115,6 +179,7 @@ def metrics(trace: Trace) -> Metrics:
         cube_vector_overlap=overlap / ranks,
         critical_path=critical_path(ev),
         tasks=len(ev),
+        device_span=device_span(trace),
     )
 
 

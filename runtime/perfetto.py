@@ -2,7 +2,8 @@
 
 One process per rank, one thread track per engine unit (Perfetto does not draw
 overlapping slices on one track); task name as slice name, op as category, tags and
-work figures in ``args``.
+work figures in ``args``. :class:`PerfettoObserver` writes the file of every run an
+executor makes, as Taskflow's ChromeObserver does.
 """
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import json
 import os
 from typing import Any
 
+from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write
+from megaloom.runtime.record import Observer
 from megaloom.runtime.trace import Trace
 
 _ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}  # other engine kinds follow, by name
@@ -38,7 +41,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": f"{engine}.{unit}"}})
         out.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
     for e in trace.events:
-        args: dict[str, Any] = {"task_id": e.tid, "op": e.op, **{str(k): v for k, v in e.tags.items()}}
+        args: dict[str, Any] = {"task_id": e.task_id, "op": e.op, **{str(k): v for k, v in e.tags.items()}}
         for k in ("flops", "bytes", "comm_bytes"):
             if getattr(e, k):
                 args[k] = getattr(e, k)
@@ -50,5 +53,25 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
 
 
 def write_chrome(trace: Trace, path: str | os.PathLike) -> None:
-    """Write the Chrome JSON atomically."""
-    atomic_write(path, json.dumps(to_chrome(trace), default=str).encode())
+    """Write the Chrome JSON atomically; a value JSON cannot hold (NaN, Infinity) raises TraceFormatError."""
+    try:
+        data = json.dumps(to_chrome(trace), default=str, allow_nan=False)
+    except ValueError as e:  # the only ValueError json.dumps raises: an out-of-range float
+        raise TraceFormatError(f"{path}: a tag or meta value is not finite, which JSON cannot hold ({e})") from None
+    atomic_write(path, data.encode())
+
+
+class PerfettoObserver(Observer):
+    """An executor observer writing each run's Chrome JSON to ``path`` as the run ends.
+
+    ``path`` may name ``{graph}`` (the graph's name) and ``{run}`` (0, 1, ... per run this
+    observer saw), so that the runs of several graphs keep a file each.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self.runs = 0
+
+    def on_run_end(self, trace: Trace) -> None:
+        write_chrome(trace, self.path.format(graph=trace.meta.get("graph", "graph"), run=self.runs))
+        self.runs += 1

@@ -6,6 +6,8 @@ first time a name is missing, and reports an unknown name with the names it know
 """
 from __future__ import annotations
 
+import inspect
+import sys
 import types
 from importlib.metadata import entry_points
 from typing import Any, Callable, Generic, Iterator, TypeVar
@@ -75,6 +77,29 @@ class Registry(Generic[T]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
+    def describe(self) -> dict[str, str]:
+        """Every name with a one-line description of its object (see :func:`describe`)."""
+        return {name: describe(obj) for name, obj in sorted(self.items().items())}
+
+
+def _paragraph(text: str | None) -> str:
+    first = inspect.cleandoc(text or "").split("\n\n")[0]
+    return " ".join(first.split()).replace("``", "")
+
+
+def describe(obj: Any) -> str:
+    """One line about a registered object: its ``doc`` text (an op's), else the first
+    paragraph of its docstring; a plug-in function (a graph builder) is described by its
+    module's docstring, since the module is what it builds."""
+    doc = getattr(obj, "doc", None)
+    if isinstance(doc, str):
+        return _paragraph(doc)
+    if inspect.isfunction(obj):
+        module = sys.modules.get(obj.__module__)
+        if module is not None and module.__doc__:
+            return _paragraph(module.__doc__)
+    return _paragraph(inspect.getdoc(obj))
+
 
 def _value(text: str) -> Any:
     for conv in (int, float):
@@ -85,13 +110,14 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def parse_options(text: str, value: Callable[[str], Any] = _value) -> dict[str, Any]:
-    """``"k=v,k2=v2"`` as ``{"k": v, ...}``; numbers and booleans converted."""
+def parse_options(text: str, value: Callable[[str], Any] = _value, what: str = "option") -> dict[str, Any]:
+    """``"k=v,k2=v2"`` as ``{"k": v, ...}``; numbers and booleans converted. A malformed
+    item raises ConfigError naming it as a bad ``what``."""
     opts: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = item.partition("=")
         if not sep or not k.strip():
-            raise ConfigError(f"bad option {item!r} in {text!r}: expected key=value")
+            raise ConfigError(f"bad {what} {item!r} in {text!r}: expected key=value")
         opts[k.strip()] = value(v.strip())
     return opts
 

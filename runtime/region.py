@@ -71,34 +71,50 @@ def to_slices(box: Box) -> tuple[slice, ...]:
 class BoxIndex:
     """Boxes of one buffer, each with a task id, found by overlap in O(log n + hits).
 
-    Entries are kept sorted by their start along dim 0; a query for ``[a, b)`` looks only
-    at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the longest
-    dim-0 extent ever added. Tiles along dim 0, the common case, stay cheap however many
-    there are; a box spanning dim 0 (a whole-buffer access) widens every later query of
-    this index, which is why readers and writers are indexed apart.
+    Entries are kept sorted by their start along one key dim; a query for ``[a, b)`` along
+    it looks only at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the
+    longest extent along that dim ever added. Each time the entries double, the key dim is
+    chosen again (and the entries re-sorted): the dim along which boxes are narrowest for the
+    range they cover, rows for row tiles, columns for column tiles, so tiles along any one
+    dim stay cheap. A box spanning the key dim (a whole-buffer access) widens every later
+    query of this index, which is why readers and writers are indexed apart.
     """
 
-    __slots__ = ("starts", "entries", "longest")
+    __slots__ = ("dim", "starts", "entries", "longest", "_rekey_at")
 
     def __init__(self) -> None:
+        self.dim, self.longest, self._rekey_at = 0, 0, 8
         self.starts: list[int] = []
         self.entries: list[tuple[Box, int]] = []
-        self.longest = 0
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def add(self, box: Box, tid: int) -> None:
-        s, e = box[0] if box else (0, 1)
+        s, e = box[self.dim] if box else (0, 1)
         i = bisect_right(self.starts, s)
         self.starts.insert(i, s)
         self.entries.insert(i, (box, tid))
         self.longest = max(self.longest, e - s)
+        if len(self.entries) >= self._rekey_at and box:
+            self._rekey_at *= 2
+            self._rekey(len(box))
+
+    def _rekey(self, ndim: int) -> None:
+        """Key on the dim where boxes are narrowest for the range they cover."""
+        spans = [[box[d] for box, _ in self.entries] for d in range(ndim)]
+        longest = [max(b - a for a, b in s) for s in spans]
+        spread = [longest[d] / max(1, max(b for _, b in s) - min(a for a, _ in s)) for d, s in enumerate(spans)]
+        best = min(range(ndim), key=spread.__getitem__)
+        if spread[best] < spread[self.dim]:
+            self.dim, self.longest = best, longest[best]
+            self.entries.sort(key=lambda e: e[0][best][0])
+            self.starts = [box[best][0] for box, _ in self.entries]
 
     def _span(self, box: Box, upto=bisect_left) -> range:
         if not box:
             return range(len(self.entries))
-        a, b = box[0]
+        a, b = box[self.dim]
         return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), upto(self.starts, b))
 
     def overlapping(self, box: Box) -> list[tuple[Box, int]]:

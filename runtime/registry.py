@@ -3,17 +3,20 @@
 An entry holds everything any executor needs to treat the op: which engine kinds may
 run it, a torch reference (the oracle), a kernel that runs one task for real, a shape
 rule and a cost function. Plug-ins register ops in the ``megaloom.ops`` entry-point
-group; they are loaded the first time a name is looked up and not found.
+group; they are loaded the first time a name is looked up and not found (the one
+:class:`~megaloom.runtime.plugins.Registry` every named plug-in kind uses).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import Any, Callable
 
 import torch
 
+from megaloom.runtime.dtypes import itemsize
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.plugins import Registry
 
 ENGINE_KINDS = ("cube", "vector", "comm")
 
@@ -34,8 +37,6 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        from megaloom.runtime.dtypes import itemsize
-
         return self.numel * itemsize(self.dtype)
 
 
@@ -57,6 +58,33 @@ CostFn = Callable[[list[TensorSpec], list[TensorSpec], dict[str, Any]], Cost]
 Kernel = Callable[..., Any]
 
 
+@dataclass(frozen=True, slots=True)
+class GradOf:
+    """What a backward op computes in terms of its forward op ``op``, so that tests hold it
+    against ``torch.autograd`` of the forward reference (:func:`megaloom.runtime.testing.check_grads`).
+
+    ``inputs`` names each operand of the backward op: ``x<i>`` the forward op's input i,
+    ``y<j>`` its output j, ``dy<j>`` a gradient arriving for output j (several add up),
+    ``dx<i>`` a gradient of input i summed so far, which the op adds to. ``outputs`` names
+    each of its outputs ``dx<i>``: the gradient of input i (a per-tile partial may add
+    leading dims of size 1). Both take a space-separated string.
+    """
+
+    op: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    def __init__(self, op: str, inputs: str, outputs: str):
+        for sym in (*inputs.split(), *outputs.split()):
+            if not re.fullmatch(r"(x|y|dy|dx)[0-9]+", sym):
+                raise GraphError(f"grad_of {op!r}: bad operand {sym!r}; expected x<i>, y<j>, dy<j> or dx<i>")
+        if not all(s.startswith("dx") for s in outputs.split()):
+            raise GraphError(f"grad_of {op!r}: outputs must be input gradients dx<i>, got {outputs!r}")
+        object.__setattr__(self, "op", op)
+        object.__setattr__(self, "inputs", tuple(inputs.split()))
+        object.__setattr__(self, "outputs", tuple(outputs.split()))
+
+
 @dataclass(slots=True)
 class OpDef:
     """One registry entry.
@@ -67,7 +95,8 @@ class OpDef:
     With ``context=True`` both also receive ``ctx=`` (rank, communicator, device).
     ``extra["in_place"] = True`` says the kernel may write an output over an input equal to
     it (element-wise ops); the thread executor otherwise hands the kernel a copy of any
-    input that a task's outputs overlap.
+    input that a task's outputs overlap. ``grad_of`` (a backward op's) names the forward op
+    whose gradient it computes, and how.
     """
 
     name: str
@@ -79,6 +108,7 @@ class OpDef:
     context: bool = False
     doc: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    grad_of: GradOf | None = None
 
     @property
     def engine(self) -> str:
@@ -86,44 +116,26 @@ class OpDef:
         return self.engines[0]
 
 
-_REGISTRY: dict[str, OpDef] = {}
-_plugins_loaded = False
+OPS: Registry[OpDef] = Registry("op", "megaloom.ops", error=GraphError)
+"""Every op by name; the ``megaloom.ops`` entry points (modules that register ops) load on
+the first lookup of a name not registered yet."""
 
 
 def register(op: OpDef, *, replace: bool = False) -> OpDef:
     """Add ``op`` to the registry; a second entry of the same name needs ``replace=True``."""
     if not op.engines:
         raise GraphError(f"op {op.name!r} names no engine kind")
-    if op.name in _REGISTRY and not replace and _REGISTRY[op.name] is not op:
-        raise GraphError(f"op {op.name!r} is already registered")
-    _REGISTRY[op.name] = op
-    return op
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    for ep in entry_points(group="megaloom.ops"):
-        ep.load()
+    return OPS.register(op.name, op, replace=replace)
 
 
 def get_op(name: str) -> OpDef:
     """The entry for ``name``; raises GraphError naming the op when there is none."""
-    op = _REGISTRY.get(name)
-    if op is None:
-        _load_plugins()
-        op = _REGISTRY.get(name)
-    if op is None:
-        raise GraphError(f"unknown op {name!r}")
-    return op
+    return OPS.get(name)
 
 
 def all_ops() -> dict[str, OpDef]:
     """Every registered op, plug-ins included."""
-    _load_plugins()
-    return dict(_REGISTRY)
+    return OPS.items()
 
 
 def run_reference(op: OpDef, inputs: list[torch.Tensor], attrs: dict[str, Any], ctx: Any = None):

@@ -3,18 +3,23 @@
 Every edge is stored (derived and control alike), so a loaded graph is the graph that
 was saved even where it was built from explicit edges only. Loading checks every field
 and raises TraceFormatError (bad file) or GraphError (bad graph), never a raw KeyError.
+The functions here reach the graph through its public API; ``TaskGraph.save``,
+``TaskGraph.load``, ``to_dict`` and ``from_dict`` call them.
 """
 from __future__ import annotations
 
+import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
 from megaloom.runtime.errors import GraphError, TraceFormatError
-from megaloom.runtime.graph import Region, TaskGraph
+from megaloom.runtime.files import atomic_write, gc_paused, read_msgpack
 from megaloom.runtime.registry import Cost
-from megaloom.runtime.files import atomic_write, read_msgpack
+
+if TYPE_CHECKING:
+    from megaloom.runtime.graph import Region, TaskGraph
 
 GRAPH_FORMAT = "megaloom-graph"
 GRAPH_VERSION = 1
@@ -43,14 +48,16 @@ def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
 def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:
     """Write ``g`` atomically; attrs and tags must be msgpack-encodable."""
     try:
-        data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
-    except TypeError as e:
+        with gc_paused():
+            data = msgpack.packb(graph_to_dict(g), use_bin_type=True)
+    except (TypeError, ValueError) as e:  # ValueError: UnicodeEncodeError of a lone surrogate
         raise GraphError(f"graph {g.name!r}: attrs or tags are not msgpack-encodable: {e}") from e
     atomic_write(path, data)
 
 
-def load_graph(path: str | os.PathLike) -> TaskGraph:
-    return graph_from_dict(read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION, TraceFormatError), str(path))
+def read_graph(path: str | os.PathLike) -> dict[str, Any]:
+    """The stored form of a graph file (checked by :func:`fill_graph`)."""
+    return read_msgpack(path, GRAPH_FORMAT, GRAPH_VERSION, TraceFormatError)
 
 
 def _want(cond: bool, where: str, what: str) -> None:
@@ -58,17 +65,17 @@ def _want(cond: bool, where: str, what: str) -> None:
         raise TraceFormatError(f"{where}: {what}")
 
 
-def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
-    """Rebuild a graph from its dict form (as stored), checking every field."""
+def fill_graph(g: TaskGraph, d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
+    """Rebuild the graph stored as ``d`` in the empty graph ``g``, checking every field."""
     _want(isinstance(d.get("name"), str), where, "missing graph name")
     _want(all(isinstance(d.get(k), list) for k in ("buffers", "tasks", "pred")), where, "missing buffers/tasks/pred")
-    g = TaskGraph(d["name"])
+    g.name = d["name"]
     for i, b in enumerate(d["buffers"]):
         ok = isinstance(b, list) and len(b) == 5 and isinstance(b[0], str) and isinstance(b[1], list) \
             and all(isinstance(x, int) for x in b[1]) and isinstance(b[2], str) \
             and isinstance(b[3], bool) and isinstance(b[4], bool)
         _want(ok, where, f"buffer {i} is malformed: {b!r:.80}")
-        g._add_buffer(b[0], b[1], b[2], bool(b[3]), bool(b[4]))
+        g.add_buffer(b[0], b[1], b[2], is_input=b[3], is_output=b[4])
     n = len(d["tasks"])
     for i, t in enumerate(d["tasks"]):
         ok = isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("op"), str) \
@@ -81,23 +88,15 @@ def graph_from_dict(d: dict[str, Any], where: str = "<graph>") -> TaskGraph:
                   and isinstance(r[1], list)
                   and all(isinstance(p, list) and len(p) == 2 and all(isinstance(v, int) for v in p) for p in r[1]),
                   where, f"task {t['name']!r} has a malformed region {r!r:.80}")
-            regions.append(Region(g.buffers[r[0]], tuple(tuple(p) for p in r[1])))
+            regions.append(g.buffers[r[0]].region(r[1]))
         c = t.get("cost")
         _want(c is None or (isinstance(c, list) and len(c) == 4 and isinstance(c[3], str)
-                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c[:3])),
-              where, f"task {t['name']!r} has a malformed cost")
-        task = g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
-                      attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
-        # stored edges replace derived ones, so the loaded graph is exactly the saved one
-        for a in g.pred[task.id]:
-            g.succ[a].remove(task.id)
-        g.succ[task.id].clear()
-        g.pred[task.id].clear()
+                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                                    for v in c[:3])),
+              where, f"task {t['name']!r} has a malformed cost (finite non-negative flops, bytes, comm bytes)")
+        g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
+               attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
     _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)
                                       for p in d["pred"]), where, "an edge names a task that does not exist")
-    g._forward_only = True
-    g._hazards_ordered = False  # the file's edges replaced the derived ones; validate() checks them
-    for b, preds in enumerate(d["pred"]):
-        for a in preds:
-            g._link(a, b)
+    g.set_edges(d["pred"])  # stored edges replace derived ones: the loaded graph is exactly the saved one
     return g

@@ -8,14 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.graph import Region
 from megaloom.runtime.region import BoxIndex, uncovered
 from megaloom.runtime.registry import TensorSpec, get_op
+from megaloom.runtime.files import gc_paused
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
 
-Problem = tuple[str, str]  # (task name, message)
+Problem = tuple[str, str]  # (task name or "", message)
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
@@ -61,72 +61,98 @@ def _cycles(g: TaskGraph) -> Iterator[Problem]:
             yield name, str(e)
 
 
-def _writers(g: TaskGraph) -> dict[str, BoxIndex]:
-    out: dict[str, BoxIndex] = {}
-    for t in g.tasks:
-        for r in t.outputs:
-            out.setdefault(r.buffer.name, BoxIndex()).add(r.box, t.id)
-    return out
+def _ordered(g: TaskGraph):
+    """``before(a, b)``: whether task ``a`` is ordered before task ``b`` by the graph's edges.
+    A direct edge answers at once (a file megaloom wrote holds every derived edge, so almost
+    every question is one); otherwise the edges are searched backwards from ``b``."""
+    sets: dict[int, set[int]] = {}  # predecessor sets of tasks with many predecessors
 
+    def before(a: int, b: int) -> bool:
+        preds = g.pred[b]
+        if len(preds) > 8:
+            preds = sets.get(b) or sets.setdefault(b, set(preds))
+        return a in preds or g.reaches(a, b)
 
-class _Order:
-    """Whether task ``a`` is ordered before task ``b``; each task's ancestors are found once."""
-
-    def __init__(self, g: TaskGraph):
-        self.pred = g.pred
-        self.ancestors: dict[int, set[int]] = {}
-
-    def before(self, a: int, b: int) -> bool:
-        if a in self.pred[b]:
-            return True
-        anc = self.ancestors.get(b)
-        if anc is None:
-            anc, stack = set(), list(self.pred[b])
-            while stack:
-                p = stack.pop()
-                if p not in anc:
-                    anc.add(p)
-                    stack.extend(self.pred[p])
-            self.ancestors[b] = anc
-        return a in anc
+    return before
 
 
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
-    # With derived edges and no edge against insertion order, the writers ordered before a
-    # task are exactly the earlier ones: sweep in order, keeping an index of earlier writes
-    # (a write drops the ones it covers, as derivation does). Otherwise ask the edges.
-    sweep = g._hazards_ordered and g._forward_only
-    writers = {} if sweep else _writers(g)
-    order = _Order(g)
+    yield from _sweep(g)[0]
+
+
+def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
+    """Reads of unwritten regions, and accesses the edges leave unordered (the first ten of
+    each): derivation replayed in a topological order, an index of the earlier reads and
+    writes per buffer (a write drops the accesses it covers, as derivation does), each access
+    checked against the earlier ones it meets (RAW, WAR, WAW). With derived edges every one
+    of those is ordered before it (an edge against insertion order would close a cycle), so
+    only coverage is checked; a loaded graph's stored edges are asked. Linear in tasks when
+    the edges include the derived ones; computed once per graph version."""
+    def make() -> tuple[list[Problem], list[Problem]]:
+        ids = g.topological_order()
+        trusted = g.hazards_derived
+        before = (lambda a, b: True) if trusted else _ordered(g)
+        reads: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
+        writes: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
+        gaps, races = [], []
+        for tid in ids:
+            t = g.tasks[tid]
+            for r in t.inputs:
+                found = writes[r.buffer.name].overlapping(r.box)
+                racing = [g.tasks[w].name for _, w in found if w != tid and not before(w, tid)]
+                left = [] if r.buffer.is_input else [gap for gap in uncovered(
+                    r.box, [box for box, w in found if before(w, tid)]) if all(b > a for a, b in gap)]
+                if left:
+                    why = f" (task {racing[0]!r} writes it with no order between them)" if racing \
+                        else ", and it is not a graph input"
+                    gaps.append((t.name, f"task {t.name!r} reads {r}, but no task ordered before it writes "
+                                         f"{r.buffer.region(left[0])}{why}"))
+                elif racing:
+                    races.append((t.name, f"task {t.name!r} reads {r} while task {racing[0]!r} writes it, "
+                                          "with no order between them"))
+            for r in t.outputs if not trusted else ():
+                for _, w in writes[r.buffer.name].overlapping(r.box):
+                    if w != tid and not before(w, tid):
+                        ta, tb = (g.tasks[i].name for i in sorted((w, tid)))
+                        races.append((ta, f"tasks {ta!r} and {tb!r} both write buffer {r.buffer.name!r} "
+                                          "with no order between them"))
+                for _, rd in reads[r.buffer.name].overlapping(r.box):
+                    if rd != tid and not before(rd, tid):
+                        races.append((t.name, f"task {t.name!r} writes {r} while task {g.tasks[rd].name!r} "
+                                              "reads it, with no order between them"))
+            for r in t.inputs:
+                reads[r.buffer.name].add(r.box, tid)
+            for r in t.outputs:  # an access inside this write is ordered before it (checked above)
+                reads[r.buffer.name].drop_inside(r.box, tid)
+                writes[r.buffer.name].drop_inside(r.box, tid)
+                writes[r.buffer.name].add(r.box, tid)
+            if len(gaps) >= 10 and (trusted or len(races) >= 10):
+                break
+        return gaps[:10], races[:10]
+
+    return g.cached("access_sweep", make)
+
+
+def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
+    # outputs are allocated uninitialised (no zeroing), so every element must be written;
+    # a scratch buffer needs no such rule: each read of it must be covered (the rule above)
+    covers: dict[str, list] = {b.name: [] for b in g.outputs if not b.is_input}
     for t in g.tasks:
-        for r in t.inputs:
-            if r.buffer.is_input:
-                continue
-            index = writers.get(r.buffer.name)
-            found = index.overlapping(r.box) if index is not None else []
-            covers = [box for box, w in found if sweep or (w != t.id and order.before(w, t.id))]
-            gaps = [gap for gap in uncovered(r.box, covers) if all(b > a for a, b in gap)]
-            if gaps:
-                gap = Region(r.buffer, gaps[0])
-                yield t.name, (f"task {t.name!r} reads {r}, but no task ordered before it writes {gap}, "
-                               "and it is not a graph input")
-        if sweep:
-            for r in t.outputs:
-                index = writers.setdefault(r.buffer.name, BoxIndex())
-                index.drop_inside(r.box, t.id)
-                index.add(r.box, t.id)
+        for r in t.outputs:
+            if r.buffer.name in covers:
+                covers[r.buffer.name].append(r.box)
+    for name, boxes in covers.items():
+        buf = g.buffers[name]
+        boxes.sort(key=lambda box: tuple(a for a, _ in box))  # tiles in order leave few pieces
+        gaps = [gap for gap in uncovered(buf.full.box, boxes) if all(b > a for a, b in gap)]
+        if gaps:
+            yield "", (f"output {name!r}: no task writes {buf.region(gaps[0])}"
+                       f"{f' (and {len(gaps) - 1} more regions)' if len(gaps) > 1 else ''}; "
+                       "the run would return uninitialised memory there")
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
-    if g._hazards_ordered:  # derived edges order every two overlapping writes (WAW)
-        return
-    order = _Order(g)
-    for name, index in _writers(g).items():
-        for abox, a in list(index.entries):
-            for _, b in index.overlapping(abox):
-                if a < b and not (order.before(a, b) or order.before(b, a)):
-                    ta, tb = g.tasks[a].name, g.tasks[b].name
-                    yield ta, f"tasks {ta!r} and {tb!r} both write buffer {name!r} with no order between them"
+    yield from _sweep(g)[1]
 
 
 RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [
@@ -135,7 +161,8 @@ RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [
     ("cycle", _cycles),
     ("shape and dtype", _shapes),
     ("read of unwritten region", _unwritten_reads),
-    ("unordered writes", _unordered_writes),
+    ("unwritten output", _unwritten_outputs),
+    ("unordered accesses", _unordered_writes),
 ]
 
 
@@ -143,12 +170,13 @@ def validate(g: TaskGraph) -> None:
     """Raise GraphError for the first rule of :data:`RULES` that the graph breaks."""
     for rule, check in RULES:
         problems = []
-        for p in check(g):
-            problems.append(p)
-            if len(problems) >= 10:
-                break
+        with gc_paused():
+            for p in check(g):
+                problems.append(p)
+                if len(problems) >= 10:
+                    break
         if problems:
-            names = tuple(dict.fromkeys(n for n, _ in problems))
+            names = tuple(dict.fromkeys(n for n, _ in problems if n))  # "": a buffer's problem, no task
             msg = f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems)
             cyc = ()
             if rule == "cycle":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import time
 from pathlib import Path
 from typing import Callable
@@ -16,6 +17,7 @@ from typing import Callable
 import torch
 import yaml
 
+from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import atomic_write
 from megaloom.scheduler.profile import HardwareProfile, parse_profile, user_profile_dir
 
@@ -91,8 +93,14 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
 
 def write_profile(profile: HardwareProfile, path: str | os.PathLike | None = None) -> Path:
     """Write ``profile`` as YAML atomically (default: the user profile directory)."""
+    if path is None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", profile.name):
+        raise ConfigError(f"profile name {profile.name!r} is not a plain file name (letters, digits, '.', '_', '-'), "
+                          "so it cannot name a file in the profile directory")
     out = Path(path) if path is not None else user_profile_dir() / f"{profile.name}.yaml"
-    out.parent.mkdir(parents=True, exist_ok=True)
     text = "# written by `megaloom calibrate`\n" + yaml.safe_dump(profile.to_dict(), sort_keys=False)
-    atomic_write(out, text.encode())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out, text.encode())
+    except OSError as e:
+        raise ConfigError(f"cannot write profile {str(out)!r}: {e.strerror or e}") from None
     return out

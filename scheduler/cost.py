@@ -3,6 +3,10 @@
     compute: max(flops / unit_peak(engine, precision), bytes / unit_mem_bw(engine)) + task_overhead
     comm:    alpha(link) + max(comm_bytes / (beta(link) / comm units), bytes / unit_mem_bw) + task_overhead
 
+A task runs on one unit unless it spans ``width`` units (an imported kernel runs on as many
+SMs as its grid fills, a collective on the whole link): its rates are multiplied by them.
+Copies (engine ``copy``) are costed as comm over their link (``host`` for PCIe copies).
+
 A task that carries a measured duration (``attrs["duration"]`` in seconds, as trace
 replay builds them) takes exactly that. Coefficients per op class (the op name) can be
 overridden, which is the hook calibration fits: ``CostModel(p, overrides={"matmul":
@@ -11,6 +15,8 @@ per-task time of that op. A calibrated profile carries such fits in its ``ops`` 
 they apply by default, and ``overrides`` take precedence over them.
 """
 from __future__ import annotations
+
+import math
 
 from dataclasses import dataclass
 from typing import Mapping
@@ -62,25 +68,27 @@ class CostModel:
                   for op, fit in self.profile.ops.items()}
         self.overrides = {op: _coeffs(op, v) for op, v in {**fitted, **(overrides or {})}.items()}
 
-    def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None) -> float:
-        """Seconds one task of ``cost`` takes on one unit of ``engine`` (``op`` selects overrides)."""
+    def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None, width: float = 1,
+                 link_override: tuple[float, float] | None = None) -> float:
+        """Seconds one task of ``cost`` takes on ``width`` units of ``engine`` (``op`` selects
+        overrides; ``link_override`` replaces the link's ``(alpha, beta)``)."""
         p = self.profile
         o = self.overrides.get(op) if op is not None else None
-        if engine == "comm":
-            alpha, beta = p.link(link)
-            rate = beta / p.units.get("comm", 1)
+        if engine in ("comm", "copy"):
+            alpha, beta = link_override if link_override is not None else p.link(link)
+            rate = beta / p.units.get(engine, 1) * width
             fixed = alpha + p.task_overhead
             if o is not None:
                 rate = rate if o.throughput is None else o.throughput
                 fixed = fixed if o.overhead is None else o.overhead
-            wire = cost.comm_bytes / rate
-            memory = cost.bytes / p.unit_mem_bw(engine) if cost.bytes else 0.0
+            wire = cost.comm_bytes / rate if cost.comm_bytes else 0.0
+            memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + fixed
         compute = 0.0
         if cost.flops:
-            rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision)
+            rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision) * width
             compute = cost.flops / rate
-        bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine)
+        bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine) * width
         memory = cost.bytes / bw
         overhead = o.overhead if o is not None and o.overhead is not None else p.task_overhead
         return (compute if compute > memory else memory) + overhead
@@ -89,10 +97,15 @@ class CostModel:
         """A task's duration: its measured ``attrs['duration']`` if it has one, else the model's."""
         d = task.attrs.get(DURATION_ATTR) if task.attrs else None
         if d is not None:
-            if isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0:
-                raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a non-negative number of seconds, got {d!r}")
+            if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < math.inf:
+                raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a finite non-negative number of "
+                                  f"seconds, got {d!r}")
             return float(d)
-        return self.duration(graph.costs()[task.id], task.engine, task.tags.get("link", "intra"), op=task.op)
+        cost = graph.costs()[task.id]
+        d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op)
+        if not 0 <= d < math.inf:
+            raise ConfigError(f"task {task.name!r}: its cost {cost} gives a duration of {d!r} s")
+        return d
 
     def durations(self, graph: TaskGraph) -> list[float]:
         """Every task's duration, by task id."""

@@ -89,7 +89,7 @@ def dispatch_latency(traces: Iterable[Trace]) -> float:
     tasks that had something to wait for (a dependency or an earlier task on their unit)."""
     gaps = []
     for t in traces:
-        end = {(e.rank, e.tid): e.end for e in t.events}
+        end = {(e.rank, e.task_id): e.end for e in t.events}
         unit_free: dict[tuple, float] = {}
         for e in sorted(t.events, key=lambda e: e.start):
             key = (e.rank, e.engine, e.unit)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 from megaloom.runtime.core import FIFO, Policy
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.plugins import Registry
 from megaloom.scheduler import fastpath
 
 
@@ -246,14 +247,11 @@ class RotatedPolicy(_Keyed):
                 if "rank" in t.tags and "peer" in t.tags else 0 for t in graph.tasks]
 
 
-POLICIES: dict[str, Callable[..., Policy]] = {
-    "fifo": FIFO,
-    "priority": PriorityPolicy,
-    "critical_path": CriticalPathPolicy,
-    "static": StaticPolicy,
-    "expert_interleave": ExpertInterleavePolicy,
-    "rotated": RotatedPolicy,
-}
+POLICIES: Registry[Callable[..., Policy]] = Registry("policy", "megaloom.policies")
+"""Policies by name; plug-ins add theirs through the ``megaloom.policies`` entry-point group
+(each entry point loads a Policy class, registered under the entry point's name)."""
+for _cls in (FIFO, PriorityPolicy, CriticalPathPolicy, StaticPolicy, ExpertInterleavePolicy, RotatedPolicy):
+    POLICIES.register(_cls.name, _cls)
 
 
 def make_policy(name: str | Policy | None, **opts: Any) -> Policy:
@@ -265,8 +263,6 @@ def make_policy(name: str | Policy | None, **opts: Any) -> Policy:
             raise ConfigError(f"policy options {sorted(opts)} given with a ready-made policy {name.name!r}")
         return name
     cls = POLICIES.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
     try:
         return cls(**opts)
     except TypeError as e:

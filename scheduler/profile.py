@@ -21,9 +21,13 @@ Layout (numbers may be written ``1.6e12``)::
     links:                     # alpha: latency (s), beta: bandwidth (B/s)
       intra: {alpha: 5.0e-6, beta: 3.92e11}
       inter: {alpha: 1.0e-5, beta: 2.5e10}
+      host: {alpha: 5.0e-6, beta: 3.2e10}   # optional: host <-> device copies (PCIe)
     task_overhead: 2.0e-6      # s added to every task
     ops:                       # optional, written by `megaloom calibrate --from`: fitted per-op
       matmul: {throughput: 7.0e10, overhead: 1.2e-5, mem_bw: 1.0e30, samples: 32, median_rel_error: 0.04}
+    device:                    # optional: how a profiler trace's deviceProperties name this chip
+      names: [Ascend910B]      # any of these in the device name; else every fingerprint key equal
+      fingerprint: {compute: "9.0", sms: 132, warp: 32}
     sources: {units: "...", peak.cube: "...", peak.vector: "...", mem_bw: "...",
               links.intra: "...", links.inter: "...", task_overhead: "..."}
 
@@ -38,8 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import load_yaml
+from megaloom.runtime.plugins import Registry
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
 FALLBACK: dict[str, tuple[str, ...]] = {
@@ -51,6 +57,8 @@ FALLBACK: dict[str, tuple[str, ...]] = {
     "fp32": (),
 }
 LINK_KINDS = ("intra", "inter")
+OPTIONAL_LINKS = ("host",)  # host <-> device copies; replay keeps copy durations on a profile without it
+FINGERPRINT_KEYS = ("compute", "sms", "warp")
 OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -78,6 +86,7 @@ class HardwareProfile:
     description: str = ""
     path: str = ""
     ops: dict[str, dict[str, float]] = field(default_factory=dict)
+    device: dict[str, Any] = field(default_factory=dict)
 
     def peak(self, engine: str, precision: str = "fp32") -> float:
         """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
@@ -119,6 +128,7 @@ class HardwareProfile:
             "task_overhead": self.task_overhead,
             "sources": dict(self.sources),
             **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
+            **({"device": dict(self.device)} if self.device else {}),
         }
 
 
@@ -150,8 +160,8 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         raise ConfigError(f"{where}: key 'name' must be a non-empty string")
     units = {}
     for e, n in _mapping(where, "units", d["units"]).items():
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
+            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer at most {MAX_UNITS}, got {n!r}")
         units[str(e)] = n
     peaks: dict[str, dict[str, float]] = {}
     for e, rates in _mapping(where, "peak", d["peak"]).items():
@@ -163,15 +173,16 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
                 raise ConfigError(f"{where}: key 'peak.{e}.{p}' is not a known precision ({', '.join(FALLBACK)})")
             peaks[e][p] = _number(where, f"peak.{e}.{p}", v)
     links = {}
-    for k in LINK_KINDS:
-        link = _mapping(where, f"links.{k}", _mapping(where, "links", d["links"]).get(k))
+    given = _mapping(where, "links", d["links"])
+    for k in (*LINK_KINDS, *(k for k in OPTIONAL_LINKS if k in given)):
+        link = _mapping(where, f"links.{k}", given.get(k))
         for part in ("alpha", "beta"):
             if part not in link:
                 raise ConfigError(f"{where}: missing key 'links.{k}.{part}'")
         links[k] = (_number(where, f"links.{k}.alpha", link["alpha"], positive=False),
                     _number(where, f"links.{k}.beta", link["beta"]))
     sources = _mapping(where, "sources", d["sources"])
-    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in LINK_KINDS), "task_overhead"]
+    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in links), "task_overhead"]
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise ConfigError(f"{where}: missing source text 'sources.{key}' (cite where the figure comes from)")
@@ -186,8 +197,64 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where, ops=ops,
+        path=where, ops=ops, device=_device(where, d.get("device")),
     )
+
+
+def _device(where: str, v: Any) -> dict[str, Any]:
+    """The optional ``device`` block: ``names`` (substrings) and a ``fingerprint``."""
+    if v is None:
+        return {}
+    d = _mapping(where, "device", v)
+    unknown = sorted(set(d) - {"names", "fingerprint"})
+    if unknown:
+        raise ConfigError(f"{where}: key 'device' has unknown fields {unknown}; known: names, fingerprint")
+    names = d.get("names", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        raise ConfigError(f"{where}: key 'device.names' must be a list of non-empty strings, got {names!r:.60}")
+    fp = _mapping(where, "device.fingerprint", d["fingerprint"]) if "fingerprint" in d else {}
+    bad = sorted(set(fp) - set(FINGERPRINT_KEYS))
+    if bad:
+        raise ConfigError(f"{where}: key 'device.fingerprint' has unknown fields {bad}; known: {', '.join(FINGERPRINT_KEYS)}")
+    return {"names": list(names), **({"fingerprint": {k: str(x) for k, x in fp.items()}} if fp else {})}
+
+
+def device_fingerprint(props: dict[str, Any]) -> dict[str, str]:
+    """The fingerprint of a profiler trace's ``deviceProperties`` entry (compute capability, SMs, warp)."""
+    out = {}
+    if isinstance(props.get("computeMajor"), int) and isinstance(props.get("computeMinor"), int):
+        out["compute"] = f"{props['computeMajor']}.{props['computeMinor']}"
+    for key, prop in (("sms", "numSms"), ("warp", "warpSize")):
+        if isinstance(props.get(prop), int) and not isinstance(props.get(prop), bool):
+            out[key] = str(props[prop])
+    return out
+
+
+def match_device(props: dict[str, Any]) -> HardwareProfile | None:
+    """The profile of the device a trace's ``deviceProperties`` entry describes, or None.
+
+    A profile whose ``device.names`` has a substring of the device's name wins (the longest
+    one, so ``H800`` beats ``H100`` only in an H800's name); else the one profile whose
+    whole fingerprint equals the device's; several or none: None.
+    """
+    name = str(props.get("name", ""))
+    fp = device_fingerprint(props)
+    by_name: list[tuple[int, HardwareProfile]] = []
+    by_fp: list[HardwareProfile] = []
+    for n in list_profiles():
+        try:
+            p = load_profile(n)
+        except ConfigError:
+            continue  # a broken user profile does not hide the others
+        hits = [len(s) for s in p.device.get("names", []) if s.lower() in name.lower()]
+        if hits:
+            by_name.append((max(hits), p))
+        want = p.device.get("fingerprint")
+        if want and all(fp.get(k) == v for k, v in want.items()):
+            by_fp.append(p)
+    if by_name:
+        return max(by_name, key=lambda x: x[0])[1]
+    return by_fp[0] if len(by_fp) == 1 else None
 
 
 def read_profile(path: str | os.PathLike) -> HardwareProfile:
@@ -197,17 +264,20 @@ def read_profile(path: str | os.PathLike) -> HardwareProfile:
     return parse_profile(data, where)
 
 
-def _dirs() -> list[Path]:
-    return [user_profile_dir(), PACKAGED_DIR]
+def profile_files() -> Registry[Path]:
+    """Every profile file by name, read from the folders now: packaged files, replaced by
+    user files of the same name."""
+    files: Registry[Path] = Registry("hardware profile")
+    for d in (PACKAGED_DIR, user_profile_dir()):
+        if d.is_dir():
+            for p in sorted(d.glob("*.yaml")):
+                files.register(p.stem, p, replace=True)
+    return files
 
 
 def list_profiles() -> list[str]:
     """Names of every profile found (user profiles and packaged ones), sorted."""
-    names = set()
-    for d in _dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
+    return profile_files().names()
 
 
 def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareProfile:
@@ -217,8 +287,4 @@ def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareP
     s = os.fspath(name_or_path)
     if s.endswith((".yaml", ".yml")) or os.sep in s:
         return read_profile(s)
-    for d in _dirs():
-        p = d / f"{s}.yaml"
-        if p.is_file():
-            return read_profile(p)
-    raise ConfigError(f"unknown hardware profile {s!r}; known: {', '.join(list_profiles())}")
+    return read_profile(profile_files().get(s))

@@ -1,48 +1,84 @@
-"""Replay a saved megaloom trace: rebuild its graph with measured durations, re-simulate.
+"""Replay a saved trace: rebuild its graph with measured durations, re-simulate.
 
 Each event becomes a task with the same id, name, op, engine and tags, an explicit
-:class:`Cost` (its flops, bytes, comm bytes) and ``attrs['duration']`` = the measured
-duration, which the cost model honours; its recorded dependencies become control edges.
-Ranks are replayed independently (each rank is one chip with its own units; traces do not
-record cross-rank edges) and merged back.
+:class:`Cost` (its flops, bytes, comm bytes) and ``attrs['duration']`` = its measured
+duration plus its recorded ``delay`` tag (untraced time before it, which imported traces
+carry), which the cost model honours; its recorded dependencies become control edges. The
+replayed event starts after its delay. So an imported trace replayed on its own device gives
+the recording back: every task starts when its dependencies and its delay allow.
+
+Ranks: a trace of several ranks whose events include collectives replays them together
+(:mod:`megaloom.scheduler.world`): collectives are matched across ranks (by process group and
+sequence number where the trace has them, else by order), each rank's copy starts when that
+rank reaches it and ends when the slowest rank has arrived plus the transfer (the shortest
+recorded copy, which waited least), so a slow rank shows as exposed comm on the others.
+Other multi-rank traces replay rank by rank.
+
+What-ifs: another device (``profile``; each task scaled by the cost model's ratio between
+the devices), and :class:`WhatIf` knobs (comm faster by a factor or at a link bandwidth, a
+class of kernels faster by a factor).
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, TraceFormatError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.metrics import metrics
-from megaloom.runtime.registry import Cost
+from megaloom.runtime.registry import ENGINE_KINDS, Cost
 from megaloom.runtime.trace import Trace, TraceEvent, merge
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
+from megaloom.scheduler.importers.kineto.classes import labels
 from megaloom.scheduler.profile import HardwareProfile, load_profile
-from megaloom.scheduler.simulator import Simulator
+from megaloom.scheduler.simulator import Simulator, gc_paused
+from megaloom.scheduler.world import COLLECTIVE_OPS, match_collectives, simulate_world
+
+DELAY_TAG = "delay"
+"""Event tag: seconds of untraced time between the moment its dependencies were met and its start."""
+DELAY_ENGINE = "delay"
+"""Engine of the explicit delay tasks put before collectives in a world replay (never queues)."""
+Scale = Callable[[TraceEvent], float]
 
 
-def graph_from_events(events: list[TraceEvent], name: str = "replay",
-                      scale: Callable[[TraceEvent], float] | None = None) -> TaskGraph:
-    """A graph of one rank's events: measured durations (times ``scale(event)``), recorded dependencies."""
+def delay_of(e: TraceEvent) -> float:
+    d = e.tags.get(DELAY_TAG, 0.0)
+    return float(d) if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 0 else 0.0
+
+
+def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Scale | None = None,
+                      durations: Mapping[int, float] | None = None, unfold: frozenset[int] = frozenset()) -> TaskGraph:
+    """A graph of one rank's events: each task lasts its delay plus its measured duration (times
+    ``scale(event)``, or ``durations[tid]``); recorded dependencies become edges. Events in
+    ``unfold`` get their delay as a separate task on the ``delay`` engine instead (added after
+    the events' tasks, which keep their ids when the trace's ids are ``0..n-1``)."""
     by_tid = {}
     for e in events:
-        if e.tid in by_tid:
-            raise TraceFormatError(f"trace of {name!r}: task id {e.tid} ({e.task!r}) appears twice in rank {e.rank}")
-        by_tid[e.tid] = e
+        if e.task_id in by_tid:
+            raise TraceFormatError(f"trace of {name!r}: task id {e.task_id} ({e.task!r}) appears twice in rank {e.rank}")
+        by_tid[e.task_id] = e
     g = TaskGraph(name)
     made = {}
     for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way
         e = by_tid[tid]
         prio = e.tags.get("priority", 0)
+        d = durations[tid] if durations is not None and tid in durations else \
+            max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
-                           attrs={DURATION_ATTR: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0)},
+                           attrs={DURATION_ATTR: d + (0.0 if tid in unfold else delay_of(e))},
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes, precision=e.precision))
+    delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
+                          attrs={DURATION_ATTR: delay_of(by_tid[tid])}) for tid in sorted(unfold) if tid in by_tid}
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
         e = by_tid[tid]
+        first = delays.get(tid)
         for d in e.deps:
             if d in made and d != tid:  # dependencies on tasks not traced are dropped
-                g.edge(made[d], made[tid])
+                g.edge(made[d], first if first is not None else made[tid])
+        if first is not None:
+            g.edge(first, made[tid])
     g.topological_order()  # a cyclic trace raises GraphError naming the cycle
     return g
 
@@ -57,24 +93,115 @@ def recorded_units(trace: Trace) -> dict[str, int]:
     return units
 
 
-def device_ratio(recorded: HardwareProfile, target: HardwareProfile) -> Callable[[TraceEvent], float]:
+def imported(trace: Trace) -> bool:
+    """Whether ``trace`` was imported from another tool (one unit per recorded thread or stream)."""
+    return trace.meta.get("mode") == "import"
+
+
+def event_width(e: TraceEvent, profile: HardwareProfile, whole_chip: bool) -> float:
+    """Units an event spans on ``profile``: its grid's blocks (at most every unit), the whole
+    engine for an imported op without a grid, else one unit (a megaloom tile)."""
+    n = profile.units.get(e.engine, 1)
+    if e.engine == "comm":
+        return n if whole_chip else 1
+    blocks = e.tags.get("blocks")
+    if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0:
+        return min(blocks, n)
+    return n if whole_chip else 1
+
+
+def device_ratio(recorded: HardwareProfile, target: HardwareProfile, whole_chip: bool = False) -> Scale:
     """Per event, the cost model's duration on ``target`` over its duration on ``recorded``.
 
-    The event's flops, bytes and comm bytes are costed at its recorded precision; engines a
-    profile has no figures for (``host``) keep their duration.
+    The event's flops, bytes and comm bytes are costed at its recorded precision over its
+    width (:func:`event_width`: ``whole_chip`` for imported traces); engines or links a
+    profile has no figures for (``host``, copies without a ``host`` link) keep their duration.
     """
     a, b = CostModel(recorded), CostModel(target)
 
     def ratio(e: TraceEvent) -> float:
+        if not (e.flops or e.bytes or e.comm_bytes):
+            return 1.0
         cost = Cost(e.flops, e.bytes, e.comm_bytes, e.precision)
         link = str(e.tags.get("link", "intra"))
         try:
-            was, now = a.duration(cost, e.engine, link, op=e.op), b.duration(cost, e.engine, link, op=e.op)
+            was = a.duration(cost, e.engine, link, op=e.op, width=event_width(e, recorded, whole_chip))
+            now = b.duration(cost, e.engine, link, op=e.op, width=event_width(e, target, whole_chip))
         except ConfigError:
             return 1.0
         return now / was if was > 0 else 1.0
 
     return ratio
+
+
+@dataclass(slots=True)
+class WhatIf:
+    """Changes to replay under: ``comm_speedup`` divides every comm duration; ``link_bandwidth``
+    (B/s) re-costs comm ops that carry comm bytes at that bandwidth (others keep theirs);
+    ``speedup`` divides the durations of a class label or engine kind (``{"flash": 2}``)."""
+
+    comm_speedup: float = 1.0
+    link_bandwidth: float | None = None
+    speedup: dict[str, float] = field(default_factory=dict)
+
+    def check(self) -> None:
+        known = [*ENGINE_KINDS, "copy", "host", *labels()]
+        unknown = sorted(k for k in self.speedup if k not in known)
+        if unknown:
+            raise ConfigError(f"speedup names unknown class(es) {', '.join(map(repr, unknown))}; "
+                              f"known: {', '.join(dict.fromkeys(known))}")
+        for name, f in (("comm speedup", self.comm_speedup), ("link bandwidth", self.link_bandwidth),
+                        *((f"speedup of {k!r}", v) for k, v in self.speedup.items())):
+            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
+                raise ConfigError(f"{name} must be a positive finite number, got {f!r}")
+
+    def empty(self) -> bool:
+        return self.comm_speedup == 1.0 and self.link_bandwidth is None and not self.speedup
+
+    def scale(self, profile: HardwareProfile, whole_chip: bool) -> Scale:
+        """The factor this what-if applies to each event's duration (on ``profile``)."""
+        self.check()
+        model = CostModel(profile)
+
+        def f(e: TraceEvent) -> float:
+            x = 1.0
+            if e.engine == "comm":
+                x /= self.comm_speedup
+                if self.link_bandwidth is not None and e.comm_bytes > 0:
+                    link = str(e.tags.get("link", "intra"))
+                    cost = Cost(e.flops, e.bytes, e.comm_bytes, e.precision)
+                    width = event_width(e, profile, whole_chip)
+                    try:
+                        was = model.duration(cost, "comm", link, op=e.op, width=width)
+                        alpha = profile.link(link)[0]
+                        now = model.duration(cost, "comm", link, op=e.op, width=width,
+                                             link_override=(alpha, self.link_bandwidth))
+                    except ConfigError:
+                        was = now = 1.0
+                    x *= now / was if was > 0 else 1.0
+            for key in (e.engine, e.tags.get("class")):
+                if key in self.speedup:
+                    x /= self.speedup[key]
+            return x
+
+        return f
+
+
+def _combine(*scales: Scale | None) -> Scale | None:
+    fs = [s for s in scales if s is not None]
+    if not fs:
+        return None
+    if len(fs) == 1:
+        return fs[0]
+    return lambda e: math.prod(f(e) for f in fs)
+
+
+def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
+    """Replayed events start after their delay (the simulator ran delay and op as one task)."""
+    for e in events:
+        d = delay_of(by_tid[e.task_id]) if e.task_id in by_tid else 0.0
+        if d:
+            e.start = min(e.start + d, e.end)
 
 
 def replay(
@@ -83,44 +210,93 @@ def replay(
     units: Mapping[str, int] | None = None,
     policy: Policy | str | None = None,
     recorded_profile: HardwareProfile | str | None = None,
+    whatif: WhatIf | None = None,
 ) -> RunResult:
     """Re-simulate ``trace`` with its measured durations.
 
     ``recorded_profile`` is the device the trace was recorded on (default: the trace's
     ``profile``, else ``cpu``); ``profile`` is the device to predict (default: the recorded
     one). When they differ, each measured duration is scaled by :func:`device_ratio`.
-    Units: ``units``, else those recorded in the trace, else the target profile's.
-    ``policy`` defaults to the recorded policy name, else FIFO.
+    Units: ``units``, else those recorded in the trace, else the target profile's; an
+    imported trace always keeps one unit per recorded thread or stream (more or fewer cannot
+    change what its dependencies serialise). ``policy`` defaults to the recorded policy name,
+    else FIFO. ``whatif`` applies :class:`WhatIf` knobs.
     """
+    with gc_paused():  # tens of thousands of tasks: collections would dominate
+        return _replay(trace, profile, units, policy, recorded_profile, whatif)
+
+
+def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[str, int] | None,
+            policy: Policy | str | None, recorded_profile: HardwareProfile | str | None,
+            whatif: WhatIf | None) -> RunResult:
     meta = trace.meta
     recorded = load_profile(recorded_profile if recorded_profile is not None else meta.get("profile") or "cpu")
     prof = load_profile(profile) if profile is not None else recorded
-    scale = device_ratio(recorded, prof) if prof.name != recorded.name or prof.path != recorded.path else None
-    chosen = {**prof.units, **recorded_units(trace), **(units or {})}
+    whole = imported(trace)
+    device = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
+    scale = _combine(device, whatif.scale(prof, whole) if whatif is not None and not whatif.empty() else None)
+    rec_units = recorded_units(trace)
+    chosen = {**prof.units, **rec_units, **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
-    results = []
-    for rank in trace.ranks or [0]:
-        graph = graph_from_events([e for e in trace.events if e.rank == rank], str(meta.get("graph", "replay")), scale)
-        res = Simulator(prof, chosen, pol).run(graph, validate=False)
-        for ev in res.trace.events:
-            ev.rank = rank
-        results.append(res.trace)
-    out = merge(results) if len(results) > 1 else results[0]
-    out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(results)})
+    ranks = trace.ranks or [0]
+    per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
+    name = str(meta.get("graph", "replay"))
+    if len(ranks) > 1 and any(e.op in COLLECTIVE_OPS for e in trace.events):
+        out = _replay_world(per_rank, name, prof, chosen, pol, scale)
+    else:
+        results = []
+        for rank, events in per_rank.items():
+            graph = graph_from_events(events, name, scale)
+            res = Simulator(prof, chosen, pol).run(graph, validate=False)
+            _shift(res.trace.events, {e.task_id: e for e in events})
+            for ev in res.trace.events:
+                ev.rank = rank
+            results.append(res.trace)
+        out = merge(results) if len(results) > 1 else results[0]
+        out.meta["units"] = {k: n for k, n in chosen.items() if any(e.engine == k for e in trace.events)}
+    out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(ranks)})
+    if whole:
+        out.meta["source"] = meta.get("source")
     return RunResult({}, out)
 
 
-def compare(recorded: Trace, replayed: Trace) -> str:
-    """A side-by-side table: makespan, busy time per engine, exposed (unhidden) comm."""
-    a, b = metrics(recorded), metrics(replayed)
-
-    def row(label: str, x: float, y: float) -> str:
-        ratio = f"{y / x:8.3f}x" if x > 0 else "       -"
-        return f"  {label:<20}{x * 1e6:>14.3f}{y * 1e6:>14.3f} {ratio}"
-
-    lines = [f"  {'(microseconds)':<20}{'recorded':>14}{'replayed':>14}    ratio", row("makespan", a.makespan, b.makespan)]
-    for k in sorted(set(a.busy) | set(b.busy)):
-        lines.append(row(f"busy {k}", a.busy.get(k, 0.0), b.busy.get(k, 0.0)))
-    lines.append(row("exposed comm", a.comm_time * (1 - a.comm_hidden), b.comm_time * (1 - b.comm_hidden)))
-    lines.append(row("critical path", a.critical_path, b.critical_path))
-    return "\n".join(lines)
+def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: HardwareProfile, units: dict[str, int],
+                  policy: Policy | str | None, scale: Scale | None) -> Trace:
+    """Every rank at once, collectives joined (see the module docstring)."""
+    ranks = sorted(per_rank)
+    colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in COLLECTIVE_OPS) for r in ranks}
+    durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
+    plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
+    for rv in match_collectives(plain):  # each copy lasts the transfer: the shortest recorded copy
+        tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
+        by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
+        members = [(r, by_name[r][n]) for r, n in tids]
+        transfer = min(durs[r][t] for r, t in members)
+        for r, t in members:
+            durs[r][t] = transfer
+    graphs = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
+    world_units = dict(units)
+    world_units[DELAY_ENGINE] = max(1, max(len(c) for c in colls.values()))
+    res = simulate_world(graphs, prof, world_units, policy, validate=False, sync_end=False)
+    out: list[TraceEvent] = []
+    for i, r in enumerate(ranks):
+        by_tid = {e.task_id: e for e in per_rank[r]}
+        mine = {e.task_id: e for e in res.trace.events if e.rank == i}
+        arrive = {}
+        for e in mine.values():
+            if e.engine == DELAY_ENGINE:
+                continue
+            if e.task_id in colls[r]:  # a collective's copy runs from this rank's arrival
+                arrive[e.task_id] = max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
+        kept = [e for e in mine.values() if e.engine != DELAY_ENGINE]
+        _shift([e for e in kept if e.task_id not in colls[r]], by_tid)
+        for e in kept:
+            if e.task_id in arrive:
+                e.start = min(arrive[e.task_id], e.start)
+            e.rank = r
+            e.deps = list(by_tid[e.task_id].deps)
+        out.extend(kept)
+    out.sort(key=lambda e: (e.start, e.rank, e.task_id))
+    meta = dict(res.trace.meta)
+    meta["units"] = {k: n for k, n in units.items() if any(e.engine == k for e in out)}
+    return Trace(out, meta)

@@ -23,17 +23,16 @@ the Python loop; :attr:`Simulator.last_loop` says which loop the last run used.
 """
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import dataclass
 from heapq import heappop, heappush
-from typing import Callable, Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Mapping
 
-from megaloom.runtime.core import Core, Policy
+from megaloom.runtime.core import MAX_UNITS, Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
-from megaloom.runtime.executors.base import Observer, RunResult, events_of
+from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.trace import Trace
+from megaloom.runtime.plugins import parse_options
+from megaloom.runtime.record import Observer, Recorder, gc_paused
 from megaloom.scheduler import fastpath
 from megaloom.scheduler.cost import CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
@@ -57,27 +56,12 @@ class Schedule:
         return max((s + d for s, d in zip(self.start, self.duration)), default=0.0)
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (the loop allocates no cycles; collections of
-    millions of live objects would dominate it)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def parse_units(text: str) -> dict[str, int]:
     """``"cube=24,vector=48,comm=4"`` as a dict; bad items raise ConfigError."""
-    out: dict[str, int] = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        k, sep, v = item.partition("=")
-        if not sep or not k.strip() or not v.strip().isdigit() or int(v) <= 0:
-            raise ConfigError(f"bad unit count {item!r}: expected ENGINE=N with N a positive integer")
-        out[k.strip()] = int(v)
+    out = parse_options(text, what="unit count")
+    for k, v in out.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
+            raise ConfigError(f"bad unit count '{k}={v}': expected ENGINE=N with N a positive integer at most {MAX_UNITS}")
     if not out:
         raise ConfigError(f"no unit counts in {text!r}: expected e.g. cube=24,vector=48,comm=4")
     return out
@@ -107,8 +91,8 @@ class Simulator:
         self.profile = load_profile(profile)
         self.units = dict(self.profile.units)
         for e, n in (units or {}).items():
-            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-                raise ConfigError(f"units[{e!r}] must be a positive integer, got {n!r}")
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
+                raise ConfigError(f"units[{e!r}] must be a positive integer at most {MAX_UNITS}, got {n!r}")
             self.units[e] = n
         self.policy = make_policy(policy)
         self.cost_model = cost_model if cost_model is not None else CostModel(self.profile)
@@ -139,10 +123,8 @@ class Simulator:
         with gc_paused():
             start, unit, order = self._loop(core, graph, dur)
         if core.remaining:
-            blocked = core.blocked()
-            lines = [f"{t} waits for {', '.join(w)}" for t, w in list(blocked.items())[:20]]
-            raise ScheduleError(f"simulation of graph {graph.name!r} stalled with {len(blocked)} tasks left "
-                                f"(a cycle, or a policy that never hands them out):\n  " + "\n  ".join(lines))
+            raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
+                                "(a cycle, or a policy that never hands them out)")
         return Schedule(start, dur, unit, order)
 
     def _loop(self, core: Core, graph: TaskGraph, dur: list[float]) -> tuple[list[float], list[int], list[int]]:
@@ -211,20 +193,11 @@ class Simulator:
         """
         if validate:
             graph.validate()
-        meta = {"graph": graph.name, "mode": "simulate", "clock": "virtual", "profile": self.profile.name,
-                "units": dict(self.units), "policy": self.policy.name, "rank": 0, "world_size": 1}
-        for o in self.observers:
-            o.on_run_start(graph, meta)
+        rec = Recorder(graph, self.observers, mode="simulate", clock="virtual", units=self.units,
+                       profile=self.profile.name, policy=self.policy.name)
         sched = self.schedule(graph, durations)
         start, dur, unit = sched.start, sched.duration, sched.unit
         with gc_paused():
-            events = events_of(graph, [(tid, unit[tid], start[tid], start[tid] + dur[tid]) for tid in sched.order], 0)
-        trace = Trace(events, meta)
-        if self.observers:
-            for i in sorted(range(len(events)), key=lambda i: (events[i].end, i)):  # completion order
-                for o in self.observers:
-                    o.on_task(events[i])
-            for o in self.observers:
-                o.on_run_end(trace)
+            trace = rec.finish([(tid, unit[tid], start[tid], start[tid] + dur[tid]) for tid in sched.order], replay=True)
         return RunResult({}, trace)
 

@@ -15,12 +15,14 @@ runs (same Core, same policies, the compiled loop when the policy allows):
   there. With ``sync_end`` (default) every participant's copy lasts as long as the slowest
   one (a collective completes together), so it also ends at the same time on every rank.
 
-Matching: collectives (ops in :data:`COLLECTIVE_OPS`) are matched across ranks by the
-order each rank issues them: a topological order of its graph, ties by task id, which is
-the ``chain`` order when the collectives are chained (:func:`megaloom.comm.ops.chain`, as
-real ranks must). Every rank must issue the same number of collectives with the same ops
-in that order, else :class:`ScheduleError` names the first mismatch. All collectives span
-the whole world (sub-groups are not modelled). Point-to-point ``send``/``recv`` pairs are
+Matching: collectives (ops in :data:`COLLECTIVE_OPS`) tagged with a process group and a
+sequence number (``tags['pg']``, ``tags['seq']``, as imported profiler traces record them)
+are matched by that pair, among the ranks that have it (a sub-group). The others are matched
+across ranks by the order each rank issues them: a topological order of its graph, ties by
+task id, which is the ``chain`` order when the collectives are chained
+(:func:`megaloom.comm.ops.chain`, as real ranks must). Every rank must issue the same number
+of them with the same ops in that order, else :class:`ScheduleError` names the first
+mismatch; they span the whole world. Point-to-point ``send``/``recv`` pairs are
 matched by (source, destination, ``tag``) in issue order and rendezvous pairwise; one
 without its partner raises ScheduleError. Orders that would deadlock real ranks (a cycle
 through rendezvous) raise ScheduleError too.
@@ -38,9 +40,10 @@ from typing import Mapping, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
-from megaloom.runtime.executors.base import RunResult, events_of
+from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.metrics import summary
+from megaloom.runtime.record import events_of
 from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
@@ -101,6 +104,11 @@ def issue_order(graph: TaskGraph) -> list[int]:
     return out
 
 
+def _group_key(task: Task) -> tuple[str, int] | None:
+    pg, seq = task.tags.get("pg"), task.tags.get("seq")
+    return (str(pg), seq) if pg is not None and isinstance(seq, int) and not isinstance(seq, bool) else None
+
+
 def _issues(rank: int, task: Task | None, colls: list[int]) -> str:
     if task is None:
         return f"rank {rank} issues none (it has {len(colls)} collectives)"
@@ -111,8 +119,22 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     """Every collective instance (by issue order) and send/recv pair (by peer and tag)."""
     world = len(graphs)
     orders = [issue_order(g) for g in graphs]
-    colls = [[t for t in order if g.tasks[t].op in COLLECTIVE_OPS] for g, order in zip(graphs, orders)]
-    out: list[Rendezvous] = []
+    keyed: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    colls: list[list[int]] = []
+    for r, (g, order) in enumerate(zip(graphs, orders)):
+        mine = []
+        for t in order:
+            task = g.tasks[t]
+            if task.op not in COLLECTIVE_OPS:
+                continue
+            key = _group_key(task)
+            if key is None:
+                mine.append(t)
+            else:
+                keyed.setdefault(key, []).append((r, t))
+        colls.append(mine)
+    out: list[Rendezvous] = [Rendezvous(f"{graphs[m[0][0]].tasks[m[0][1]].op} {k[0]}#{k[1]}", m)
+                             for k, m in sorted(keyed.items()) if len(m) > 1]
     for k in range(max(map(len, colls), default=0)):
         ref = graphs[0].tasks[colls[0][k]] if k < len(colls[0]) else None
         for r in range(world):
@@ -242,7 +264,7 @@ def simulate_world(
             s = sched.start[wid]
             records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
     events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]
-    events.sort(key=lambda e: (e.start, e.rank, e.tid))
+    events.sort(key=lambda e: (e.start, e.rank, e.task_id))
     used = {k: n for k, n in base.units.items() if any(k in g.engines() for g in graphs)}
     meta = {"graph": graphs[0].name if len({g.name for g in graphs}) == 1 else world.graph.name,
             "graphs": [g.name for g in graphs], "mode": "simulate", "clock": "virtual", "profile": base.profile.name,

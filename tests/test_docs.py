@@ -60,7 +60,7 @@ def test_documented_command_lines_run(tmp_path, monkeypatch, capsys):
     for argv in lines:
         assert main(argv) == 0, argv
     out = capsys.readouterr().out
-    assert "world makespan" in out and "recorded      replayed" in out
+    assert "world makespan" in out and "recorded identity replay" in out
     assert (tmp_path / "predicted.json").is_file() and (tmp_path / "profiles" / "cpu.yaml").is_file()
 
 

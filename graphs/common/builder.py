@@ -9,6 +9,7 @@ A family object is what the ``megaloom.graph_builders`` entry points name.
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping
 
@@ -34,6 +35,11 @@ class GraphBuilder:
                  backward: Callable[..., TaskGraph]):
         self.name, self.label, self.spec = name, label, spec
         self.builders = dict(zip(DIRECTIONS, (forward, backward)))
+
+    @property
+    def doc(self) -> str:
+        """What the family builds: the docstring of its builders' module (``megaloom graphs`` lists it)."""
+        return sys.modules[self.builders["fwd"].__module__].__doc__ or ""
 
     def build(self, spec: Any, direction: str = "fwd", *args: Any, **kw: Any) -> TaskGraph:
         """The ``direction`` (``fwd`` or ``bwd``) graph of ``spec``."""

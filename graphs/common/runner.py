@@ -1,9 +1,9 @@
 """The one graph runner of the torch modules (MegaMoE, MegaGate, MegaMHC): graphs built once
 per spec and arguments (a bounded LRU cache), run on one executor convention.
 
-``executor`` is a name, ``"thread"`` (a :class:`ThreadExecutor` with ``units`` per engine
-kind, one per engine the graph uses by default, ordered by ``policy``) or ``"reference"``,
-made for each run on the inputs' device with this rank's context and communicator; or an
+``executor`` is a name of :data:`~megaloom.runtime.executors.EXECUTORS`, ``"thread"`` (a
+:class:`ThreadExecutor` with ``units`` per engine kind, one per engine the graph uses by
+default, ordered by ``policy``) or ``"reference"``, made for each run on the inputs' device with this rank's context and communicator; or an
 :class:`Executor` object, used as given: it must run on the inputs' device and, across
 ranks, hold the communicator in its context.
 """
@@ -17,12 +17,11 @@ from typing import Any, Mapping
 import torch
 
 from megaloom.runtime.errors import ConfigError, ExecutionError
-from megaloom.runtime.executors import ExecContext, Executor, ReferenceExecutor, ThreadExecutor
+from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Trace
 
-EXECUTORS = ("thread", "reference")
 _RUNNERS: weakref.WeakValueDictionary[int, GraphRunner] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 # the dispatcher's default thread state: inside a torch.library custom op autograd is skipped,
@@ -38,9 +37,8 @@ class GraphRunner:
 
     def __init__(self, executor: str | Executor = "thread", *, units: Mapping[str, int] | None = None,
                  policy: Any = None, comm: Any = None, cache_size: int = 16):
-        if not isinstance(executor, Executor) and executor not in EXECUTORS:
-            raise ConfigError(f"executor must be one of {', '.join(map(repr, EXECUTORS))} or an Executor, "
-                              f"got {executor!r}")
+        if not isinstance(executor, Executor):
+            EXECUTORS.get(executor)  # an unknown name raises ConfigError listing the known ones
         self.comm, self.rank, self.world_size = comm, getattr(comm, "rank", 0), getattr(comm, "world_size", 1)
         ctx = getattr(executor, "ctx", None)
         if isinstance(executor, Executor) and self.world_size > 1 and getattr(ctx, "comm", None) is not comm:
@@ -86,11 +84,12 @@ class GraphRunner:
                                      f"on {ctx.device}; give it ExecContext(device=...) of the inputs' device")
             return ex
         ctx = ExecContext(rank=self.rank, world_size=self.world_size, comm=self.comm, device=device)
-        if self.executor == "reference":
-            return ReferenceExecutor(ctx)
+        cls = EXECUTORS.get(self.executor)
+        if cls is ReferenceExecutor:
+            return cls(ctx)
         from megaloom.scheduler import make_policy
 
-        return ThreadExecutor(self.units, policy=make_policy(self.policy), ctx=ctx)
+        return cls(self.units, policy=make_policy(self.policy), ctx=ctx)
 
 
 def runner_for(key: int) -> GraphRunner:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
+from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 RENORM_EPS = 1e-20  # keeps the renormalisation finite when every selected score underflows
@@ -146,4 +146,5 @@ def _bwd_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: b
 register(OpDef("gate_topk", ("vector",), _topk_ref, _topk_shape, _topk_cost, _topk_kernel,
                doc="router scores, top-k of scores + bias, gathered weights renormalised and scaled"))
 register(OpDef("gate_topk_bwd", ("vector",), _bwd_ref, _bwd_shape, _bwd_cost, _bwd_kernel,
-               doc="gradient of gate_topk's weights with respect to the logits, plus the logits' own gradient"))
+               doc="gradient of gate_topk's weights with respect to the logits, plus the logits' own gradient",
+               grad_of=GradOf("gate_topk", "x0 y1 dy0 dx0", "dx0")))

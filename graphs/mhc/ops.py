@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megaloom.graphs.common.ops import acc_dtype, up
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
+from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 
 
 def _check(name: str, ins: list[TensorSpec], want: list[tuple[int, ...] | None]) -> None:
@@ -261,12 +261,15 @@ register(OpDef("mhc_mix_norm", ("vector",), mix_norm_ref, _mix_norm_shape, _cost
 register(OpDef("mhc_block_in", ("vector",), block_in_ref, _block_in_shape, _cost(4.0, 0), _block_in_kernel,
                doc="block input RMSNorm(sum_j pre_j new_j) * norm_w, with the pre computed from new"))
 register(OpDef("mhc_block_in_bwd", ("vector",), _block_in_bwd_ref, _block_in_bwd_shape, _cost(10.0, 0),
-               _block_in_bwd_kernel, doc="gradient of mhc_block_in, plus the per-tile norm-weight partial"))
+               _block_in_bwd_kernel, doc="gradient of mhc_block_in, plus the per-tile norm-weight partial",
+               grad_of=GradOf("mhc_block_in", "x0 x1 x2 dy0 dx1", "dx0 dx1 dx2")))
 register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
                lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
                _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
 register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
                lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
-               _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)"))
+               _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)",
+               grad_of=GradOf("mhc_coeff", "x0 x1 x2 x3 dy0 dy1 dy2", "dx0 dx1 dx2 dx3")))
 register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(22.0, 1),
-               _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm"))
+               _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm",
+               grad_of=GradOf("mhc_mix_norm", "x0 x1 x2 x3 y0 y1 dy0 dy0 dy0 dy1", "dx0 dx1 dx2 dx3")))

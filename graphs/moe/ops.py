@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from megaloom.ops.basic import precision
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
+from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 
 
 def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
@@ -222,10 +222,11 @@ register(OpDef("moe_wgrad", ("cube",), _wgrad_ref, _wgrad_shape, _wgrad_cost, _w
 register(OpDef("swiglu", ("vector",), swiglu, _swiglu_shape, lambda i, o, a: _elementwise(i, o, 5.0),
                _swiglu_kernel, doc="silu(gate) * up"))
 register(OpDef("swiglu_grad", ("vector",), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _elementwise(i, o, 10.0),
-               _swiglu_grad_kernel, doc="[dgate | dup] of swiglu"))
+               _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
 register(OpDef("moe_unpermute_sum", ("vector",), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
                _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))
 register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
                lambda i, o, a: _topk_cost(i[1], i[2], i[0]),
-               _topk_grad_kernel, doc="gradient of the top-k weights"))
+               _topk_grad_kernel, doc="gradient of the top-k weights",
+               grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
 

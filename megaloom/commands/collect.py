@@ -1,10 +1,17 @@
-"""``megaloom collect``: receive ranks' streamed trace events; write a merged trace and Perfetto JSON."""
+"""``megaloom collect``: receive ranks' streamed trace events; write a merged trace and Perfetto JSON.
+
+The trace is written (atomically) when collection ends, every ``--save-every`` seconds while
+it runs, and when the collector is stopped by SIGINT or SIGTERM (then the exit code is the
+shell's 128 + signal number), so a stopped collection keeps what it received.
+"""
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 
 from megaloom.commands import require_positive, write_file
-from megaloom.comm.stream import MAX_MESSAGE, Collector
+from megaloom.comm.stream import MAX_EVENTS, MAX_MESSAGE, Collector
 from megaloom.runtime.trace import Trace
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.metrics import summary
@@ -16,26 +23,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", type=int, default=None, help="stop once this many ranks have finished (default: wait for --idle or --duration)")
     p.add_argument("--idle", type=float, default=30.0, help="stop after this many seconds without a message (default 30)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds in all (default: no limit)")
-    p.add_argument("--max-message", type=int, default=MAX_MESSAGE, help=f"drop messages larger than this (bytes; default {MAX_MESSAGE})")
+    p.add_argument("--max-message", type=int, default=MAX_MESSAGE, help=f"refuse messages larger than this (bytes; default {MAX_MESSAGE})")
+    p.add_argument("--max-events", type=int, default=MAX_EVENTS, help=f"keep at most this many events (default {MAX_EVENTS})")
+    p.add_argument("--save-every", type=float, default=30.0, help="write the trace so far every this many seconds (default 30)")
     p.add_argument("--out", default="trace.mlt", help="merged msgpack trace (default: trace.mlt)")
     p.add_argument("--perfetto", default=None, help="also write Chrome/Perfetto JSON here")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    require_positive(args, "ranks", "idle", "duration", "max_message")
-    col = Collector(args.bind, max_message=args.max_message)
+    require_positive(args, "ranks", "idle", "duration", "max_message", "max_events", "save_every")
+    col = Collector(args.bind, max_message=args.max_message, max_events=args.max_events)
+    stopped_by: list[int] = []
+
+    def stop(signum: int, frame) -> None:
+        stopped_by.append(signum)
+        col.stop()
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may handle signals
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     print(f"collecting on {col.endpoint}", flush=True)
     try:
-        trace = col.run(args.ranks, idle=args.idle, duration=args.duration)
+        trace = col.run(args.ranks, idle=args.idle, duration=args.duration, every=args.save_every,
+                        save=lambda t: write_file(Trace.save, t, args.out))
     finally:
         col.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     write_file(Trace.save, trace, args.out)
     if args.perfetto:
         write_file(write_chrome, trace, args.perfetto)
     s = col.stats
-    print(f"{s.events} events from ranks {sorted(s.ranks)} (finished {sorted(s.finished)}); "
-          f"dropped {s.malformed} malformed, {s.oversized} oversized messages")
+    print(f"{s.events} events from ranks {sorted(s.ranks)} (finished {sorted(s.finished)}); dropped "
+          f"{s.malformed} malformed messages, {s.spoofed} for ranks another sender owns, "
+          f"{s.bad_rows} events with bad values, {s.over_cap} events over --max-events")
+    if stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by[0]).name}; wrote what was received to {args.out}")
+        return 128 + stopped_by[0]
     if trace.events:
         print(summary(trace))
     return 0

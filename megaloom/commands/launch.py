@@ -2,10 +2,13 @@
 
 Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
 (so ``TorchCommunicator()`` joins the world) and, with ``--trace``, ``MEGALOOM_TRACE``
-(the collector endpoint for :class:`megaloom.comm.stream.TraceStreamer`). When a rank
-fails, the others are stopped after ``--grace`` seconds; the exit code is the first
-failure's
-(128 + N for a rank killed by signal N, as a shell reports it).
+(the collector endpoint for :class:`megaloom.comm.stream.TraceStreamer`). Every rank is
+watched: when one fails, the launcher names it and its exit code, lets the others stop
+for ``--grace`` seconds, then kills them; SIGINT or SIGTERM to the launcher is forwarded
+to every rank, which are killed if still running after the grace. The exit code is the
+first failure's (128 + N for a rank killed by signal N, as a shell reports it), or
+128 + N when the launcher itself was stopped by signal N. Each rank runs in its own
+process group, so killing it also stops processes it started.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 from megaloom.comm.spawn import free_port
@@ -25,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--trace", default=None, help="collector endpoint passed to ranks as MEGALOOM_TRACE")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds to let other ranks stop after one fails (default 10)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds to let ranks stop after one fails or the launcher gets SIGINT/SIGTERM, "
+                        "before they are killed (default 10)")
     p.add_argument("script", help="Python script each rank runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     p.set_defaults(func=run)
@@ -34,30 +39,71 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.port is not None and not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be a TCP port in 1..65535, got {args.port}")
+    if not args.grace >= 0:
+        raise ConfigError(f"--grace must be >= 0 seconds, got {args.grace}")
     if not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} does not exist")
     port = args.port or free_port()
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        if args.trace:
-            env["MEGALOOM_TRACE"] = args.trace
-        procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env))
-    code, failed_at = 0, None
+    procs: list[subprocess.Popen] = []
+    stopped_by: list[int] = []
+
+    def forward(signum: int, frame) -> None:
+        stopped_by.append(signum)
+        for p in procs:
+            _signal(p, signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may handle signals
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        for rank in range(args.nproc):
+            if stopped_by:
+                break
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if args.trace:
+                env["MEGALOOM_TRACE"] = args.trace
+            procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True))
+        return _supervise(procs, args.grace, stopped_by)
+    finally:
+        for p in procs:  # nothing outlives the launcher
+            if p.poll() is None:
+                _signal(p, signal.SIGKILL)
+                p.wait()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _supervise(procs: list[subprocess.Popen], grace: float, stopped_by: list[int]) -> int:
+    """Poll every rank until all have exited; after the first failure (or a forwarded
+    signal) kill what still runs once ``grace`` seconds have passed. Returns the exit code."""
+    code, since = 0, None
     while True:
-        running = any(p.poll() is None for p in procs)
-        for rank, p in enumerate(procs):
-            if p.returncode and not code:
-                code, failed_at = _exit_code(p.returncode), time.monotonic()
-                print(f"megaloom launch: rank {rank} {_how(p.returncode)}", file=sys.stderr)
-        if not running:
+        codes = [p.poll() for p in procs]
+        now = time.monotonic()
+        for rank, rc in enumerate(codes):
+            if rc and since is None and not stopped_by:
+                code, since = _exit_code(rc), now
+                print(f"megaloom launch: rank {rank} {_how(rc)}; stopping the other ranks "
+                      f"(killed after {grace:g} s)", file=sys.stderr, flush=True)
+        if stopped_by and not code:
+            code, since = 128 + stopped_by[0], now
+        if all(rc is not None for rc in codes):
             return code
-        if failed_at is not None and time.monotonic() - failed_at > args.grace:
+        if since is not None and now - since > grace:
             for p in procs:
                 if p.poll() is None:
-                    p.kill()
+                    _signal(p, signal.SIGKILL)
         time.sleep(0.05)
+
+
+def _signal(p: subprocess.Popen, signum: int) -> None:
+    """Send ``signum`` to a rank's process group (the rank and what it started)."""
+    try:
+        os.killpg(p.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _exit_code(returncode: int) -> int:

@@ -94,7 +94,7 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
                               f"allowed: {', '.join(sorted(allowed))}")
         try:
             config = config_cls(**kwargs)
-        except (TypeError, ValueError) as e:
+        except Exception as e:  # transformers validates fields with its own exception types
             raise ConfigError(f"model.config: {config_cls.__name__} rejected the values: {e}") from None
         with _default_dtype(dtype):
             model = model_cls(config)

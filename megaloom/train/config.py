@@ -8,6 +8,7 @@ raised together as one :class:`ConfigError` naming the key and the allowed value
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,6 +37,22 @@ class Key:
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
                list: "a list", dict: "a mapping", type(None): "null"}
+
+
+def _seed(v: Any) -> str | None:
+    return None if 0 <= v < 1 << 63 else "must be within [0, 2**63)"
+
+
+def _finite_numbers(v: Any, where: str = "") -> str | None:
+    """The first non-finite number inside a (nested) value, as a problem, or None."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"{where or 'the value'} is {v!r}, numbers must be finite"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        why = _finite_numbers(x, f"{where}.{k}" if where else str(k))
+        if why:
+            return why
+    return None
 
 
 def _positive(v: Any) -> str | None:
@@ -72,7 +89,7 @@ _OPT_STR = (str, type(None))
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
-        "seed": Key(0, (int,), doc="seed of model init, data order and every RNG"),
+        "seed": Key(0, (int,), check=_seed, doc="seed of model init, data order and every RNG"),
         "out_dir": Key("runs/train", (str,), doc="metrics.jsonl, traces and (by default) checkpoints go here"),
         "log_interval": Key(1, (int,), check=_positive, doc="steps between progress/metrics lines"),
         "progress": Key(True, (bool,), doc="draw the progress bar on stderr (rank 0)"),
@@ -80,7 +97,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
         "kind": Key("qwen3_moe", (str,), doc="a transformers model type (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, "
                     "olmoe, ...) built with random weights, or 'path' for a local checkpoint"),
-        "config": Key({}, (dict,), doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
+        "config": Key({}, (dict,), check=_finite_numbers,
+                      doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
         "path": Key(None, _OPT_STR, doc="local directory with config.json (+ weights) when kind is 'path'"),
         "dtype": Key("float32", (str,), choices=("float32", "bfloat16"), doc="parameter dtype"),
     },
@@ -165,6 +183,8 @@ def _check_value(section: str, name: str, key: Key, value: Any) -> str | None:
         return f"{where}: got {value!r}, expected {key.allowed()}"
     if key.choices is not None and value not in key.choices:
         return f"{where}: got {value!r}, expected {key.allowed()}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where}: got {value!r}, numbers must be finite"
     if key.check is not None and value is not None:
         problem = key.check(value)
         if problem:

@@ -45,6 +45,8 @@ class TextTokens:
                 raw = f.read()
         except OSError as e:
             raise ConfigError(f"data.path: cannot read {path}: {e.strerror}") from None
+        if not raw:
+            raise ConfigError(f"data.path: {path} is empty")
         if vocab < 256:
             raise ConfigError(f"data.source 'text' uses byte tokens: model vocab_size must be >= 256, got {vocab}")
         self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()

@@ -27,6 +27,7 @@ from megaloom.train.config import Config
 from megaloom.train.data import make_stream
 from megaloom.models.hf_moe import build_model
 from megaloom.train.progress import MetricsLog, Progress, memory_mib
+from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.train.step_trace import GraphTraces, StepTracer
 from megaloom.models.swaps import MegaMoEBlock
@@ -86,6 +87,11 @@ class Trainer:
         self.comm = comm if comm is not None else _default_comm(cfg["parallel"])
         self.rank, self.world = self.comm.rank, self.comm.world_size
         run = cfg["run"]
+        self.ckpt_dir = cfg["checkpoint"]["dir"] or os.path.join(run["out_dir"], "checkpoints")
+        self.trace_dir = cfg["trace"]["dir"] or os.path.join(run["out_dir"], "traces")
+        for key, path in (("run.out_dir", run["out_dir"]), ("checkpoint.dir", self.ckpt_dir),
+                          ("trace.dir", self.trace_dir if cfg["trace"]["steps"] else None)):
+            _writable_dir(key, path)  # before any work, not at the first save
         self.seed = run["seed"]
         self.base_model = build_model(cfg["model"], self.seed)
         self.vocab = int(self.base_model.config.vocab_size)
@@ -94,8 +100,6 @@ class Trainer:
         self.model = self.parallel.model  # the base model (FSDP wraps its modules in place)
         self.optimizer = make_optimizer([p for p in self.model.parameters() if p.requires_grad], cfg["optimizer"])
         self.data = make_stream(cfg["data"], self.vocab, self.seed)
-        self.ckpt_dir = cfg["checkpoint"]["dir"] or os.path.join(run["out_dir"], "checkpoints")
-        self.trace_dir = cfg["trace"]["dir"] or os.path.join(run["out_dir"], "traces")
         self.step = 0
         resume_from = ckpt.find(cfg["checkpoint"]["resume"], self.ckpt_dir)
         if resume_from is not None:
@@ -237,3 +241,15 @@ def _setup_parallel(model: nn.Module, par: dict, comm: Any):
 def train(cfg: Config, comm: Any = None, log=None) -> list[StepRecord]:
     """Build a :class:`Trainer` from ``cfg`` and run it."""
     return Trainer(cfg, comm=comm, log=log).fit()
+
+
+def _writable_dir(key: str, path: str | None) -> None:
+    """Create ``path`` (the directory of config key ``key``); ConfigError when it cannot be written."""
+    if path is None:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot create directory {path!r}: {e.strerror or e}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: directory {path!r} is not writable")

@@ -1,4 +1,4 @@
-"""What all executors share: run context, buffer allocation, observers, results."""
+"""What all executors share: run context, buffer allocation, results (observers: :mod:`megaloom.runtime.record`)."""
 from __future__ import annotations
 
 import asyncio
@@ -10,8 +10,9 @@ import torch
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.errors import ExecutionError
 from megaloom.runtime.graph import Task, TaskGraph
+from megaloom.runtime.record import Observer  # noqa: F401  (executors take observers; re-exported here)
 from megaloom.runtime.region import overlaps, to_slices
-from megaloom.runtime.trace import Trace, TraceEvent
+from megaloom.runtime.trace import Trace
 
 
 @dataclass(slots=True)
@@ -22,19 +23,6 @@ class ExecContext:
     world_size: int = 1
     comm: Any = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-
-
-class Observer:
-    """Hooks every executor calls alike; override what you need."""
-
-    def on_run_start(self, graph: TaskGraph, meta: dict[str, Any]) -> None:
-        pass
-
-    def on_task(self, event: TraceEvent) -> None:
-        pass
-
-    def on_run_end(self, trace: Trace) -> None:
-        pass
 
 
 @dataclass(slots=True)
@@ -94,30 +82,6 @@ def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
                 out.append(i)
                 break
     return tuple(out)
-
-
-def _task_rows(graph: TaskGraph) -> list[tuple]:
-    """Per task, the trace-event fields that no run changes (cached per graph version)."""
-    def make() -> list[tuple]:
-        return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags, c.precision)
-                for t, c in zip(graph.tasks, graph.costs())]
-    return graph._cached("trace_rows", make)
-
-
-def event_of(graph: TaskGraph, task: Task, unit: int, rank: int, start: float, end: float) -> TraceEvent:
-    """The trace event of one task run."""
-    return events_of(graph, [(task.id, unit, start, end)], rank)[0]
-
-
-def events_of(graph: TaskGraph, records: list[tuple[int, int, float, float]], rank: int) -> list[TraceEvent]:
-    """Trace events of ``(task id, unit, start, end)`` records, in record order."""
-    rows = _task_rows(graph)
-    out = []
-    for tid, unit, start, end in records:
-        i, name, op, engine, flops, nbytes, comm, deps, tags, prec = rows[tid]
-        out.append(TraceEvent(i, name, op, engine, unit, rank, start, end, flops, nbytes, comm, list(deps),
-                              dict(tags) if tags else {}, prec))
-    return out
 
 
 def check_results(task: Task, results: tuple, outs: list[torch.Tensor]) -> None:

@@ -6,14 +6,12 @@ from typing import Iterable, Mapping
 
 import torch
 
-from megaloom.runtime.executors.base import (
-    ExecContext, Executor, Observer, RunResult, allocate, check_results, event_of, fail, views,
-)
 from megaloom.runtime.core import Core
 from megaloom.runtime.errors import ExecutionError
+from megaloom.runtime.executors.base import ExecContext, Executor, RunResult, allocate, check_results, fail, views
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.record import Observer, Recorder
 from megaloom.runtime.registry import get_op, run_reference
-from megaloom.runtime.trace import Trace
 
 
 class ReferenceExecutor(Executor):
@@ -29,12 +27,9 @@ class ReferenceExecutor(Executor):
         graph.validate()
         bufs = allocate(graph, inputs, self.ctx.device)
         units = {e: 1 for e in graph.engines()}
-        meta = {"graph": graph.name, "mode": "reference", "clock": "wall", "units": units,
-                "rank": self.ctx.rank, "world_size": self.ctx.world_size}
-        for o in self.observers:
-            o.on_run_start(graph, meta)
+        rec = Recorder(graph, self.observers, mode="reference", clock="wall", units=units, rank=self.ctx.rank,
+                       world_size=self.ctx.world_size)
         core = Core(graph, units)
-        events = []
         engines = list(units)
         while core.is_active:
             tid = next(t for t in (core.pop(e) for e in engines) if t >= 0)  # FIFO: a valid DAG always has one
@@ -51,13 +46,7 @@ class ReferenceExecutor(Executor):
                 raise
             except Exception as e:
                 raise fail(task, e) from e
-            ev = event_of(graph, task, 0, self.ctx.rank, t0, time.perf_counter())
-            events.append(ev)
-            for o in self.observers:
-                o.on_task(ev)
+            rec.task(tid, 0, t0, time.perf_counter())
             core.done(tid)
-        trace = Trace(events, meta)
-        for o in self.observers:
-            o.on_run_end(trace)
-        return RunResult({b.name: bufs[b.name] for b in graph.outputs}, trace, bufs)
+        return RunResult({b.name: bufs[b.name] for b in graph.outputs}, rec.finish(), bufs)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import gc
 import threading
 import time
 from contextlib import contextmanager
@@ -28,11 +27,11 @@ import torch
 from megaloom.runtime.core import FIFO, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, MegaloomError, ScheduleError
 from megaloom.runtime.executors.base import (
-    ExecContext, Executor, Observer, RunResult, aliased_inputs, allocate, check_results, event_of, events_of, fail, views,
+    ExecContext, Executor, RunResult, aliased_inputs, allocate, check_results, fail, views,
 )
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.record import Observer, Recorder, gc_paused
 from megaloom.runtime.registry import get_op, run_reference
-from megaloom.runtime.trace import Trace
 
 KERNEL_MODES = ("kernel", "reference", "null")
 _BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
@@ -87,14 +86,17 @@ class ThreadExecutor(Executor):
 
     async def run_async(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
         """Run in a worker thread so the event loop stays free. Cancelling the awaiting
-        task stops the run (workers finish the kernel they are in) before it re-raises."""
+        task stops the run before it re-raises, within :attr:`_Run.ABANDON_AFTER` seconds
+        even when a kernel hangs (its worker is abandoned and reported)."""
         cancel = threading.Event()
         job = asyncio.ensure_future(asyncio.to_thread(self._run, graph, inputs, cancel))
         try:
             return await asyncio.shield(job)
         except asyncio.CancelledError:
             cancel.set()
-            await asyncio.wait([job])
+            await asyncio.wait([job])  # within ABANDON_AFTER: a hung kernel is left behind
+            if not job.cancelled():
+                job.exception()  # the run's "cancelled" error is this cancellation: retrieved here
             raise
 
     def _run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
@@ -105,30 +107,13 @@ class ThreadExecutor(Executor):
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
         bufs = allocate(graph, inputs, self.ctx.device) if self.kernels != "null" else {}
-        meta = {"graph": graph.name, "mode": "execute", "clock": "wall", "units": dict(units),
-                "rank": self.ctx.rank, "world_size": self.ctx.world_size, "kernels": self.kernels}
-        for o in self.observers:
-            o.on_run_start(graph, meta)
-        with _gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
-            records = _Run(graph, units, core, bufs, self, cancel).execute()
+        rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
+                       world_size=self.ctx.world_size, kernels=self.kernels)
+        with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
+            records = _Run(graph, units, core, bufs, self, rec, cancel).execute()
             records.sort(key=_BY_START)
-            events = events_of(graph, records, self.ctx.rank)
-        trace = Trace(events, meta)
-        for o in self.observers:
-            o.on_run_end(trace)
+            trace = rec.finish(records)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
-
-
-@contextmanager
-def _gc_paused(pause: bool) -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    if pause:
-        gc.disable()
-    try:
-        yield
-    finally:
-        if pause and was_enabled:
-            gc.enable()
 
 
 @contextmanager
@@ -163,15 +148,17 @@ class _Run:
     """
 
     IDLE_POLL = 0.05  # seconds a parked worker sleeps before it looks again by itself
+    ABANDON_AFTER = 0.5  # seconds a cancelled or interrupted run waits for kernels before leaving them
 
     def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor,
-                 cancel: threading.Event | None = None):
-        self.graph, self.units, self.core, self.bufs, self.ex = graph, dict(units), core, bufs, ex
+                 rec: Recorder, cancel: threading.Event | None = None):
+        self.graph, self.units, self.core, self.bufs, self.ex, self.rec = graph, dict(units), core, bufs, ex, rec
         self.cancel = cancel
         self.lock = threading.Lock()
         self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
         self.n_parked = 0
         self.error: BaseException | None = None
+        self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.finished = threading.Event()
         self.last_progress = time.perf_counter()
         self.ops = [get_op(t.op) for t in graph.tasks] if ex.kernels != "null" else []
@@ -202,31 +189,45 @@ class _Run:
             while not self.finished.wait(poll):
                 with self.lock:
                     if self.cancel is not None and self.cancel.is_set():
+                        self.cancelled = True
                         self._stop(ExecutionError(f"run of graph {self.graph.name!r} was cancelled"))
                     elif self.error is None and time.perf_counter() - self.last_progress > stall:
                         self._stop(self._deadlock())
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
+                self.cancelled = True
                 self._stop(e)
             raise
         finally:
             # a failed run waits (bounded) for tasks still inside a kernel, so none outlives it;
-            # a stalled run does not wait again for the task that stalled it
-            deadline = time.perf_counter() + (1.0 if isinstance(self.error, DeadlockError) else max(1.0, stall))
+            # a stalled run does not wait again for the task that stalled it, a cancelled one hardly
+            wait = self.ABANDON_AFTER if self.cancelled else 1.0 if isinstance(self.error, DeadlockError) \
+                else max(1.0, stall)
+            deadline = time.perf_counter() + wait
             for th in threads:
                 if th.ident is not None:
                     th.join(max(0.0, deadline - time.perf_counter()))
+            self._report_abandoned([th for th in threads if th.is_alive()])
         if self.error is not None:
             raise self.error
         return [r for rec in records for r in rec]
 
+    def _report_abandoned(self, stuck: list[threading.Thread]) -> None:
+        """Name the workers left inside a kernel (daemon threads: they end when it returns)."""
+        if not stuck or self.error is None:
+            return
+        with self.lock:
+            running = ", ".join(repr(t) for t, why in self.core.blocked().items() if why == ["(running)"])
+        note = f"abandoned {len(stuck)} worker(s) still inside a kernel ({', '.join(th.name for th in stuck)}; " \
+               f"task(s) {running or '?'})"
+        if type(self.error) is ExecutionError:  # a cancelled or failed run: the note joins the message
+            self.error.args = (f"{self.error}; {note}",)
+        elif hasattr(self.error, "add_note"):  # the caller's KeyboardInterrupt, say
+            self.error.add_note(f"megaloom: {note}")
+
     def _deadlock(self) -> DeadlockError:
-        blocked = self.core.blocked()
-        lines = [f"{t} waits for {', '.join(w) or 'nothing'}" for t, w in list(blocked.items())[:20]]
-        more = f"\n  ... and {len(blocked) - 20} more" if len(blocked) > 20 else ""
-        return DeadlockError(
-            f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "
-            f"{len(blocked)} tasks not done:\n  " + "\n  ".join(lines) + more, blocked)
+        return self.core.deadlock(f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "
+                                  f"{self.core.remaining} tasks not done")
 
     def _stop(self, error: BaseException | None = None) -> None:
         """Record the run's first error, if any, and wake every worker so it exits."""
@@ -257,7 +258,7 @@ class _Run:
         run_task = None if self.ex.kernels == "null" else self._run_task
         perf = time.perf_counter
         append = rec.append
-        observers = self.ex.observers
+        show = self.rec.task if self.rec.observers else None
         me = _Parker()
         torch.set_num_threads(self.threads)
         lock.acquire()
@@ -275,10 +276,8 @@ class _Run:
                     if run_task is not None:
                         run_task(tid)
                     t1 = perf()
-                    if observers:
-                        ev = event_of(self.graph, self.graph.tasks[tid], unit, self.ex.ctx.rank, t0, t1)
-                        for o in observers:
-                            o.on_task(ev)
+                    if show is not None:
+                        show(tid, unit, t0, t1, keep=False)
                 except BaseException as e:  # reported to the caller by name, never swallowed
                     lock.acquire()
                     self._stop(e if isinstance(e, ExecutionError) else fail(self.graph.tasks[tid], e))

@@ -19,7 +19,7 @@ def test_simulated_schedule(which, direction, policy):
     sim = Simulator("atlas-a3", units={"cube": 2, "vector": 2}, policy=policy)
     run = sim.run(graph)
     assert run.outputs == {}
-    events = {e.tid: e for e in run.trace.events}
+    events = {e.task_id: e for e in run.trace.events}
     assert sorted(events) == list(range(len(graph)))
     for t in graph:  # every task starts after all its predecessors end
         assert all(events[p].end <= events[t.id].start + 1e-15 for p in graph.pred[t.id]), t.name
@@ -28,7 +28,7 @@ def test_simulated_schedule(which, direction, policy):
     assert m.makespan < sum(m.busy.values())  # so the run is shorter than the stages back to back
     again = Simulator("atlas-a3", units={"cube": 2, "vector": 2}, policy=policy).run(graph)
     def key(trace):
-        return [(e.tid, e.start, e.unit) for e in trace.events]
+        return [(e.task_id, e.start, e.unit) for e in trace.events]
 
     assert key(again.trace) == key(run.trace)
 

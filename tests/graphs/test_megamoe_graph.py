@@ -187,7 +187,7 @@ def test_scheduler_policies_compose_with_the_graphs(policy, opts):
     tr = Simulator("atlas-a3", units=units, policy=make_policy(policy, **opts)).run(g).trace
     assert len(tr.events) == len(g.tasks)
     if policy == "rotated":  # rank 2 serves peer 0 (= 2 + 1 mod 3) before peer 1 among ready comm tasks
-        first = min((e for e in tr.events if e.op == "all_to_all"), key=lambda e: (e.start, e.tid))
+        first = min((e for e in tr.events if e.op == "all_to_all"), key=lambda e: (e.start, e.task_id))
         assert first.tags["peer"] == 0
     p = problem(1, **SHAPE, seed=6)
     executor = ThreadExecutor({"cube": 2, "vector": 1}, policy=make_policy(policy, **opts))

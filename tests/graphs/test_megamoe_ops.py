@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from megaloom.graphs.moe import ops as ops_moe
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import TensorSpec, get_op
+from megaloom.runtime.testing import check_grads
 
 
 def check(name, ins, attrs=None, expect=None):
@@ -60,6 +61,7 @@ def test_swiglu_and_its_gradient_match_autograd():
     (grad,) = torch.autograd.grad(y, gu, da)
     check("swiglu", [gu.detach()], expect=y.detach())
     check("swiglu_grad", [gu.detach(), da], expect=grad)
+    assert check_grads("swiglu", [gu.detach()], {}, tol=1e-12) == ["swiglu_grad"]
 
 
 def test_unpermute_sum_and_topk_grad_match_autograd():
@@ -72,6 +74,7 @@ def test_unpermute_sum_and_topk_grad_match_autograd():
     dout = torch.randn(6, 4, dtype=torch.float64)
     (dw,) = torch.autograd.grad(out, w, dout)
     check("moe_topk_grad", [dout, rows.detach(), pos], expect=dw)
+    assert check_grads("moe_unpermute_sum", [rows.detach(), pos, w.detach()], {}, tol=1e-12) == ["moe_topk_grad"]
 
 
 @pytest.mark.parametrize("name, shapes", [

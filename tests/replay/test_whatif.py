@@ -30,12 +30,12 @@ def test_replay_on_another_device_scales_each_task_by_the_cost_model_ratio(execu
     g, trace = executed
     cpu, h100 = load_profile("cpu"), load_profile("h100")
     ratio = device_ratio(cpu, h100)
-    out = {e.tid: e for e in replay(trace, "h100", recorded_profile="cpu").trace.events}
+    out = {e.task_id: e for e in replay(trace, "h100", recorded_profile="cpu").trace.events}
     for e in trace.events:
-        c = g.costs()[e.tid]
+        c = g.costs()[e.task_id]
         want = CostModel(h100).duration(c, e.engine, op=e.op) / CostModel(cpu).duration(c, e.engine, op=e.op)
         assert ratio(e) == pytest.approx(want)
-        assert out[e.tid].duration == pytest.approx(e.duration * want)
+        assert out[e.task_id].duration == pytest.approx(e.duration * want)
 
 
 def test_host_engine_keeps_its_duration():
@@ -87,7 +87,7 @@ def test_cli_calibrate_from_traces_and_replay_imported_profile(tmp_path, execute
     perfetto = tmp_path / "pred.json"
     assert main(["replay", str(tp), "--profile", "h100", "--perfetto", str(perfetto)]) == 0
     text = capsys.readouterr().out
-    assert "recorded" in text and "replayed" in text
+    assert "recorded" in text and "identity replay" in text and "h100" in text and "import of" in text
     assert json.loads(perfetto.read_text())["traceEvents"]
     assert main(["replay", str(tmp_path / "missing.json")]) == 2
 

@@ -73,7 +73,7 @@ def test_threaded_matches_reference(kernels):
     assert torch.equal(res["y"], want)
     ev = res.trace.events
     assert sorted(e.task for e in ev) == sorted(t.name for t in g.tasks)
-    end = {e.tid: e.end for e in ev}
+    end = {e.task_id: e.end for e in ev}
     for e in ev:   # every task started after all its predecessors ended
         assert all(end[d] <= e.start for d in e.deps), e.task
     assert {(e.engine, e.unit) for e in ev} <= {("cube", 0), ("cube", 1), ("vector", 0), ("vector", 1)}

@@ -140,7 +140,7 @@ def test_trace_round_trip(tmp_path):
     (lambda d: d.update(columns=["tid", "op"] + d["columns"][2:]), "bad trace layout"),
     (lambda d: d["events"][0].pop(), "event 0 has 13 fields, expected 14"),
     (lambda d: d["events"][1].__setitem__(6, "x"), "event 1 field 'start' has type str"),
-    (lambda d: d["events"][1].__setitem__(0, True), "event 1 field 'tid' has type bool"),
+    (lambda d: d["events"][1].__setitem__(0, True), "event 1 field 'task_id' has type bool"),
     (lambda d: d.update(events={}), "bad trace layout"),
 ])
 def test_bad_trace_files(tmp_path, mutate, needle):
@@ -162,6 +162,25 @@ def test_older_trace_without_optional_columns_loads(tmp_path):
     _write(p, d)
     t = Trace.load(p)
     assert t.events[1].deps == [] and t.events[1].end == 2.0
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_trace_of_an_older_schema_loads_under_the_new_names(tmp_path, version):
+    p = tmp_path / "t.mlt"
+    _trace().save(p)
+    d = msgpack.unpackb(p.read_bytes())
+    assert d["version"] == TRACE_VERSION == 3 and d["columns"][0] == "task_id"
+    d["version"], d["columns"][0] = version, "tid"  # the task id column's name before version 3
+    if version == 1:  # version 1 had no precision column
+        d["columns"] = d["columns"][:-1]
+        d["events"] = [row[:-1] for row in d["events"]]
+    _write(p, d)
+    t = Trace.load(p)
+    assert [e.task_id for e in t.events] == [0, 1] and t.events[1].deps == [0]
+    d["version"] = 3  # a current file must use the current names
+    _write(p, d)
+    with pytest.raises(TraceFormatError, match="bad trace layout"):
+        Trace.load(p)
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path, monkeypatch):

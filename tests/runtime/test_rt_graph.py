@@ -102,3 +102,27 @@ def test_split_tiles_and_summary():
     assert [t.box for t in tiles] == [((0, 4), (0, 4)), ((4, 8), (0, 4)), ((8, 10), (0, 4))]
     assert repr(tiles[2]) == "x[8:10, 0:4]" and repr(x.full) == "x"
     assert "0 tasks" in g.summary()
+
+
+@pytest.mark.parametrize("build, needle", [
+    (lambda g: g.task(["matmul"]), "op, name and engine must be strings"),
+    (lambda g: g.task("noop", priority=float("nan")), "priority must be an integer"),
+    (lambda g: g.task("noop", priority=2.7), "priority must be an integer"),
+    (lambda g: g.input("x", (float("nan"), 2)), "dim 0 must be an integer"),
+    (lambda g: g.input("x", (2.7, 2)), "dim 0 must be an integer"),
+    (lambda g: g.input("x", "44"), "shape must be a sequence of integers"),
+    (lambda g: g.input("x", 4), "shape must be a sequence of integers"),
+    (lambda g: g.input("x", (4, 2)).split(5, 2), "cannot split x along dim 5: it has 2 dims"),
+    (lambda g: g.input("x", (4, 2)).split(0, 1.5), "tile size of x must be an integer"),
+    (lambda g: g.input("x", (4, 2))[0.5:2], "integer slice bounds"),
+])
+def test_bad_builder_inputs_are_graph_errors(build, needle):
+    with pytest.raises(GraphError, match=needle):
+        build(TaskGraph("bad"))
+
+
+def test_numpy_integers_are_accepted_as_dims():
+    import numpy as np
+
+    g = TaskGraph()
+    assert g.input("x", (np.int64(4), np.int32(2))).shape == (4, 2)

@@ -38,3 +38,34 @@ def test_parse_spec():
     for bad in ("", ":a=1", "x:a", "x:=1"):
         with pytest.raises(ConfigError):
             parse_spec(bad)
+
+
+def test_executors_by_name():
+    from megaloom.runtime.executors import EXECUTORS, ReferenceExecutor, ThreadExecutor
+
+    assert EXECUTORS.get("reference") is ReferenceExecutor
+    assert EXECUTORS.get("threaded") is EXECUTORS.get("thread") is ThreadExecutor
+    with pytest.raises(ConfigError, match="unknown executor 'cuda'; known: reference, thread, threaded"):
+        EXECUTORS.get("cuda")
+
+
+def test_ops_and_policies_use_the_registry_error():
+    from megaloom.runtime.registry import get_op
+    from megaloom.scheduler import make_policy
+
+    with pytest.raises(GraphError, match="unknown op 'nope'; known: .*matmul"):
+        get_op("nope")
+    with pytest.raises(ConfigError, match="unknown policy 'lifo'; known: critical_path, expert_interleave, fifo"):
+        make_policy("lifo")
+
+
+def test_profiles_are_a_registry_view_of_the_folders(tmp_path, monkeypatch):
+    from megaloom.scheduler.profile import PACKAGED_DIR, load_profile, profile_files
+
+    monkeypatch.setenv("MEGALOOM_PROFILE_DIR", str(tmp_path))
+    (tmp_path / "cpu.yaml").write_text((PACKAGED_DIR / "cpu.yaml").read_text().replace("name: cpu", "name: mycpu"))
+    files = profile_files()
+    assert files.get("cpu") == tmp_path / "cpu.yaml" and files.get("h100") == PACKAGED_DIR / "h100.yaml"
+    assert load_profile("cpu").name == "mycpu"
+    with pytest.raises(ConfigError, match="unknown hardware profile 'tpu9'; known: .*h100"):
+        load_profile("tpu9")

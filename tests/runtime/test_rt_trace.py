@@ -115,7 +115,7 @@ def test_chrome_export_of_a_real_run_has_no_overlaps():
         g.task("copy", [prev], [g.buffer(f"c{i}", (64, 64))], engine="comm", name=f"c{i}")
         prev = nxt
     res = ThreadExecutor({"cube": 2, "vector": 2, "comm": 1}).run(g, {"x": torch.randn(64, 64) / 8})
-    other = Trace([TraceEvent(e.tid, e.task, e.op, e.engine, e.unit, 1, e.start, e.end) for e in res.trace.events])
+    other = Trace([TraceEvent(e.task_id, e.task, e.op, e.engine, e.unit, 1, e.start, e.end) for e in res.trace.events])
     both = merge([res.trace, other])
     assert both.meta["world_size"] == 2
     check_chrome(to_chrome(both), both)

@@ -86,7 +86,7 @@ def test_write_after_the_read_does_not_count():
 
 def test_two_unordered_writes_from_explicit_edges():
     # derived edges always order writers; a graph of explicit edges only (as loaded from a file) may not
-    from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
+    from megaloom.runtime.serialize import graph_to_dict
 
     g = TaskGraph("w")
     x, y = g.input("x", (4,)), g.output("y", (4,))
@@ -94,10 +94,10 @@ def test_two_unordered_writes_from_explicit_edges():
     g.task("copy", [x[0:2]], [y[0:2]], name="w2")
     d = graph_to_dict(g)
     d["pred"] = [[], []]
-    e = raises(graph_from_dict(d), "'w1' and 'w2' both write buffer 'y'")
+    e = raises(TaskGraph.from_dict(d), "'w1' and 'w2' both write buffer 'y'")
     assert e.tasks == ("w1",)
     d["pred"] = [[], [0]]
-    graph_from_dict(d).validate()
+    TaskGraph.from_dict(d).validate()
 
 
 def test_engine_without_units_is_a_schedule_error():
@@ -141,16 +141,16 @@ def test_later_writer_cannot_be_ordered_before_the_reader():
 
 
 def test_loaded_graph_without_the_raw_edge_reads_unwritten_data():
-    from megaloom.runtime.serialize import graph_from_dict, graph_to_dict
+    from megaloom.runtime.serialize import graph_to_dict
 
     g = TaskGraph("lost")
     x, h, y = g.input("x", (2,)), g.buffer("h", (2,)), g.output("y", (2,))
     g.task("copy", [x], [h], name="writer")
     g.task("copy", [h], [y], name="reader")
     d = graph_to_dict(g)
-    graph_from_dict(d).validate()
+    TaskGraph.from_dict(d).validate()
     d["pred"] = [[], []]
-    raises(graph_from_dict(d), "'reader' reads h, but no task ordered before it writes h")
+    raises(TaskGraph.from_dict(d), "'reader' reads h, but no task ordered before it writes h")
 
 
 def test_long_accumulation_chains_validate_fast():
@@ -164,3 +164,33 @@ def test_long_accumulation_chains_validate_fast():
     t0 = time.perf_counter()
     g.validate()
     assert time.perf_counter() - t0 < 10.0   # was minutes when every pair of writers was compared
+
+
+def test_output_not_written_in_full_is_refused_before_any_run():
+    import torch
+
+    from megaloom.runtime import ReferenceExecutor, ThreadExecutor
+
+    g = TaskGraph("half")
+    x, y = g.input("x", (8, 2)), g.output("y", (8, 2))
+    g.task("copy", [x[0:4]], [y[0:4]], name="top")  # rows 4-7 of y: uninitialised memory
+    e = raises(g, "rule 'unwritten output'", "output 'y': no task writes y[4:8, 0:2]", "uninitialised")
+    assert e.tasks == ()
+    for ex in (ThreadExecutor(), ReferenceExecutor()):
+        with pytest.raises(GraphError, match="no task writes y"):
+            ex.run(g, {"x": torch.ones(8, 2)})
+    g.task("copy", [x[4:8]], [y[4:8]], name="bottom")  # written in full: no zeroing needed
+    for ex in (ThreadExecutor(), ReferenceExecutor()):
+        assert torch.equal(ex.run(g, {"x": torch.ones(8, 2)})["y"], torch.ones(8, 2))
+
+
+def test_column_tiles_in_any_order_cover_an_output():
+    g = TaskGraph("cols")
+    x, y = g.input("x", (4, 64)), g.output("y", (4, 64))
+    for a in [5, 3, 0, 7, 1, 6, 2, 4]:
+        g.task("copy", [x[:, a * 8:(a + 1) * 8]], [y[:, a * 8:(a + 1) * 8]])
+    g.validate()
+    g2 = TaskGraph("inout")
+    z = g2.inout("z", (4,))
+    g2.task("silu", [z[0:2]], [z[0:2]])  # an in-out buffer starts with the caller's data
+    g2.validate()

@@ -3,22 +3,24 @@ import torch
 
 from megaloom.runtime import Trace, TraceEvent, ThreadExecutor, merge, metrics
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.plugins import parse_spec
 from megaloom.scheduler import Simulator, make_policy
-from megaloom.scheduler.replay import compare, graph_from_events, replay
+from megaloom.scheduler.fidelity import fidelity, table
+from megaloom.scheduler.replay import graph_from_events, replay
 from sched_graphs import random_dag, real_graph, timed_graph
 
 UNITS = {"cube": 2, "vector": 3, "comm": 1}
 
 
 def placement(trace):
-    return sorted((e.tid, e.engine, e.unit, e.start, e.end) for e in trace.events)
+    return sorted((e.task_id, e.engine, e.unit, e.start, e.end) for e in trace.events)
 
 
-@pytest.mark.parametrize("policy", ["fifo", "critical_path", "static", "expert_interleave:2", "rotated"])
+@pytest.mark.parametrize("policy", ["fifo", "critical_path", "static", "expert_interleave:group_size=2", "rotated"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_replay_reproduces_the_recorded_run(tmp_path, policy, seed):
-    name, _, size = policy.partition(":")
-    make = (lambda: make_policy(name, group_size=int(size))) if size else (lambda: make_policy(name))
+    name, opts = parse_spec(policy)
+    make = lambda: make_policy(name, **opts)  # noqa: E731
     recorded = Simulator("ascend-910b", UNITS, make()).run(random_dag(seed, 60)).trace
     recorded.save(tmp_path / "run.mlt")
     loaded = Trace.load(tmp_path / "run.mlt")
@@ -35,8 +37,8 @@ def test_replay_under_other_units_and_policy():
     assert recorded.makespan == 3.0
     assert replay(recorded, units={"vector": 1}).trace.makespan == 7.0
     assert replay(recorded, units={"vector": 2}, policy="critical_path").trace.makespan == 5.0
-    table = compare(recorded, replay(recorded, units={"vector": 1}).trace)
-    assert "makespan" in table and "2.333x" in table and "busy vector" in table and "exposed comm" in table
+    text = table(fidelity(recorded, replay(recorded, units={"vector": 1}).trace))
+    assert "makespan" in text and "+133.33%" in text and "busy vector" in text and "exposed comm" in text
 
 
 def test_replay_of_an_executed_trace_keeps_measured_durations():

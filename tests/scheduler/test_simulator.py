@@ -12,13 +12,13 @@ UNITS = st.fixed_dictionaries({"cube": st.integers(1, 3), "vector": st.integers(
 
 
 def check_schedule(graph: TaskGraph, trace, units: dict[str, int]) -> None:
-    ev = {e.tid: e for e in trace.events}
+    ev = {e.task_id: e for e in trace.events}
     assert sorted(ev) == list(range(len(graph)))
     for tid, preds in enumerate(graph.pred):  # every dependency respected
         for p in preds:
             assert ev[tid].start >= ev[p].end, (graph.tasks[p].name, graph.tasks[tid].name)
     for e in trace.events:  # durations as given
-        assert e.end - e.start == graph.tasks[e.tid].attrs["duration"]
+        assert e.end - e.start == graph.tasks[e.task_id].attrs["duration"]
     # never more running tasks of one kind than units, never two on one unit
     for kind, n in units.items():
         mine = [e for e in trace.events if e.engine == kind]
@@ -44,7 +44,7 @@ def test_random_dags_respect_deps_and_units_and_are_deterministic(seed, n, units
 
 
 def vars_(e):
-    return (e.tid, e.task, e.engine, e.unit, e.start, e.end, tuple(e.deps))
+    return (e.task_id, e.task, e.engine, e.unit, e.start, e.end, tuple(e.deps))
 
 
 def test_hand_computed_schedule():
@@ -118,7 +118,7 @@ def test_schedule_matches_run_and_a_saved_graph_simulates_alike(tmp_path):
     sim = Simulator("ascend-910b", {"cube": 2, "vector": 2, "comm": 1})
     sched = sim.schedule(g)
     events = sim.run(g).trace.events
-    assert [e.tid for e in events] == sched.order
+    assert [e.task_id for e in events] == sched.order
     assert [(e.start, e.unit) for e in events] == [(sched.start[t], sched.unit[t]) for t in sched.order]
     assert sched.makespan == max(e.end for e in events)
     g.save(str(tmp_path / "g.mlg"))

@@ -37,7 +37,7 @@ STEP = [("noop", "cube", 1.0, []), ("all_reduce", "comm", 0.5, [0]), ("noop", "c
 def by_rank(trace):
     out = {}
     for e in trace.events:
-        out.setdefault(e.rank, {})[e.tid] = e
+        out.setdefault(e.rank, {})[e.task_id] = e
     return out
 
 

@@ -1,0 +1,102 @@
+"""The run recorder: one run's bookkeeping, kept alike by every executor.
+
+Observers follow Taskflow's observer interface: a run start, one call per task run, a run
+end. :class:`Recorder` is the one object an executor talks to: it writes the run's
+``meta``, makes the observer calls, and builds the :class:`~megaloom.runtime.trace.Trace`
+from ``(task id, unit, start, end)`` records, so the reference executor, the thread
+executor and the simulator differ only in how they produce records. Exporters (the
+Perfetto writer, the trace streamer) are observers like any other.
+
+The executors' loops allocate no reference cycles, so they run with the cyclic garbage
+collector paused (:func:`gc_paused`): a collection over many live objects would dominate
+dispatch; reference counting still frees memory.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from megaloom.runtime.files import gc_paused  # noqa: F401  (the executors take it from here)
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.trace import Trace, TraceEvent
+
+Record = tuple[int, int, float, float]
+"""One task run: ``(task id, unit, start, end)``."""
+
+
+class Observer:
+    """Hooks every executor calls alike; override what you need."""
+
+    def on_run_start(self, graph: TaskGraph, meta: dict[str, Any]) -> None:
+        pass
+
+    def on_task(self, event: TraceEvent) -> None:
+        pass
+
+    def on_run_end(self, trace: Trace) -> None:
+        pass
+
+
+def _task_rows(graph: TaskGraph) -> list[tuple]:
+    """Per task, the trace-event fields that no run changes (cached per graph version)."""
+    def make() -> list[tuple]:
+        return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags, c.precision)
+                for t, c in zip(graph.tasks, graph.costs())]
+    return graph.cached("trace_rows", make)
+
+
+def events_of(graph: TaskGraph, records: Iterable[Record], rank: int) -> list[TraceEvent]:
+    """Trace events of ``records``, in record order."""
+    rows = _task_rows(graph)
+    out = []
+    for tid, unit, start, end in records:
+        i, name, op, engine, flops, nbytes, comm, deps, tags, prec = rows[tid]
+        out.append(TraceEvent(i, name, op, engine, unit, rank, start, end, flops, nbytes, comm, list(deps),
+                              dict(tags) if tags else {}, prec))
+    return out
+
+
+class Recorder:
+    """Records one run of ``graph``: created as the run starts, finished as it ends.
+
+    ``meta`` holds ``graph``, ``mode``, ``clock``, ``units``, ``rank``, ``world_size`` and the
+    executor's ``extra`` keys. Observers see ``on_run_start`` on creation, ``on_task`` from
+    :meth:`task` (any worker thread may call it) and ``on_run_end`` from :meth:`finish`.
+    """
+
+    __slots__ = ("graph", "meta", "observers", "rank", "records")
+
+    def __init__(self, graph: TaskGraph, observers: Iterable[Observer] = (), *, mode: str, clock: str,
+                 units: dict[str, int], rank: int = 0, world_size: int = 1, **extra: Any):
+        self.graph, self.observers, self.rank = graph, list(observers), rank
+        self.meta: dict[str, Any] = {"graph": graph.name, "mode": mode, "clock": clock, "units": dict(units),
+                                     "rank": rank, "world_size": world_size, **extra}
+        self.records: list[Record] = []
+        for o in self.observers:
+            o.on_run_start(graph, self.meta)
+
+    def task(self, tid: int, unit: int, start: float, end: float, *, keep: bool = True) -> None:
+        """One task ran: keep its record (unless ``keep=False``: the caller keeps it) and
+        show it to the observers now."""
+        if keep:
+            self.records.append((tid, unit, start, end))
+        if self.observers:
+            event = events_of(self.graph, ((tid, unit, start, end),), self.rank)[0]
+            for o in self.observers:
+                o.on_task(event)
+
+    def finish(self, records: Iterable[Record] | None = None, *, replay: bool = False) -> Trace:
+        """The run's trace, of ``records`` (default: those kept by :meth:`task`) in their order.
+
+        ``replay``: the observers saw no task during the run, so show them every event now,
+        in completion order (ties by record order).
+        """
+        events = events_of(self.graph, self.records if records is None else records, self.rank)
+        trace = Trace(events, self.meta)
+        if self.observers:
+            if replay:
+                for i in sorted(range(len(events)), key=lambda i: (events[i].end, i)):
+                    for o in self.observers:
+                        o.on_task(events[i])
+            for o in self.observers:
+                o.on_run_end(trace)
+        return trace

@@ -1,0 +1,247 @@
+"""Import PyTorch profiler (Kineto) traces as replayable megaloom traces.
+
+``import_torch_profiler(path)`` reads one file (``.json`` or ``.json.gz``, as
+``tensorboard_trace_handler`` writes them) and returns a :class:`~megaloom.runtime.trace.Trace`
+plus an :class:`ImportReport` that accounts for every event. ``import_ranks(paths)`` reads
+one file per rank into one trace whose collectives replay together. The dependency model is
+in :mod:`.model` and docs/replay.md; classes in :mod:`.classes`; work figures in :mod:`.work`.
+
+Events carry, in their tags: ``delay`` (seconds of untraced time between the moment their
+dependencies were met and their recorded start, which replay keeps), ``cpu`` (the part of a
+host call's delay spent inside CPU ops), ``class`` (the class table's label), ``stream`` or
+``thread``, ``annotations`` (the annotations over them), ``inferred`` (the dependencies
+inferred from timing) and, for device ops, ``blocks`` (their grid) when the trace records it.
+The trace's ``meta['t0_us']`` is its time origin on the file's clock.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from typing import Any, Iterable
+
+from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.trace import Trace, TraceEvent
+from megaloom.scheduler.importers.kineto.classes import op_class
+from megaloom.scheduler.importers.kineto.model import Model, Task
+from megaloom.scheduler.importers.kineto.read import RawTrace, read
+from megaloom.scheduler.importers.kineto.report import ImportReport
+from megaloom.scheduler.profile import match_device
+from megaloom.scheduler.simulator import gc_paused
+from megaloom.scheduler.world import COLLECTIVE_OPS
+
+__all__ = ["ImportReport", "import_ranks", "import_torch_profiler", "op_class"]
+
+SOURCE = "torch.profiler"
+
+
+def _int(v: Any) -> int | None:
+    return v if type(v) is int and v >= 0 else None
+
+
+def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | None:
+    """The profile of the device the trace's kernels ran on, from ``deviceProperties``."""
+    props = raw.header.get("deviceProperties")
+    if not isinstance(props, list) or not props:
+        report.notes.append("the trace has no deviceProperties: pass --recorded-profile for cross-device what-ifs")
+        return None
+    used = [t.track[0] for t in tasks if t.engine != "host" and "stream" in t.tags]
+    dev = max(set(used), key=used.count) if used else None
+    entry = next((p for p in props if isinstance(p, dict) and p.get("id") == dev), None)
+    entry = entry if entry is not None else props[0] if isinstance(props[0], dict) else {}
+    prof = match_device(entry)
+    report.device = f"{entry.get('name', '?')} -> {prof.name if prof else 'no profile'}"
+    if prof is None:
+        report.notes.append(f"device {entry.get('name', '?')!r} matches no profile: pass --recorded-profile "
+                            "for cross-device what-ifs")
+    return prof.name if prof else None
+
+
+def _order(tasks: list[Task]) -> list[int]:
+    """Task indices by start time, each after its dependencies (ties: zero-length producers)."""
+    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].start, tasks[i].end, i))
+    pos = [0] * len(tasks)
+    for k, i in enumerate(order):
+        pos[i] = k
+    if all(pos[d] < pos[i] for i, t in enumerate(tasks) for d in t.deps):
+        return order
+    from heapq import heapify, heappop, heappush
+
+    succ: list[list[int]] = [[] for _ in tasks]
+    unmet = [0] * len(tasks)
+    for i, t in enumerate(tasks):
+        for d in set(t.deps):
+            succ[d].append(i)
+            unmet[i] += 1
+    ready = [(tasks[i].start, tasks[i].end, i) for i in range(len(tasks)) if unmet[i] == 0]
+    heapify(ready)
+    out = []
+    while ready:
+        i = heappop(ready)[2]
+        out.append(i)
+        for s in succ[i]:
+            unmet[s] -= 1
+            if unmet[s] == 0:
+                heappush(ready, (tasks[s].start, tasks[s].end, s))
+    if len(out) != len(tasks):  # cannot happen: every edge points from an earlier end to a later start
+        raise TraceFormatError("imported dependencies form a cycle")
+    return out
+
+
+def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
+            inferred: dict[int, list[int]]) -> tuple[list[TraceEvent], dict[str, int]]:
+    order = _order(tasks)
+    new = [0] * len(tasks)
+    for k, i in enumerate(order):
+        new[i] = k
+    for consumer, producers in inferred.items():
+        tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
+    units: dict[str, int] = {}
+    unit_of: dict[tuple[str, tuple], int] = {}
+    names: dict[str, int] = {}
+    engines: dict[str, int] = {}
+    events = []
+    add = events.append
+    delay_total = 0.0
+    for i in order:
+        t = tasks[i]
+        key = (t.engine, t.track)
+        unit = unit_of.get(key)
+        if unit is None:
+            unit = unit_of[key] = units.get(t.engine, 0)
+            units[t.engine] = unit + 1
+            engines.setdefault(t.engine, 0)
+        engines[t.engine] += 1
+        n = names.get(t.name, 0)
+        names[t.name] = n + 1
+        ds = t.deps
+        if ds:
+            deps = sorted({new[d] for d in ds}) if len(ds) > 1 else [new[ds[0]]]
+            ready = max(tasks[d].end for d in ds) if len(ds) > 1 else tasks[ds[0]].end
+        else:
+            deps, ready = [], t0
+        if t.start > ready:
+            delay = (t.start - ready) * 1e-6
+            t.tags["delay"] = delay  # each task owns its tags
+            delay_total += delay
+        w = t.work
+        if w is None:
+            add(TraceEvent(new[i], t.name if n == 0 else f"{t.name}#{n}", t.op, t.engine, unit, rank,
+                           (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, 0.0, 0.0, 0.0, deps, t.tags))
+        else:
+            add(TraceEvent(new[i], t.name if n == 0 else f"{t.name}#{n}", t.op, t.engine, unit, rank,
+                           (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes, deps, t.tags,
+                           w.precision))
+    for k, n in engines.items():
+        report.count("engines", k, n)
+    report.delay_s = delay_total
+    report.tasks = len(events)
+    return events, units
+
+
+def import_torch_profiler(path: str | os.PathLike, rank: int | None = None,
+                          t0: float | None = None) -> tuple[Trace, ImportReport]:
+    """A replayable megaloom trace of a ``torch.profiler`` / Kineto trace file, and its report.
+
+    ``rank`` overrides the trace's ``distributedInfo`` rank; ``t0`` (microseconds on the
+    file's clock) is the time origin, default the file's first event (:func:`import_ranks`
+    passes the earliest of all ranks so ranks keep their relative timing).
+    """
+    with gc_paused():  # millions of parsed objects: collections would dominate the import
+        return _import(read(path), rank, t0)
+
+
+def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, ImportReport]:
+    path = raw.path
+    info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
+    rank = rank if rank is not None else _int(info.get("rank")) or 0
+    world = _int(info.get("world_size"))
+    report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
+    model = Model(raw, report, world)
+    tasks = model.build()
+    profile = _device(raw, tasks, report) if model.has_device else None
+    origin = model.t0 if t0 is None else t0
+    events, units = _events(tasks, origin, rank, report, model.inferred)
+    meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": SOURCE, "clock": "wall",
+            "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin}
+    if profile:
+        meta["profile"] = profile
+    if not model.has_device:
+        meta["cpu_only"] = True
+    return Trace(events, meta), report
+
+
+def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str, float]:
+    """Shift each rank's clock so its collectives end when the lowest rank's do (the median
+    difference over the collectives they share: matched by process group and sequence number,
+    else by order). A collective ends together on every rank; ranks on other hosts have other
+    clocks. Returns the shift per rank in microseconds."""
+    def ends(t: Trace) -> dict[tuple, float]:
+        out, n = {}, 0
+        for e in sorted(t.events, key=lambda e: e.task_id):
+            if e.engine == "comm" and e.op in COLLECTIVE_OPS:
+                key = (e.tags["pg"], e.tags["seq"]) if "pg" in e.tags and "seq" in e.tags else ("", n)
+                n += key[0] == ""
+                out[key] = e.end
+        return out
+
+    order = sorted(range(len(traces)), key=lambda i: traces[i].meta["rank"])
+    ref = ends(traces[order[0]])
+    offsets: dict[str, float] = {}
+    for i in order[1:]:
+        mine = ends(traces[i])
+        diffs = [mine[k] - ref[k] for k in mine.keys() & ref.keys()]
+        if not diffs:
+            continue
+        off = statistics.median(diffs)
+        if off:
+            for e in traces[i].events:
+                e.start, e.end = e.start - off, e.end - off
+            offsets[str(traces[i].meta["rank"])] = off * 1e6
+            reports[i].notes.append(f"clock shifted by {-off * 1e6:.3f} us so its {len(diffs)} collectives end with "
+                                    f"rank {traces[order[0]].meta['rank']}'s (median difference)")
+    return offsets
+
+
+def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[ImportReport]]:
+    """One trace of several ranks' files: ranks from ``distributedInfo`` (else file order), one
+    time origin for all, clocks aligned on collective ends (:func:`_align_clocks`; ranks on
+    one clock keep their skew), collectives tagged for matching (process group and sequence
+    number where recorded)."""
+    paths = list(paths)
+    if not paths:
+        raise TraceFormatError("no trace files given")
+    with gc_paused():
+        raws = [read(p) for p in paths]
+        t0 = min((s.start for r in raws for s in r.slices), default=0.0)
+        traces, reports = [], []
+        for raw in raws:
+            trace, rep = _import(raw, None, t0)
+            traces.append(trace)
+            reports.append(rep)
+    ranks = [t.meta["rank"] for t in traces]
+    if len(set(ranks)) != len(ranks):  # several files claim one rank: number them in file order
+        for i, (t, rep) in enumerate(zip(traces, reports)):
+            rep.notes.append(f"rank {t.meta['rank']} given by several files: numbered {i} by file order")
+            for e in t.events:
+                e.rank = i
+            t.meta["rank"], rep.rank = i, i
+    offsets = _align_clocks(traces, reports)
+    events = [e for t in traces for e in t.events]
+    shift = min((e.start for e in events), default=0.0)
+    for e in events:  # one origin again: the earliest event of any rank, aligned
+        e.start, e.end = e.start - shift, e.end - shift
+        if not e.deps:
+            e.tags.pop("delay", None)
+            if e.start > 0:
+                e.tags["delay"] = e.start
+    units: dict[str, int] = {}
+    for t in traces:
+        for k, n in t.meta["units"].items():
+            units[k] = max(units.get(k, 0), n)
+    profiles = {t.meta.get("profile") for t in traces}
+    meta = {"graph": ",".join(os.path.basename(os.fspath(p)) for p in paths), "mode": "import", "source": SOURCE,
+            "clock": "wall", "units": units, "world_size": len(traces), "graphs": [t.meta["graph"] for t in traces],
+            "t0_us": t0 + shift * 1e6, "clock_offsets_us": offsets}
+    if len(profiles) == 1 and None not in profiles:
+        meta["profile"] = profiles.pop()
+    return Trace(events, meta), reports

@@ -1,0 +1,145 @@
+"""What each imported event is: one data table of classes, first match wins.
+
+A device op (kernel, memcpy, memset) gets a class from :data:`DEVICE_CLASSES` by its name;
+the class names the engine it runs on (``comm``, ``cube``, ``vector``, ``copy``) and the
+library it comes from, which what-ifs use (``--speedup nccl=2``). Host-side events are
+``host`` work, never compute, except in a trace with no device activity at all, where the
+CPU was the device: there the top-level CPU ops get a class from :data:`CPU_CLASSES`.
+Host runtime calls that wait for the device get a sync kind from :data:`SYNC_CALLS`.
+Lookups are cached by (name, category): a trace repeats a few hundred names many times.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True, slots=True)
+class EventClass:
+    """One row of a class table: events whose name matches ``pattern`` (case-insensitive)."""
+
+    label: str
+    engine: str
+    pattern: str
+    what: str
+
+
+DEVICE_CLASSES: tuple[EventClass, ...] = (
+    EventClass("memcpy", "copy", r"^memcpy|^dma", "copies between host and device or device and device (own copy engines)"),
+    EventClass("memset", "copy", r"^memset", "device memory fills"),
+    EventClass("rccl", "comm", r"rccl", "AMD RCCL collectives"),
+    EventClass("nccl", "comm", r"nccl", "NVIDIA NCCL collectives and send/recv (ncclKernel_*, ncclDevKernel_*)"),
+    EventClass("gloo", "comm", r"gloo", "gloo collectives"),
+    EventClass("deepep", "comm", r"deep_?ep\b|deep_?ep::|(?:^|[\s:<(])ep::(?:\w+::)*\w*(?:dispatch|combine|notify)",
+               "DeepEP expert-parallel dispatch / combine / notify kernels"),
+    EventClass("nvshmem", "comm", r"nvshmem", "NVSHMEM one-sided communication"),
+    EventClass("hccl", "comm", r"hccl", "Huawei HCCL collectives"),
+    EventClass("flash", "cube", r"flash|fmha", "FlashAttention and fused multi-head attention"),
+    EventClass("cutlass", "cube", r"cutlass", "CUTLASS GEMMs and convolutions"),
+    EventClass("rocblas", "cube", r"^cijk_|rocblas|hipblaslt|tensile", "rocBLAS / hipBLASLt (Tensile Cijk_) GEMMs"),
+    EventClass("simt_gemm", "vector", r"(?:^|[_\s:])[sdcz]gemm(?:_|\b)|gemv|gemmk1|gemmSN",
+               "cuBLAS GEMMs and GEMVs on the SIMT lanes (sgemm, dgemm, gemv: no tensor cores)"),
+    EventClass("wgmma", "cube", r"wgmma|\bsm9\d_xmma|\bsm90_", "Hopper warpgroup tensor-core kernels"),
+    EventClass("xmma", "cube", r"xmma", "cuBLAS / cuDNN xmma tensor-core kernels"),
+    EventClass("cublas", "cube", r"cublas|gemm|[hs]\d{3,5}gemm|\bhmma|\bimma", "cuBLAS / cuBLASLt tensor-core GEMMs"),
+    EventClass("cudnn", "cube", r"scudnn|dgrad|wgrad|winograd|implicit_convolve|conv\w*fprop|fprop\w*conv",
+               "cuDNN convolutions (scudnn, dgrad, wgrad, winograd, implicit GEMM)"),
+    EventClass("kernel", "vector", r"", "any other kernel: element-wise, reductions, normalisation, copies in kernels"),
+)
+"""Device ops (``kernel``, ``gpu_memcpy``, ``gpu_memset`` categories), by name."""
+
+CPU_CLASSES: tuple[EventClass, ...] = (
+    EventClass("cpu_comm", "comm", r"^c10d::|gloo|nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+               r"broadcast|\bsend\b|\brecv\b", "collectives run on the CPU"),
+    EventClass("cpu_gemm", "cube", r"^(?:aten::)?(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|einsum|_scaled_mm|"
+               r"conv\w*|convolution\w*|cudnn_convolution\w*)$", "GEMMs and convolutions run on the CPU"),
+    EventClass("cpu_op", "vector", r"", "any other CPU op"),
+)
+"""Top-level CPU ops of a trace with no device activity (the CPU was the device)."""
+
+HOST = EventClass("runtime", "host", r"", "host work: runtime and driver calls, CPU ops launching device work")
+
+SYNC_CALLS: tuple[tuple[str, str], ...] = (
+    ("device", r"^(?:cuda|hip)(?:Device|Ctx)Synchronize$|^cuCtxSynchronize"),
+    ("stream", r"^(?:cuda|hip)StreamSynchronize$|^cuStreamSynchronize"),
+    ("event", r"^(?:cuda|hip)EventSynchronize$|^cuEventSynchronize"),
+    ("copy", r"^(?:cuda|hip)Memcpy(?:2D|3D|ToSymbol|FromSymbol|WithStream)?$|^(?:cuda|hip)Memset(?:2D|3D)?$|"
+             r"^cuMemcpy(?:HtoD|DtoH|DtoD)?(?:_v2)?$"),
+    ("wait", r"^(?:cuda|hip)StreamWaitEvent$|^cuStreamWaitEvent"),
+)
+"""Host runtime calls by what they wait for: ``device`` (all streams), ``stream`` or ``event``
+(one stream's work), ``copy`` (its own copy; so does an async copy from device to pageable
+host memory), ``wait`` (a stream waits for an event: a GPU-side wait)."""
+
+COLLECTIVES: tuple[tuple[str, str], ...] = (
+    ("all_reduce", r"all_?reduce"),
+    ("all_gather", r"all_?gather"),
+    ("reduce_scatter", r"reduce_?scatter"),
+    ("all_to_all", r"all_?to_?all|alltoall|dispatch|combine"),
+    ("broadcast", r"broadcast|bcast"),
+    ("reduce", r"reduce"),
+    ("send_recv", r"send|recv|sendrecv|p2p"),
+)
+"""Collective kind of a comm kernel or of a ``Collective name`` argument, first match wins."""
+
+_DEVICE = [(re.compile(c.pattern, re.I), c) for c in DEVICE_CLASSES]
+_CPU = [(re.compile(c.pattern, re.I), c) for c in CPU_CLASSES]
+_SYNC = [(re.compile(p), kind) for kind, p in SYNC_CALLS]
+_COLL = [(re.compile(p, re.I), kind) for kind, p in COLLECTIVES]
+DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "runtime"})
+CONTEXT_CATEGORIES = frozenset({"user_annotation", "gpu_user_annotation", "python_function"})
+"""Annotations and Python frames: tags on the tasks beneath them, never tasks."""
+
+
+@lru_cache(maxsize=None)
+def device_class(name: str, category: str = "kernel") -> EventClass:
+    """The class of a device op; memcpy / memset categories are copies whatever their name."""
+    if category == "gpu_memcpy":
+        return DEVICE_CLASSES[0]
+    if category == "gpu_memset":
+        return DEVICE_CLASSES[1]
+    for rx, c in _DEVICE:
+        if rx.search(name):
+            return c
+    return DEVICE_CLASSES[-1]
+
+
+@lru_cache(maxsize=None)
+def cpu_class(name: str) -> EventClass:
+    """The class of a top-level CPU op in a trace with no device activity."""
+    for rx, c in _CPU:
+        if rx.search(name):
+            return c
+    return CPU_CLASSES[-1]
+
+
+@lru_cache(maxsize=None)
+def sync_kind(name: str) -> str | None:
+    """What a host runtime call waits for (see :data:`SYNC_CALLS`), or None."""
+    for rx, kind in _SYNC:
+        if rx.search(name):
+            return kind
+    return None
+
+
+@lru_cache(maxsize=None)
+def collective(name: str) -> str | None:
+    """The collective kind of a comm kernel name or ``Collective name`` argument, or None."""
+    for rx, kind in _COLL:
+        if rx.search(name):
+            return kind
+    return None
+
+
+def op_class(name: str, category: str = "cpu_op") -> str:
+    """Engine kind of an event: a device op's class engine, ``host`` for everything on the host."""
+    if category in DEVICE_CATEGORIES:
+        return device_class(name, category).engine
+    return "host"
+
+
+def labels() -> list[str]:
+    """Every class label (what ``--speedup LABEL=F`` accepts besides engine kinds)."""
+    return [c.label for c in (*DEVICE_CLASSES, *CPU_CLASSES, HOST)]

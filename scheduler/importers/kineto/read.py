@@ -1,0 +1,221 @@
+"""Read a PyTorch profiler (Kineto) Chrome trace: plain or gzipped JSON, validated events.
+
+Every event is checked as it is read; a malformed one raises :class:`TraceFormatError`
+naming its position. What is not a timed slice is sorted out here: flow events (``s``/``t``/
+``f``), the CUDA sync records (``cuda_sync``), and what the import does not use (metadata,
+counters, instants), which is only counted.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from megaloom.runtime.errors import TraceFormatError
+
+_MAGIC = ((b"\x1f\x8b", "gzip data"), (b"PK\x03\x04", "a zip archive"), (b"\x89PNG", "a PNG image"),
+          (b"%PDF", "a PDF document"), (b"\x7fELF", "an executable"), (b"SQLite format 3", "an SQLite database"))
+_UNUSED_PHASES = {"M": "metadata", "C": "counter", "i": "instant", "I": "instant", "R": "mark", "n": "instant",
+                  "O": "object snapshot", "N": "object", "D": "object", "P": "sample"}
+META_CATS = frozenset({"Trace"})  # the profiler's own span
+
+
+@dataclass(slots=True)
+class Slice:
+    """A timed event (``X``, or a ``B``/``E`` pair) on track ``(pid, tid)``; times in microseconds."""
+
+    name: str
+    cat: str
+    pid: Any
+    tid: Any
+    start: float
+    end: float
+    args: dict
+    seq: int
+    truncated: bool = False
+
+
+@dataclass(slots=True)
+class RawTrace:
+    """The validated content of one file."""
+
+    path: str
+    slices: list[Slice]
+    flows: list[dict]
+    syncs: list[dict]
+    header: dict[str, Any]
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+def describe(raw: bytes) -> str:
+    """What a file that is not a trace looks like, in a few words."""
+    if not raw:
+        return "an empty file"
+    for magic, what in _MAGIC:
+        if raw.startswith(magic):
+            return what
+    head = raw[:48]
+    if raw[:1] and 0x80 <= raw[0] <= 0x8F or raw[:1] == b"\xde":
+        return "msgpack data (a map) that is not a megaloom trace"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"binary data starting with bytes {head[:8].hex(' ')}"
+    return f"text starting with {text.strip()[:40]!r}"
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The file's bytes, gunzipped when it is gzip data."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceFormatError(f"{path}: gzip data is corrupt or truncated: {e}") from None
+    return raw
+
+
+def load_json(path: str | os.PathLike, raw: bytes) -> tuple[list[Any], dict[str, Any]]:
+    """``traceEvents`` and the other top-level keys of a Chrome trace's JSON text."""
+    try:
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        raise TraceFormatError(f"{path}: not a profiler trace: {describe(raw)}") from None
+    except json.JSONDecodeError as e:
+        if e.pos == 0:
+            raise TraceFormatError(f"{path}: not a profiler trace (JSON): {describe(raw)}") from None
+        raise TraceFormatError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:
+        raise TraceFormatError(f"{path}: JSON nested too deeply") from None
+    if isinstance(data, list):
+        return data, {}
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        keys = sorted(map(str, data))[:8] if isinstance(data, dict) else type(data).__name__
+        raise TraceFormatError(f"{path}: no 'traceEvents' list (a JSON {'object with keys ' if isinstance(data, dict) else ''}"
+                               f"{keys}); expected a torch.profiler / Chrome trace")
+    return events, {k: v for k, v in data.items() if k != "traceEvents"}
+
+
+def _bad(i: int, what: str) -> TraceFormatError:
+    return TraceFormatError(f"event {i}: {what}")
+
+
+def _time(e: dict, key: str, i: int) -> float:
+    v = e.get(key)
+    if type(v) is float:  # the common cases first: this runs for every event
+        if math.isfinite(v):
+            return v
+    elif type(v) is int:
+        return float(v)
+    elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        return float(v)
+    raise _bad(i, f"field {key!r} must be a finite number, got {v!r:.40}")
+
+
+def read(path: str | os.PathLike) -> RawTrace:
+    """Read and validate ``path``; every malformed event raises TraceFormatError naming its position."""
+    events, header = load_json(path, read_bytes(path))
+    try:
+        return _sort(os.fspath(path), events, header)
+    except TraceFormatError as e:
+        raise TraceFormatError(f"{path}: {e}") from None
+
+
+def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
+    slices: list[Slice] = []
+    flows: list[dict] = []
+    syncs: list[dict] = []
+    skipped: dict[str, int] = {}
+    open_b: dict[tuple, list[tuple[int, dict, float]]] = {}
+    last_ts: dict[tuple, float] = {}
+    track_types = (int, str, type(None))
+    add = slices.append
+    for i, e in enumerate(events):
+        if type(e) is not dict:
+            raise _bad(i, f"expected an object, got {type(e).__name__}")
+        ph = e.get("ph")
+        if ph == "X":
+            ts, dur = e.get("ts"), e.get("dur")  # the common case inline: this runs for every event
+            tt, td = type(ts), type(dur)
+            if not ((tt is int or tt is float) and (td is int or td is float) and ts - ts == 0 and dur - dur == 0):
+                ts, dur = _time(e, "ts", i), _time(e, "dur", i)
+            if dur < 0:
+                raise _bad(i, f"({e.get('name')!r:.60}): negative duration {dur} (clock wrap or broken clock)")
+            cat, pid, tid = e.get("cat", ""), e.get("pid"), e.get("tid")
+            if type(cat) is not str:
+                cat = str(cat)
+            if type(pid) not in track_types or type(tid) not in track_types:
+                raise _bad(i, "pid/tid must be numbers or strings")
+            if cat == "cuda_sync":
+                syncs.append(e)
+                continue
+            if cat in META_CATS:
+                skipped["profiler span"] = skipped.get("profiler span", 0) + 1
+                continue
+            name = e.get("name", "")
+            if type(name) is not str:
+                raise _bad(i, "'name' must be a string")
+            args = e.get("args")
+            end = ts + dur
+            add(Slice(name, cat, pid, tid, float(ts), float(end), args if type(args) is dict else {}, len(slices)))
+            if end > last_ts.get((pid, tid), -math.inf):
+                last_ts[(pid, tid)] = end
+            continue
+        if type(ph) is not str:
+            raise _bad(i, "missing phase 'ph'")
+        unused = _UNUSED_PHASES.get(ph)
+        if unused is not None:
+            skipped[unused] = skipped.get(unused, 0) + 1
+            continue
+        cat, pid, tid = e.get("cat", ""), e.get("pid"), e.get("tid")
+        if type(cat) is not str:
+            cat = str(cat)
+        if type(pid) not in track_types or type(tid) not in track_types:
+            raise _bad(i, "pid/tid must be numbers or strings")
+        if ph in ("s", "t", "f"):
+            _time(e, "ts", i)
+            if cat == "ac2g":  # launch flows: the correlation ids say the same
+                skipped["launch flow (by correlation id)"] = skipped.get("launch flow (by correlation id)", 0) + 1
+            else:
+                flows.append(e)
+            continue
+        if ph == "B":
+            ts = _time(e, "ts", i)
+            name = e.get("name", "")
+            if type(name) is not str:
+                raise _bad(i, "'name' must be a string")
+            open_b.setdefault((pid, tid), []).append((i, e, ts))
+            end = ts
+        elif ph == "E":
+            stack = open_b.get((pid, tid))
+            if not stack:
+                raise _bad(i, f"end event with no open begin on track {(pid, tid)}")
+            j, b, ts = stack.pop()
+            end = _time(e, "ts", i)
+            if end < ts:
+                raise _bad(i, f"ends at {end} before its begin (event {j}) at {ts} (clock wrap?)")
+            args = b.get("args")
+            bcat = b.get("cat", "")
+            add(Slice(b.get("name", ""), bcat if type(bcat) is str and bcat else cat, pid, tid, ts, end,
+                      args if type(args) is dict else {}, len(slices)))
+        else:
+            skipped[f"phase {ph!r:.12}"] = skipped.get(f"phase {ph!r:.12}", 0) + 1
+            continue
+        if end > last_ts.get((pid, tid), -math.inf):
+            last_ts[(pid, tid)] = end
+    for key, stack in open_b.items():
+        for _, b, ts in stack:  # a begin without its end: kept up to the track's last timestamp
+            args = b.get("args")
+            bcat = b.get("cat", "")
+            slices.append(Slice(b.get("name", ""), bcat if type(bcat) is str else str(bcat), key[0], key[1], ts,
+                                max(ts, last_ts.get(key, ts)), args if type(args) is dict else {}, len(slices), True))
+    return RawTrace(path, slices, flows, syncs, header, skipped)

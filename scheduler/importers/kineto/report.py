@@ -1,0 +1,73 @@
+"""The import report: every event of the file accounted for, every dependency by kind."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ImportReport:
+    """What an import made of a file: tasks by engine, dependencies by kind (``explicit`` from
+    the trace's own records, ``inferred`` from timing), what was adjusted or dropped and why."""
+
+    path: str = ""
+    device: str = ""
+    """The recorded device's name and the profile it matched (``"A100 -> a100"``)."""
+    profile: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    tasks: int = 0
+    engines: dict[str, int] = field(default_factory=dict)
+    device_ops: int = 0
+    host_calls: int = 0
+    split_calls: int = 0
+    """Host calls cut where a kernel started inside them or where a sync returned."""
+    context: dict[str, int] = field(default_factory=dict)
+    """Events kept as tags or as context of the tasks beneath them (annotations, CPU ops)."""
+    deps: dict[str, int] = field(default_factory=dict)
+    inferred: dict[str, int] = field(default_factory=dict)
+    retargeted: dict[str, int] = field(default_factory=dict)
+    """Dependencies whose producer ended after the consumer started (clock rounding or overlap),
+    moved to the latest earlier task on the producer's track that had ended."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    overhangs: int = 0
+    max_overhang_us: float = 0.0
+    truncated: int = 0
+    opaque: int = 0
+    with_work: int = 0
+    without_work: int = 0
+    """Device ops with / without work figures (those without keep their duration in what-ifs)."""
+    delay_s: float = 0.0
+    """Untraced time kept as delays before tasks (host time between calls, launch latency)."""
+    skipped: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, table: str, key: str, n: int = 1) -> None:
+        d = getattr(self, table)
+        d[key] = d.get(key, 0) + n
+
+    def skip(self, what: str) -> None:
+        self.count("skipped", what)
+
+    def text(self) -> str:
+        """The report as the CLI prints it."""
+        def kv(d: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda x: (-x[1], x[0]))) or "none"
+
+        lines = [f"import of {self.path}: rank {self.rank} of {self.world_size}, device {self.device or 'unknown'}",
+                 f"  tasks               {self.tasks} ({kv(self.engines)})",
+                 f"  device ops          {self.device_ops} ({self.with_work} with work figures, {self.without_work} "
+                 f"keep their recorded duration in what-ifs)",
+                 f"  host calls          {self.host_calls} ({self.split_calls} split where a kernel started or a sync returned)",
+                 f"  dependencies        {kv(self.deps)}",
+                 f"  inferred            {kv(self.inferred)}",
+                 f"  retargeted          {kv(self.retargeted)}",
+                 f"  dropped             {kv(self.dropped)}",
+                 f"  overhanging         {self.overhangs} children clamped to their parent "
+                 f"(largest overhang {self.max_overhang_us:.3f} us)",
+                 f"  untraced time       {self.delay_s * 1e6:.1f} us kept as delays",
+                 f"  context (tags)      {kv(self.context)}",
+                 f"  not used            {kv(self.skipped)}"]
+        if self.truncated or self.opaque:
+            lines.append(f"  truncated {self.truncated}, unknown categories {self.opaque}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)

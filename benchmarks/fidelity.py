@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from megaloom.commands.demo import build_demo_graph, demo_inputs
+from megaloom.graphs.mlp import build_mlp, mlp_inputs
 from megaloom.graphs.moe import MegaMoESpec, build_forward, make_routing
 from megaloom.runtime import ThreadExecutor
 from megaloom.scheduler import CostModel, Simulator, load_profile, make_policy
@@ -27,8 +27,8 @@ UNITS = {"cube": 1, "vector": 1, "comm": 1}
 
 
 def mlp(tokens: int, hidden: int, inter: int, tile: int, policy: str = "fifo"):
-    g = build_demo_graph(tokens=tokens, hidden=hidden, inter=inter, tile=tile)
-    return f"mlp T={tokens} H={hidden} I={inter} tile={tile} {policy}", g, demo_inputs(g), policy
+    g = build_mlp(tokens=tokens, hidden=hidden, inter=inter, tile=tile)
+    return f"mlp T={tokens} H={hidden} I={inter} tile={tile} {policy}", g, mlp_inputs(g), policy
 
 
 def moe(tokens: int, hidden: int, inter: int, experts: int, top_k: int, schedule: str, group_size: int = 1,

@@ -12,7 +12,7 @@ from multiprocessing.connection import wait as mp_wait
 import socket
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import msgpack
 
@@ -28,13 +28,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context(module: str):
-    """The forkserver context; its server preloads torch and the first caller's module."""
+def _context(module: str, preload: Sequence[str]):
+    """The forkserver context; its server preloads torch, ``preload`` and the first caller's module."""
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # torch._dynamo: imported by the first optimizer step, seconds per rank otherwise
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "megaloom.comm", module])
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", *preload, "megaloom.comm", module])
     return _CTX
 
 
@@ -58,15 +57,18 @@ def _child(fn, rank: int, world: int, port: int, comm_timeout: float, backend: s
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-              comm_timeout: float = 10.0, backend: str = "gloo", allow_fail: bool = False) -> list[Any]:
+              comm_timeout: float = 10.0, backend: str = "gloo", allow_fail: bool = False,
+              preload: Sequence[str] = ("torch._dynamo",)) -> list[Any]:
     """``fn(comm, *args)`` on ``world_size`` ranks; returns each rank's result, in rank order.
 
     ``fn`` must be importable (a module-level function) and return msgpack-encodable data.
     A rank that raises makes this raise CommError with its traceback, unless
     ``allow_fail``, where the list holds ``{"error": ...}`` (or ``None`` for a rank that
-    exited without a result) in its place.
+    exited without a result) in its place. ``preload``: modules the forkserver imports once
+    for every rank, as set by the process's first call (``torch._dynamo``, which the first
+    optimizer step imports, seconds per rank otherwise; ``()`` starts the server sooner).
     """
-    ctx = _context(fn.__module__)
+    ctx = _context(fn.__module__, preload)
     port = free_port()
     procs, pipes = [], []
     for rank in range(world_size):

@@ -1,5 +1,9 @@
-"""Shared test set-up: deterministic seeds, GPU tests skipped without CUDA, and
-``--update-golden`` (rewrite the golden files of tests/golden/ instead of comparing)."""
+"""Shared test set-up: deterministic seeds, GPU tests skipped without CUDA,
+``--update-golden`` (rewrite the golden files of tests/golden/ instead of comparing),
+``check_output``, which holds printed output against an expected output, and ``umask_027``,
+which checks that written files honour the umask."""
+import doctest
+import os
 import random
 
 import pytest
@@ -14,6 +18,42 @@ def pytest_addoption(parser):
 @pytest.fixture
 def update_golden(request) -> bool:
     return request.config.getoption("--update-golden")
+
+
+def _check_output(got: str, want: str, where: str) -> None:
+    """Fail unless ``got`` is ``want``, where ``...`` in ``want`` matches any text, across lines too
+    (doctest's ELLIPSIS): expected outputs write ``...`` over figures measured on the wall clock,
+    which differ from run to run, and over lines a document leaves out."""
+    flags = doctest.ELLIPSIS | doctest.REPORT_UDIFF
+    checker = doctest.OutputChecker()
+    if not checker.check_output(want, got, flags):
+        diff = checker.output_difference(doctest.Example("", want), got, flags)
+        pytest.fail(f"{where}: the output differs from the expected output\n{diff}", pytrace=False)
+
+
+@pytest.fixture
+def check_output():
+    """``check_output(got, want, where)``: see :func:`_check_output`."""
+    return _check_output
+
+
+@pytest.fixture
+def umask_027():
+    """Run the test under umask 027 (the group may read, others get nothing); yields ``check(root)``,
+    which asserts that every file and folder below ``root`` has the mode a plain ``open`` or
+    ``mkdir`` gives under it (0640, 0750): nothing megaloom writes is more open or more closed."""
+    def check(root) -> None:
+        paths = sorted(root.rglob("*"))
+        assert paths, f"nothing was written below {root}"
+        bad = [f"{p.relative_to(root)}: {p.stat().st_mode & 0o777:o}" for p in paths
+               if p.stat().st_mode & 0o777 != (0o750 if p.is_dir() else 0o640)]
+        assert not bad, f"modes that ignore the umask 027: {bad}"
+
+    old = os.umask(0o027)
+    try:
+        yield check
+    finally:
+        os.umask(old)
 
 
 @pytest.fixture(autouse=True)

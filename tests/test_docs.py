@@ -1,9 +1,14 @@
-"""The docs' examples work: every fenced python block in docs/*.md runs, and the documented
-command lines run (small shapes) and exit as documented.
+"""The docs' examples work: every fenced python block in docs/*.md runs and prints what the
+document says it prints, and the documented command lines run (small shapes) and exit as
+documented.
 
 A python block preceded by ``<!-- test_docs: skip (why) -->`` is a fragment or needs
-several ranks; the README quick start is run by ``test_demo_examples.py``.
+several ranks. A block that prints is followed by its output: a line ``prints:`` (or
+``prints (...):``) and a fenced ``text`` block, where ``...`` stands for text left out. The README quick start is run
+by ``test_demo_examples.py``.
 """
+import contextlib
+import io
 import pathlib
 import re
 
@@ -12,7 +17,8 @@ import pytest
 from megaloom.cli import main
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
-BLOCK = re.compile(r"(<!-- test_docs: skip[^\n]*-->\n)?```python\n(.*?)^```", re.S | re.M)
+BLOCK = re.compile(r"(<!-- test_docs: skip[^\n]*-->\n)?```python\n(.*?)^```\n(?:\s*^prints[^\n]*:\n\s*^```text\n(.*?)^```)?",
+                   re.S | re.M)
 
 
 def _blocks() -> list:
@@ -22,7 +28,7 @@ def _blocks() -> list:
         for m in BLOCK.finditer(text):
             line = text.count("\n", 0, m.start(2)) + 1
             marks = [pytest.mark.skip(reason=m.group(1).strip())] if m.group(1) else []
-            out.append(pytest.param(path.name, line, m.group(2), id=f"{path.name}:{line}", marks=marks))
+            out.append(pytest.param(path.name, line, m.group(2), m.group(3), id=f"{path.name}:{line}", marks=marks))
     return out
 
 
@@ -31,10 +37,24 @@ def test_docs_have_runnable_python_blocks():
     assert len(runnable) >= 6, [p.id for p in runnable]
 
 
-@pytest.mark.parametrize("doc,line,code", _blocks())
-def test_python_block_runs(doc, line, code, tmp_path, monkeypatch):
+@pytest.mark.parametrize("doc,line,code,want", _blocks())
+def test_python_block_runs_and_prints_its_documented_output(doc, line, code, want, tmp_path, monkeypatch,
+                                                             check_output):
     monkeypatch.chdir(tmp_path)                 # blocks may write files (sim.json, ...)
-    exec(compile("\n" * (line - 1) + code, str(DOCS / doc), "exec"), {"__name__": "__doc_example__"})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile("\n" * (line - 1) + code, str(DOCS / doc), "exec"), {"__name__": "__doc_example__"})
+    if want is None:
+        assert not out.getvalue(), (f"{doc}:{line} prints, but no expected output follows the block "
+                                    f"(a line 'prints:' and a ```text block):\n{out.getvalue()}")
+    else:
+        check_output(out.getvalue(), want, f"{doc}:{line}")
+
+
+def test_expected_outputs_follow_runnable_blocks():
+    """An output block is never left behind a skipped block, where nothing would check it."""
+    for p in _blocks():
+        assert not (p.marks and p.values[3] is not None), f"{p.id}: a skipped block has an expected output"
 
 
 MOE = "megamoe:tokens=256,hidden=256,intermediate=128,experts=8,top_k=2"

@@ -56,12 +56,15 @@ class MegaMoERunner(GraphRunner):
         return replace(self.spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
                        scale_mode=mx or self.spec.scale_mode)
 
-    def route(self, topk_ids: torch.Tensor, spec: MegaMoESpec) -> Routing:
-        """Host routing: this rank's counts, exchanged with every rank when ``ep > 1``."""
+    def route(self, topk_ids: torch.Tensor, dtype: torch.dtype | None = None, mx: str = ""
+              ) -> tuple[MegaMoESpec, Routing]:
+        """The call's spec (:meth:`spec_for`; dtype default: the spec's) and host routing: this rank's
+        counts, exchanged with every rank when ``ep > 1``."""
+        spec = self.spec_for(int(topk_ids.shape[0]), dtype or torch_dtype(self.spec.dtype), mx)
         all_counts = None
         if spec.ep > 1:
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
-        return make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
+        return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
@@ -83,8 +86,7 @@ def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Ten
     """``[out]``, plus with ``save`` the activations (:func:`saved_names`) and routing (:data:`ROUTING`)
     backward needs. ``mx``: the MXFP8 scale rule of the expert GEMMs, or empty (no MXFP8)."""
     r = runner_for(runner)
-    spec = r.spec_for(int(x.shape[0]), x.dtype, mx)
-    routing = r.route(topk_ids, spec)
+    spec, routing = r.route(topk_ids, x.dtype, mx)
     res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
                     down.detach(), save)
     if not save:

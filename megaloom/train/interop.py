@@ -89,9 +89,10 @@ class _Reader(filesystem.FileSystemReader):
         return self._md
 
 
-def load_torch(path: str, parallel: Any, optimizer: torch.optim.Optimizer | None) -> int | None:
-    """Load a torch DCP checkpoint (``get_state_dict`` layout) into ``parallel``'s model and ``optimizer``
-    (a collective; any world size and layout, as megaloom's own). Returns the step to resume after:
+def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimizer | None) -> int | None:
+    """Load a torch DCP checkpoint (``get_state_dict`` layout) into ``params`` (``{name: (local tensor,
+    ShardLayout or None)}``, as the trainer's ``Parallel.checkpoint_params()``) and ``optimizer`` (a
+    collective; any world size and layout, as megaloom's own). Returns the step to resume after:
     the optimizer's saved ``step`` (Adam/AdamW), else the ``step_<k>`` folder name (None without an
     optimizer)."""
     from megaloom.comm.checkpoint import _LoadPlanner, _make_optimizer_state, _single_process_ok, state_of
@@ -99,7 +100,6 @@ def load_torch(path: str, parallel: Any, optimizer: torch.optim.Optimizer | None
     md = read_metadata(path)
     tensors = {k: {"shape": list(m.size), "dtype": dtype_name(m.properties.dtype)}
                for k, m in md.state_dict_metadata.items() if isinstance(m, metadata.TensorStorageMetadata)}
-    params = parallel.checkpoint_params()
     if optimizer is not None:
         _make_optimizer_state(tensors, params, optimizer)
     state, layouts = state_of(params, optimizer)
@@ -107,7 +107,6 @@ def load_torch(path: str, parallel: Any, optimizer: torch.optim.Optimizer | None
     if missing:
         raise _error(f"{path}: torch checkpoint has no entry for {', '.join(missing[:5])} (expected the "
                      "get_state_dict layout saved as {'model': ..., 'optim': ...})")
-    comm = parallel.comm
     try:
         with _single_process_ok():
             dcp.load(state, storage_reader=_Reader(path, md), planner=_LoadPlanner(layouts),
@@ -140,23 +139,8 @@ def load_model(cfg: dict, path: str | None) -> torch.nn.Module:
         raise ConfigError(f"export: no checkpoint in {root!r}; train first, or pass a step folder")
     model = build_model(cfg["model"], cfg["run"]["seed"])
     params = {name: (t, None) for name, t in model.state_dict(keep_vars=True).items()}
-    if is_torch_checkpoint(path):
-        load_torch(path, _Whole(model, params), None)
-    else:
-        load_params(path, LocalCommunicator(), params)
+    (load_torch if is_torch_checkpoint(path) else load_params)(path, LocalCommunicator(), params, None)
     return model.eval()
-
-
-class _Whole:
-    """A one-process, unsharded stand-in for the trainer's Parallel: what :func:`load_torch` needs."""
-
-    def __init__(self, model: torch.nn.Module, params: dict):
-        from megaloom.comm.communicator import LocalCommunicator
-
-        self.model, self.comm, self._params = model, LocalCommunicator(), params
-
-    def checkpoint_params(self) -> dict:
-        return self._params
 
 
 def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print) -> str:

@@ -210,7 +210,7 @@ class Trainer:
         from megaloom.train import interop
 
         if interop.is_torch_checkpoint(path):
-            self.step = interop.load_torch(path, self.parallel, self.optimizer)
+            self.step = interop.load_torch(path, self.comm, self.parallel.checkpoint_params(), self.optimizer)
         else:
             self.step = ckpt.load(path, self.parallel, self.optimizer)
         self.log(f"resumed from {path} at step {self.step}")

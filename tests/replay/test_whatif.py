@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megaloom.cli import main
-from megaloom.commands.demo import build_demo_graph, demo_inputs
+from megaloom.graphs.mlp import build_mlp, mlp_inputs
 from megaloom.runtime import ConfigError, ThreadExecutor, Trace
 from megaloom.scheduler import CostModel, Simulator, load_profile
 from megaloom.scheduler.fit import calibrated_profile, fit_traces
@@ -15,8 +15,8 @@ from megaloom.scheduler.replay import device_ratio, replay
 
 @pytest.fixture(scope="module")
 def executed():
-    g = build_demo_graph(tokens=256, hidden=64, inter=128, tile=32)
-    return g, ThreadExecutor({"cube": 1, "vector": 1}).run(g, demo_inputs(g)).trace
+    g = build_mlp(tokens=256, hidden=64, inter=128, tile=32)
+    return g, ThreadExecutor({"cube": 1, "vector": 1}).run(g, mlp_inputs(g)).trace
 
 
 def test_replay_on_the_recorded_device_reproduces_the_run(executed):

@@ -7,7 +7,7 @@ from megaloom.commands import simulate as simulate_cmd
 from megaloom.runtime import Trace
 from megaloom.runtime.plugins import Registry
 from megaloom.scheduler import load_profile
-from sched_graphs import random_dag
+from .graphs import random_dag
 
 
 @pytest.fixture

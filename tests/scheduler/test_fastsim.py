@@ -10,7 +10,7 @@ from megaloom.runtime.errors import ScheduleError
 from megaloom.scheduler import Simulator, fastpath, make_policy
 from megaloom.scheduler.policies import _Keyed, upward_rank
 
-from sched_graphs import ENGINES, timed_graph
+from .graphs import ENGINES, timed_graph
 
 needs_ext = pytest.mark.skipif(not fastpath.AVAILABLE, reason="the compiled extension megaloom.scheduler._fastsim "
                                                                 "is not built (no C compiler at install time)")

@@ -13,7 +13,7 @@ import pytest
 from megaloom.commands.simulate import resolve_graph
 from megaloom.runtime import Trace
 from megaloom.scheduler import Simulator
-from sched_graphs import random_dag
+from .graphs import random_dag
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 UNITS = {"cube": 2, "vector": 2, "comm": 1}  # few units, so the policies order contended work

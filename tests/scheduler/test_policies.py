@@ -5,7 +5,7 @@ from megaloom.runtime import ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError
 from megaloom.scheduler import POLICIES, CostModel, Simulator, make_policy
 from megaloom.scheduler.policies import StaticPolicy, upward_rank
-from sched_graphs import real_graph, timed_graph
+from .graphs import real_graph, timed_graph
 
 
 def order(graph, policy, units=None):

@@ -7,7 +7,7 @@ from megaloom.runtime.plugins import parse_spec
 from megaloom.scheduler import Simulator, make_policy
 from megaloom.scheduler.fidelity import fidelity, table
 from megaloom.scheduler.replay import graph_from_events, replay
-from sched_graphs import random_dag, real_graph, timed_graph
+from .graphs import random_dag, real_graph, timed_graph
 
 UNITS = {"cube": 2, "vector": 3, "comm": 1}
 

@@ -6,7 +6,7 @@ from megaloom.runtime import Cost, Observer, TaskGraph
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.scheduler import POLICIES, Simulator, make_policy
 
-from sched_graphs import random_dag, timed_graph
+from .graphs import random_dag, timed_graph
 
 UNITS = st.fixed_dictionaries({"cube": st.integers(1, 3), "vector": st.integers(1, 3), "comm": st.integers(1, 2)})
 

@@ -8,7 +8,7 @@ from megaloom.runtime import Cost, TaskGraph
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.scheduler import Simulator
 from megaloom.scheduler.world import match_collectives, rank_ends, simulate_world
-from sched_graphs import random_dag
+from .graphs import random_dag
 
 
 def spmd_graph(spec, name="g"):

@@ -34,7 +34,7 @@ def test_loss_decreases_and_metrics_are_logged(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_resume_reproduces_uninterrupted_losses(tmp_path, kind):
+def test_resume_reproduces_uninterrupted_losses(tmp_path, kind, umask_027):
     full = _losses(tiny_config(tmp_path / "a", kind, steps=4, checkpoint={"interval": 1}))
     part = tiny_config(tmp_path / "b", kind, steps=4, checkpoint={"interval": 1, "stop_after": 2})
     first = _losses(part)
@@ -48,6 +48,7 @@ def test_resume_reproduces_uninterrupted_losses(tmp_path, kind):
     assert steps == [1, 2, 3, 4]
     kept = sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert kept == ["step_00000003", "step_00000004"]  # checkpoint.keep = 2
+    umask_027(tmp_path)  # checkpoint folders and files, metrics, traces: as the umask says
 
 
 def test_resume_errors(tmp_path):

@@ -53,6 +53,23 @@ def test_plot_without_matplotlib(trace_file, capsys, monkeypatch):
     assert not trace_file.with_suffix(".png").exists()
 
 
+def test_plot_panels_of_several_traces(trace_file, tmp_path):
+    """A mapping of traces draws one panel each on one time axis (the demo's chart of two schedules)."""
+    pytest.importorskip("matplotlib")
+    from megaloom.runtime.errors import ConfigError
+    from megaloom.runtime.plot import plot_gantt
+
+    t = Trace.load(trace_file)
+    longer = Trace([TraceEvent(0, "mm", "matmul", "cube", 0, 1, 0.0, 6e-3)], t.meta)
+    plot_gantt({"short": t, "long, rank 1 only": longer}, tmp_path / "two.png", title="two runs")
+    one = tmp_path / "one.png"
+    plot_gantt(t, one)
+    assert (tmp_path / "two.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "two.png").stat().st_size > one.stat().st_size
+    with pytest.raises(ConfigError, match="at least one trace"):
+        plot_gantt({}, tmp_path / "none.png")
+
+
 @pytest.mark.parametrize("content, needle", [
     (None, "cannot read"),
     (b"\x93\x01", "not a valid msgpack file"),

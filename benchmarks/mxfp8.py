@@ -1,8 +1,13 @@
 """MXFP8 benchmarks: quantisation throughput, quantised matmul on CPU, simulated speed-up.
 
-1. Quantisation of an 8192 x 4096 bf16 tensor (GB/s of input): row-wise, column-wise,
-   dual (both in one call), grouped (8 uneven token groups), next to a plain
-   ``x.to(float8_e4m3fn)`` cast (no scales) as the baseline.
+1. Quantisation of an 8192 x 4096 bf16 tensor (GB/s of input), candidates timed side by
+   side in interleaved rounds (median and range): the compiled kernels (allocating the
+   result as ``quantize`` does, and into preallocated tensors), the torch implementation,
+   torchao's ``to_mx`` (the peer; column-wise as ``to_mx`` of the transposed tensor, which
+   is how it gets column blocks on CPU), and a bare ``x.to(float8_e4m3fn)`` cast (no
+   scales). Row-wise, column-wise, dual (both from one read) and grouped (8 uneven token
+   groups). Every result is checked bit for bit against the torch implementation, and the
+   row-wise one against torchao.
 2. K = N = 4096, M in {2048, 8192, 16384}: CPU time of quantise(X) + quantise(W) +
    emulated MXFP8 matmul next to the bf16 matmul ``X @ W.T`` (emulation dequantises the
    operands, so it is slower than bf16 on a CPU: this measures the emulation's cost).
@@ -10,19 +15,27 @@
    task graphs (256 x 256 output tiles on the cube units, quantisation in 32-row tiles on
    the vector units): bf16 makespan / MXFP8 makespan, next to the published 1.43-1.54x.
 
-    python benchmarks/mxfp8.py [--max-m 16384] [--repeat 3] [--profile ascend-950] [--skip-cpu]
+    python benchmarks/mxfp8.py [--max-m 16384] [--repeat 7] [--profile ascend-950] [--skip-cpu] [--quant-only]
 
-Prints one JSON line per figure.
+Needs torchao for the peer figures (``pip install -e '.[bench]'``); without it they are
+skipped. Prints one JSON line per figure.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 import torch
 
+from megaloom.ops import native
+from megaloom.ops.mxfp8 import kernels
+from megaloom.ops.mxfp8.format import empty_quantized
+from megaloom.ops.mxfp8.grouped import group_tiles
 from megaloom.ops.mxfp8 import mx_matmul, quantize, quantize_dual, quantize_grouped
+from megaloom.ops.mxfp8.grouped import padded_offsets
 from megaloom.ops.mxfp8.matmul import emulation_dtype
 from megaloom.runtime import TaskGraph
 
@@ -48,17 +61,93 @@ def emit(**fields) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def quant_throughput(repeat: int) -> None:
-    x = torch.randn(8192, 4096, dtype=torch.bfloat16)
+def interleaved(cands: dict[str, object], reps: int) -> dict[str, list[float]]:
+    """Time every candidate once per round, rounds repeated: load spikes hit all alike."""
+    for fn in cands.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in cands}
+    for _ in range(reps):
+        for k, fn in cands.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def _torchao_to_mx():
+    try:
+        from torchao.prototype.mx_formats.mx_tensor import to_mx
+    except ImportError:
+        return None
+    return lambda t: to_mx(t, torch.float8_e4m3fn, 32)
+
+
+def _u8(ts) -> list[torch.Tensor]:
+    return [t.view(torch.uint8) for t in ts]
+
+
+def check_bits(x: torch.Tensor, offsets: list[int], to_mx) -> None:
+    """Every kind through the kernels equals the torch implementation; rows equal torchao."""
+    with native.disabled():
+        want = {"rows": quantize(x, "rows")[:2], "cols": quantize(x, "cols")[:2],
+                "dual": [t for q in quantize_dual(x) for t in q[:2]], "grouped_cols": quantize_grouped(x, offsets)[:2]}
+    got = {"rows": quantize(x, "rows")[:2], "cols": quantize(x, "cols")[:2],
+           "dual": [t for q in quantize_dual(x) for t in q[:2]], "grouped_cols": quantize_grouped(x, offsets)[:2]}
+    same = {k: all(torch.equal(a, b) for a, b in zip(_u8(got[k]), _u8(want[k]))) for k in want}
+    if to_mx is not None:
+        scale, data = to_mx(x)
+        same["rows_vs_torchao"] = torch.equal(_u8([data])[0], _u8(got["rows"])[0]) and \
+            torch.equal(scale.view(torch.uint8).reshape(got["rows"][1].shape), _u8(got["rows"])[1])
+    emit(figure="quantize_bit_exact", native=native.enabled(), **same)
+
+
+def quant_throughput(reps: int) -> None:
+    x = torch.randn(8192, 4096, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
     sizes = [1000, 37, 0, 2048, 1500, 977, 1630, 1000]  # 8 groups, one empty, none a multiple of 32
     offsets = torch.tensor(sizes).cumsum(0).tolist()
     gb = x.numel() * x.element_size() / 1e9
-    base = best(lambda: x.to(torch.float8_e4m3fn), repeat)
-    emit(figure="quantize", kind="cast_baseline", shape=[8192, 4096], seconds=base, gb_per_s=gb / base)
-    for kind, fn in (("rows", lambda: quantize(x, "rows")), ("cols", lambda: quantize(x, "cols")),
-                     ("dual", lambda: quantize_dual(x)), ("grouped_cols", lambda: quantize_grouped(x, offsets))):
-        s = best(fn, repeat)
-        emit(figure="quantize", kind=kind, shape=[8192, 4096], seconds=s, gb_per_s=gb / s, vs_cast=base / s)
+    to_mx = _torchao_to_mx()
+    check_bits(x, offsets, to_mx)
+    r, c = empty_quantized(tuple(x.shape), "rows"), empty_quantized(tuple(x.shape), "cols")
+    g = empty_quantized((padded_offsets(offsets)[-1], x.shape[1]), "cols")
+    fp8 = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    tiles = group_tiles(offsets)
+
+    def torch_impl(fn):
+        def run():
+            with native.disabled():
+                fn()
+        return run
+
+    cands = {
+        "cast_allocating": lambda: x.to(torch.float8_e4m3fn),
+        "cast_into": lambda: fp8.copy_(x),
+        "rows.native": lambda: quantize(x, "rows"),
+        "rows.native_into": lambda: kernels.quantize_into(x, r[:2], None, "floor"),
+        "rows.torch": torch_impl(lambda: quantize(x, "rows")),
+        "cols.native": lambda: quantize(x, "cols"),
+        "cols.native_into": lambda: kernels.quantize_into(x, None, c[:2], "floor"),
+        "cols.torch": torch_impl(lambda: quantize(x, "cols")),
+        "dual.native": lambda: quantize_dual(x),
+        "dual.native_into": lambda: kernels.quantize_into(x, r[:2], c[:2], "floor"),
+        "grouped_cols.native": lambda: quantize_grouped(x, offsets),
+        "grouped_cols.native_into": lambda: kernels.quantize_into(x, None, g[:2], "floor", tiles),
+    }
+    if to_mx is not None:
+        cands["rows.torchao"] = lambda: to_mx(x)
+        cands["cols.torchao"] = lambda: to_mx(x.t().contiguous())
+    if not native.enabled():
+        cands = {k: v for k, v in cands.items() if "native" not in k}
+    times = interleaved(cands, reps)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for k, ts in times.items():
+        kind, _, impl = k.partition(".")
+        fields = dict(figure="quantize", kind=kind, impl=impl or "cast", shape=list(x.shape), median_s=med[k],
+                      min_s=min(ts), max_s=max(ts), gb_per_s=gb / med[k], gb_per_s_range=[gb / max(ts), gb / min(ts)],
+                      vs_cast=med["cast_allocating"] / med[k], reps=reps)
+        if f"{kind}.torchao" in med and impl != "torchao":
+            fields["vs_torchao"] = med[f"{kind}.torchao"] / med[k]
+        emit(**fields)
 
 
 def cpu_matmul(ms: list[int], repeat: int) -> None:
@@ -123,14 +212,19 @@ def simulated(ms: list[int], profile: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-m", type=int, default=max(MS), help="skip matmul shapes with a larger M")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--profile", default="ascend-950")
     ap.add_argument("--skip-cpu", action="store_true", help="only the simulated figures")
+    ap.add_argument("--quant-only", action="store_true", help="only the quantisation figures")
     args = ap.parse_args()
+    emit(figure="machine", torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(),
+         native=native.enabled(), isa=native.isa(), load_avg=list(os.getloadavg()))
     ms = [m for m in MS if m <= args.max_m]
     if not args.skip_cpu:
         quant_throughput(args.repeat)
-        cpu_matmul(ms, args.repeat)
+        if args.quant_only:
+            return
+        cpu_matmul(ms, min(args.repeat, 3))
     simulated(ms, args.profile)
 
 

@@ -72,6 +72,15 @@ def test_compiled_simulator_loop_ships_when_built(wheel):
     assert [n for n in names if n.startswith("megaloom/scheduler/_fastsim") and n.endswith(".so")]
 
 
+def test_compiled_vector_kernels_ship_when_built(wheel):
+    from megaloom.ops import native
+
+    if not native.AVAILABLE:
+        pytest.skip("the _native extension was not built here (no compiler?)")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert [n for n in names if n.startswith("megaloom/ops/_native") and n.endswith(".so")]
+
+
 def test_runtime_imports_from_the_wheel(wheel, tmp_path):
     code = ("import megaloom.runtime as r, megaloom.ops; g = r.TaskGraph(); g.task('noop');"
             "r.ThreadExecutor(kernels='null').run(g); print(r.__file__)")

@@ -27,12 +27,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from megaloom.ops import native
+from megaloom.ops.dvm.native import native_kernel
 from megaloom.ops.dvm.primitives import bind, broadcast
 from megaloom.ops.dvm.program import Program, pattern
 from megaloom.runtime.dtypes import itemsize, torch_dtype
 from megaloom.runtime.errors import ConfigError, ExecutionError
 
-BACKENDS = ("tiled", "inductor")
+BACKENDS = ("native", "tiled", "inductor")
 _DEFAULT_L2 = 1 << 20
 GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs ops on fewer elements than this serially
 
@@ -41,12 +43,14 @@ GRAIN = 32768  # at::internal::GRAIN_SIZE: torch runs ops on fewer elements than
 class Options:
     """Backend settings. ``l2_bytes``/``tile_bytes`` ``None``: derived from the detected L2.
 
-    ``tile_bytes`` sets one value's tile; ``threads`` workers share the tiles, each with its
-    own scratch (``None``: torch's intra-op thread count); ``backend`` is ``"tiled"`` or
-    ``"inductor"``.
+    ``tile_bytes`` sets one value's tile (the native backend: one register block of float32);
+    ``threads`` workers share the tiles, each with its own scratch (``None``: torch's
+    intra-op thread count); ``backend`` is ``"native"`` (the compiled kernels, falling back
+    to ``"tiled"`` for programs or builds they do not cover), ``"tiled"`` (torch calls per
+    tile) or ``"inductor"``.
     """
 
-    backend: str = "tiled"
+    backend: str = "native"
     l2_bytes: int | None = None
     tile_bytes: int | None = None
     threads: int | None = None
@@ -390,7 +394,7 @@ _cache_lock = threading.Lock()
 def compile_program(program: Program, opts: Options | None = None) -> Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]:
     """The kernel for ``program`` under ``opts`` (default: :func:`options`), cached by signature."""
     opts = opts or _options
-    key = (program.signature, opts)
+    key = (program.signature, opts, native.enabled())
     k = _cache.get(key)
     if k is not None:
         return k
@@ -399,7 +403,7 @@ def compile_program(program: Program, opts: Options | None = None) -> Callable[[
 
         k = InductorKernel(program)
     else:
-        k = TiledKernel(program, opts)
+        k = (native_kernel(program, opts) if opts.backend == "native" else None) or TiledKernel(program, opts)
     with _cache_lock:
         return _cache.setdefault(key, k)
 

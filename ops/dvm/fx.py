@@ -1,7 +1,7 @@
 """torch.fx front end: trace a tensor function into a TaskGraph of DVM primitives.
 
     g = trace(fn, x)              # one task per traced call; shapes from the examples
-    f = jit(fn, x); y = f(x)      # trace, fuse, compile; re-traces for new shapes/dtypes
+    f = jit(fn); y = f(x)         # trace once; fuse and compile per dtypes / broadcast pattern
 
 Python numbers become ``scalar`` attrs; ``x.to(dtype)`` becomes ``cast``; ``@``/``matmul``
 becomes the cube ``matmul`` op (a fusion boundary). Anything else raises GraphError
@@ -10,15 +10,19 @@ naming the fx node.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node, symbolic_trace
 from torch.fx.passes.shape_prop import ShapeProp
 
+from megaloom.ops.dvm.backend import compile_program, options
 from megaloom.ops.dvm.cluster import fuse
-from megaloom.ops.dvm.fused import OP, fused_kernel
+from megaloom.ops.dvm.fused import OP, program_of
+from megaloom.ops.dvm.primitives import PREFIX, broadcast
+from megaloom.ops.dvm.program import Instr, Program, pattern
 from megaloom.ops.dvm.split import Limits
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
@@ -99,10 +103,14 @@ def _lower(node: Node) -> tuple[str, list[Node], dict[str, Any]]:
 
 
 class Jit:
-    """``fn`` traced, fused and compiled per input shapes/dtypes; call it like ``fn``.
+    """``fn`` traced once, fused and compiled; call it like ``fn``.
 
-    A graph that fuses into one ``dvm.fused`` task runs its kernel directly; otherwise the
-    fused graph runs on a ThreadExecutor.
+    The function is traced with torch.fx once, when the Jit is made. The first call with
+    inputs of a new dtype / broadcast pattern (which dims are 1) fuses the traced graph; when
+    every resulting task is a DVM task, the fused graph becomes a shape-free plan (kernels,
+    and per intermediate its dtype and broadcast pattern), so a call on new sizes only
+    allocates and runs: no tracing, fusing or compiling (and never a compiler). A graph with
+    other ops (``matmul``) is fused per input shapes and runs on a ThreadExecutor.
     """
 
     def __init__(self, fn: Callable[..., Any], limits: Limits = Limits(), backend: str | None = None):
@@ -110,6 +118,7 @@ class Jit:
         self._gm = symbolic_trace(fn)
         self._outs = [n.name for n in output_nodes(self._gm)]
         self._graphs: dict[tuple, TaskGraph] = {}
+        self._plans: dict[tuple, _Plan | None] = {}
 
     def graph(self, *inputs: torch.Tensor) -> TaskGraph:
         """The fused graph for inputs like these (traced and fused on first use)."""
@@ -121,18 +130,66 @@ class Jit:
         return g
 
     def __call__(self, *inputs: torch.Tensor):
-        g = self.graph(*inputs)
-        feed = {b.name: x for b, x in zip(g.inputs, inputs)}
-        if len(g.tasks) == 1 and g.tasks[0].op == OP and all(r.box == r.buffer.full.box for r in g.tasks[0].outputs):
-            t = g.tasks[0]
-            res = {b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype)) for b in g.outputs}
-            fused_kernel([feed[r.buffer.name] for r in t.inputs], [res[r.buffer.name] for r in t.outputs], **t.attrs)
+        key = tuple((x.dtype, tuple(d == 1 for d in x.shape)) for x in inputs)
+        plan = self._plans.get(key, False)
+        if plan is False:
+            plan = self._plans[key] = _Plan.of(self.graph(*inputs), [n for n in self._outs])
+        if plan is not None:
+            vals = plan(inputs)
         else:
-            res = ThreadExecutor().run(g, feed).outputs
-        vals = tuple(res[n] for n in self._outs)
+            g = self.graph(*inputs)
+            res = ThreadExecutor().run(g, {b.name: x for b, x in zip(g.inputs, inputs)}).outputs
+            vals = tuple(res[n] for n in self._outs)
         return vals[0] if len(vals) == 1 else vals
 
 
+class _Plan:
+    """A fused graph of DVM tasks on whole buffers, free of sizes: per step a program and
+    its slots; per slot a dtype and a broadcast pattern against the inputs' domain."""
+
+    def __init__(self, n_in: int, slots: list[tuple[torch.dtype, str]], steps: list[tuple[Program, str | None, list[int], list[int]]],
+                 outs: list[int]):
+        self.n_in, self.slots, self.steps, self.outs = n_in, slots, steps, outs
+
+    @staticmethod
+    def of(g: TaskGraph, out_names: list[str]) -> _Plan | None:
+        """The plan of ``g``, or None when a task is not a DVM task on whole buffers."""
+        dom = broadcast([b.shape for b in g.inputs])
+        index = {b.name: i for i, b in enumerate(g.inputs)}
+        slots: list[tuple[torch.dtype, str]] = [(torch_dtype(b.dtype), pattern(b.shape, dom)) for b in g.inputs]
+        steps = []
+        for t in (g.tasks[i] for i in g.topological_order()):
+            if not t.op.startswith(PREFIX) or any(r.box != r.buffer.full.box for r in (*t.inputs, *t.outputs)):
+                return None
+            for r in t.outputs:
+                if r.buffer.name not in index:
+                    index[r.buffer.name] = len(slots)
+                    slots.append((torch_dtype(r.buffer.dtype), pattern(r.buffer.shape, dom)))
+            prog = program_of(t.attrs) if t.op == OP else _single(t)
+            steps.append((prog, t.attrs.get("backend"), [index[r.buffer.name] for r in t.inputs],
+                          [index[r.buffer.name] for r in t.outputs]))
+        return _Plan(len(g.inputs), slots, steps, [index[n] for n in out_names])
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        dom = broadcast([x.shape for x in inputs], "jit inputs")
+        vals: list[Any] = list(inputs) + [None] * (len(self.slots) - self.n_in)
+        opts = options()
+        for prog, backend, ins, outs in self.steps:
+            for o in outs:
+                dt, pat = self.slots[o]
+                vals[o] = torch.empty([d if c == "f" else 1 for c, d in zip(pat, dom) if c != "-"], dtype=dt)
+            o = opts if backend is None or backend == opts.backend else replace(opts, backend=backend)
+            compile_program(prog, o)([vals[i] for i in ins], [vals[i] for i in outs])
+        return tuple(vals[i] for i in self.outs)
+
+
+def _single(t) -> Program:
+    """The one-instruction program of an unfused primitive task."""
+    n = len(t.inputs)
+    attrs = tuple(sorted((k, v) for k, v in t.attrs.items() if k in ("scalar", "scalar_pos", "dtype")))
+    return Program(tuple((r.shape, r.dtype) for r in t.inputs), (Instr(t.op[len(PREFIX):], tuple(range(n)), attrs),), (n,))
+
+
 def jit(fn: Callable[..., Any], limits: Limits = Limits(), backend: str | None = None) -> Jit:
-    """Trace, fuse and compile ``fn`` lazily per input signature."""
+    """Trace ``fn`` once; fuse and compile per input dtypes and broadcast pattern."""
     return Jit(fn, limits, backend)

@@ -22,6 +22,9 @@ All arithmetic is exact: exponents come from ``frexp`` (integers), scaling multi
 exact powers of two, and torch's cast to E4M3 rounds to nearest even. float32 and bfloat16
 inputs are scaled in their own dtype (bfloat16 has float32's exponent range, so the product
 is exact wherever it can round to a non-zero E4M3 value); float16 is scaled in float32.
+
+CPU tensors go through the compiled kernels (:mod:`megaloom.ops.mxfp8.kernels`) when they
+are built; the torch code here is the fallback and the oracle they are tested against.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from megaloom.ops.mxfp8 import kernels
 from megaloom.runtime.errors import GraphError
 
 BLOCK = 32
@@ -128,11 +132,22 @@ def _check_input(x: torch.Tensor) -> None:
         raise GraphError(f"MXFP8 quantisation takes float32/bfloat16/float16, got {x.dtype}")
 
 
+def empty_quantized(shape: tuple[int, ...], axis: str, device: torch.device | str = "cpu") -> MXTensor:
+    """Uninitialised data and scales for a tensor of ``shape`` blocked along ``axis``."""
+    return MXTensor(torch.empty(shape, dtype=torch.float8_e4m3fn, device=device),
+                    torch.empty(scale_shape(tuple(shape), axis), dtype=torch.float8_e8m0fnu, device=device), axis)
+
+
 def quantize(x: torch.Tensor, axis: str = "rows", scale_mode: str = "floor") -> MXTensor:
     """Quantise ``x`` (>= 2-D) in blocks of 32 along ``axis``."""
     _check_input(x)
     scale_shape(tuple(x.shape), axis)
     check_mode(scale_mode)
+    if kernels.usable(x):
+        q = empty_quantized(tuple(x.shape), axis)
+        pair = (q.data, q.scales)
+        if kernels.quantize_into(x, pair if axis == "rows" else None, pair if axis == "cols" else None, scale_mode):
+            return q
     xb = _blocked(_work(x), axis)
     keep = -1 if axis == "rows" else -2
     codes = scale_codes(_amax(xb, keep), scale_mode)
@@ -146,6 +161,10 @@ def quantize_dual(x: torch.Tensor, scale_mode: str = "floor") -> tuple[MXTensor,
     for axis in AXES:
         scale_shape(tuple(x.shape), axis)
     check_mode(scale_mode)
+    if kernels.usable(x):
+        r, c = empty_quantized(tuple(x.shape), "rows"), empty_quantized(tuple(x.shape), "cols")
+        if kernels.quantize_into(x, r[:2], c[:2], scale_mode):
+            return r, c
     xw = _work(x)
     out = []
     for axis, keep in (("rows", -1), ("cols", -2)):
@@ -160,6 +179,10 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, axis: str = "rows", dty
     want = scale_shape(tuple(data.shape), axis)
     if tuple(scales.shape) != want:
         raise GraphError(f"MXFP8 scales are {tuple(scales.shape)}, data {tuple(data.shape)} blocked by {axis} needs {want}")
+    if dtype in kernels.QUANT_DTYPES and data.numel() and kernels.usable(data, scales):  # (kernels need rows)
+        y = torch.empty(data.shape, dtype=dtype)
+        if kernels.dequantize_into(data, scales, axis, y):
+            return y
     keep = -1 if axis == "rows" else -2
     y = _blocked(data.float(), axis) * scales.float().unsqueeze(keep)
     return y.reshape(data.shape).to(dtype)

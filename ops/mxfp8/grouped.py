@@ -13,7 +13,8 @@ from typing import Sequence
 
 import torch
 
-from megaloom.ops.mxfp8.format import BLOCK, MXTensor, quantize
+from megaloom.ops.mxfp8 import kernels
+from megaloom.ops.mxfp8.format import BLOCK, MXTensor, check_mode, empty_quantized, quantize
 from megaloom.runtime.errors import GraphError
 
 
@@ -55,8 +56,23 @@ def pad_groups(x: torch.Tensor, offsets: Sequence[int]) -> torch.Tensor:
     return out
 
 
+def group_tiles(offsets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The 32-row tiles of column-wise grouped quantisation: (first row of the input, rows
+    taken from it, first row of the padded output); a tile's other rows are zeros."""
+    starts = [0, *padded_offsets(offsets)[:-1]]
+    return [(a + t, min(BLOCK, b - a - t), p + t) for (a, b), p in zip(bounds(offsets), starts)
+            for t in range(0, b - a, BLOCK)]
+
+
 def quantize_grouped(x: torch.Tensor, offsets: Sequence[int], axis: str = "cols", scale_mode: str = "floor") -> MXTensor:
     """Quantise ``x`` (T, K) per group. ``cols``: blocks along tokens, groups padded to 32 rows
     (output has the padded row count); ``rows``: blocks along K, which never cross groups."""
-    check_offsets(offsets, x.shape[0])
-    return quantize(pad_groups(x, offsets) if axis == "cols" else x, axis, scale_mode)
+    offs = check_offsets(offsets, x.shape[0])
+    if axis != "cols":
+        return quantize(x, axis, scale_mode)
+    if x.dim() == 2 and x.dtype in kernels.QUANT_DTYPES and kernels.usable(x):
+        check_mode(scale_mode)
+        q = empty_quantized((padded_offsets(offs)[-1], x.shape[1]), "cols")
+        if kernels.quantize_into(x, None, q[:2], scale_mode, group_tiles(offs)):
+            return q
+    return quantize(pad_groups(x, offs), axis, scale_mode)

@@ -110,12 +110,14 @@ def mx_matmul(a: MXTensor, b: MXTensor, layout: str = "NT", out_dtype: torch.dty
 
 
 def mx_grouped_matmul(a: MXTensor, b: MXTensor, offsets: Sequence[int], layout: str = "NT",
-                      out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """Per-group products over tokens sorted by group (emulated).
 
     NT: a (T,K) rows, b (G,N,K) rows -> (T,N), rows of group g times b[g]^T.
     NN: a (T,N) rows, b (G,N,K) cols -> (T,K), rows of group g times b[g].
     TN: a (Tp,N), b (Tp,K), both grouped column-wise (padded) -> (G,N,K), a_g^T b_g.
+    ``out``: a tensor of the result's shape and ``out_dtype`` to write (and return); each
+    group's product goes straight into it when the emulation dtype is ``out_dtype``.
     """
     _check_axes(a, b, layout)
     offs = check_offsets(offsets)
@@ -125,14 +127,27 @@ def mx_grouped_matmul(a: MXTensor, b: MXTensor, offsets: Sequence[int], layout: 
         if x.shape[0] != padded_offsets(offs)[-1] or y.shape[0] != x.shape[0]:
             raise GraphError(f"MXFP8 grouped TN: operands {tuple(x.shape)}, {tuple(y.shape)} do not hold "
                              f"{padded_offsets(offs)[-1]} padded rows for offsets {offs}")
-        out = x.new_empty((len(offs), x.shape[1], y.shape[1]))
+        res = _result(out, (len(offs), x.shape[1], y.shape[1]), x)
         for g, (s, e) in enumerate(bounds(padded_offsets(offs))):
-            torch.matmul(x[s:e].t(), y[s:e], out=out[g])
-        return out.to(out_dtype)
+            torch.matmul(x[s:e].t(), y[s:e], out=res[g])
+        return _finish(res, out, out_dtype)
     if y.dim() != 3 or y.shape[0] != len(offs) or x.shape[0] != offs[-1]:
         raise GraphError(f"MXFP8 grouped {layout}: a {tuple(x.shape)}, b {tuple(y.shape)} do not fit offsets {offs}")
     w = y.transpose(1, 2) if layout == "NT" else y
-    out = x.new_empty((x.shape[0], w.shape[2]))
+    res = _result(out, (x.shape[0], w.shape[2]), x)
     for g, (s, e) in enumerate(bounds(offs)):
-        torch.matmul(x[s:e], w[g], out=out[s:e])
-    return out.to(out_dtype)
+        torch.matmul(x[s:e], w[g], out=res[s:e])
+    return _finish(res, out, out_dtype)
+
+
+def _result(out: torch.Tensor | None, shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """Where the group products go: ``out`` itself when it has the emulation dtype of ``x``."""
+    if out is not None and tuple(out.shape) != shape:
+        raise GraphError(f"MXFP8 grouped matmul: out has shape {tuple(out.shape)}, the result is {shape}")
+    return out if out is not None and out.dtype == x.dtype else x.new_empty(shape)
+
+
+def _finish(res: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    if out is None:
+        return res.to(out_dtype)
+    return out if res is out else out.copy_(res)

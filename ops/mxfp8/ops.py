@@ -10,7 +10,9 @@
 | mx_grouped_matmul   | cube   | a data/scales, b data/scales | y                               | group_offsets, layout, out_dtype        |
 
 Costs count the 1-byte payload plus the scale bytes; matmuls use precision ``mxfp8`` so a
-simulator picks the profile's MXFP8 cube rate.
+simulator picks the profile's MXFP8 cube rate. Every op has a tile kernel that writes the
+task's output tiles in place (quantisation and dequantisation through the compiled
+kernels when built, :mod:`megaloom.ops.mxfp8.kernels`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import (
     MXTensor, check_mode, dequantize, quantize, quantize_dual, scale_shape,
 )
-from megaloom.ops.mxfp8.grouped import check_offsets, padded_offsets, quantize_grouped
+from megaloom.ops.mxfp8 import kernels
+from megaloom.ops.mxfp8.grouped import check_offsets, group_tiles, padded_offsets, quantize_grouped
 from megaloom.ops.mxfp8.matmul import layout_axes, mx_grouped_matmul, mx_matmul
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
@@ -104,6 +107,33 @@ def _quantize_grouped_ref(x: torch.Tensor, group_offsets=(), axis: str = "cols",
     return tuple(quantize_grouped(x, group_offsets, axis, scale_mode)[:2])
 
 
+# Tile kernels: write a task's (possibly strided) output tiles in place through the compiled
+# kernels; without them, or for layouts they do not take, copy the torch results in.
+def _copy_into(outs, results) -> None:
+    for o, r in zip(outs, results):
+        o.copy_(r)
+
+
+def _quantize_kernel(ins, outs, axis: str = "rows", scale_mode: str = "floor") -> None:
+    pair = (outs[0], outs[1])
+    if not (kernels.usable(ins[0], *outs) and kernels.quantize_into(
+            ins[0], pair if axis == "rows" else None, pair if axis == "cols" else None, scale_mode)):
+        _copy_into(outs, _quantize_ref(ins[0], axis, scale_mode))
+
+
+def _quantize_dual_kernel(ins, outs, scale_mode: str = "floor") -> None:
+    if not (kernels.usable(ins[0], *outs) and kernels.quantize_into(ins[0], outs[:2], outs[2:], scale_mode)):
+        _copy_into(outs, _quantize_dual_ref(ins[0], scale_mode))
+
+
+def _quantize_grouped_kernel(ins, outs, group_offsets=(), axis: str = "cols", scale_mode: str = "floor") -> None:
+    cols = axis == "cols"
+    tiles = group_tiles(check_offsets(group_offsets, ins[0].shape[0])) if cols else None
+    if not (kernels.usable(ins[0], *outs) and kernels.quantize_into(
+            ins[0], None if cols else outs[:2], outs[:2] if cols else None, scale_mode, tiles)):
+        _copy_into(outs, _quantize_grouped_ref(ins[0], group_offsets, axis, scale_mode))
+
+
 # -- dequantisation -------------------------------------------------------------------------
 def _dequantize_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     _n_inputs(ins, 2, "mx_dequantize")
@@ -118,6 +148,11 @@ def _dequantize_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict)
 
 def _dequantize_ref(data, scales, axis: str = "rows", out_dtype: str = "float32"):
     return dequantize(data, scales, axis, torch_dtype(out_dtype))
+
+
+def _dequantize_kernel(ins, outs, axis: str = "rows", out_dtype: str = "float32") -> None:
+    if not (kernels.usable(*ins, *outs) and kernels.dequantize_into(ins[0], ins[1], axis, outs[0])):
+        outs[0].copy_(_dequantize_ref(ins[0], ins[1], axis, out_dtype))
 
 
 # -- matmuls ----------------------------------------------------------------------------------
@@ -181,20 +216,25 @@ def _matmul_kernel(ins, outs, layout: str = "NT", out_dtype: str = "float32") ->
     outs[0].copy_(mx_matmul(_mx(ins[0], ins[1], ax_a), _mx(ins[2], ins[3], ax_b), layout, torch_dtype(out_dtype)))
 
 
-def _grouped_ref(ad, asc, bd, bsc, group_offsets=(), layout: str = "NT", out_dtype: str = "float32"):
+def _grouped_ref(ad, asc, bd, bsc, group_offsets=(), layout: str = "NT", out_dtype: str = "float32", out=None):
     ax_a, ax_b = layout_axes(layout)
-    return mx_grouped_matmul(_mx(ad, asc, ax_a), _mx(bd, bsc, ax_b), group_offsets, layout, torch_dtype(out_dtype))
+    return mx_grouped_matmul(_mx(ad, asc, ax_a), _mx(bd, bsc, ax_b), group_offsets, layout, torch_dtype(out_dtype),
+                             out=out)
 
 
-register(OpDef("mx_quantize", ("vector",), _quantize_ref, _quantize_shape, _quantize_cost,
+def _grouped_kernel(ins, outs, group_offsets=(), layout: str = "NT", out_dtype: str = "float32") -> None:
+    _grouped_ref(*ins, group_offsets=group_offsets, layout=layout, out_dtype=out_dtype, out=outs[0])
+
+
+register(OpDef("mx_quantize", ("vector",), _quantize_ref, _quantize_shape, _quantize_cost, _quantize_kernel,
                doc="MXFP8 quantisation along rows (last dim) or cols (dim -2)"))
 register(OpDef("mx_quantize_dual", ("vector",), _quantize_dual_ref, _quantize_dual_shape, _quantize_cost,
-               doc="row-wise and column-wise MXFP8 quantisation in one pass"))
+               _quantize_dual_kernel, doc="row-wise and column-wise MXFP8 quantisation in one pass"))
 register(OpDef("mx_quantize_grouped", ("vector",), _quantize_grouped_ref, _quantize_grouped_shape, _quantize_cost,
-               doc="MXFP8 quantisation per token group, each group zero-padded to 32 rows"))
-register(OpDef("mx_dequantize", ("vector",), _dequantize_ref, _dequantize_shape, _dequantize_cost,
+               _quantize_grouped_kernel, doc="MXFP8 quantisation per token group, each group zero-padded to 32 rows"))
+register(OpDef("mx_dequantize", ("vector",), _dequantize_ref, _dequantize_shape, _dequantize_cost, _dequantize_kernel,
                doc="MXFP8 to a float dtype"))
 register(OpDef("mx_matmul", ("cube",), _matmul_ref, _matmul_shape, _matmul_cost, _matmul_kernel,
                doc="quantised matmul, layouts NT/NN/TN (native block-scaled GEMM where available)"))
-register(OpDef("mx_grouped_matmul", ("cube",), _grouped_ref, _grouped_shape, _matmul_cost,
+register(OpDef("mx_grouped_matmul", ("cube",), _grouped_ref, _grouped_shape, _matmul_cost, _grouped_kernel,
                doc="quantised per-group matmul over tokens sorted by group"))

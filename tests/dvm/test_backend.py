@@ -1,4 +1,4 @@
-"""The tiled backend and the signature cache: fused kernel == program reference."""
+"""The tiled torch backend and the signature cache: fused kernel == program reference."""
 from __future__ import annotations
 
 import msgpack
@@ -17,7 +17,7 @@ def silu(shape, dtype="float32") -> Program:
     return Program(((shape, dtype),), SILU, (5,))
 
 
-def run(prog: Program, xs, opts: B.Options = B.Options()):
+def run(prog: Program, xs, opts: B.Options = B.Options(backend="tiled")):
     outs = [torch.full(s, -7, dtype=getattr(torch, d)) for s, d in prog.out_specs()]
     B.compile_program(prog, opts)(xs, outs)
     return outs
@@ -57,7 +57,7 @@ def test_malformed_programs_raise(bad, match):
 def test_tiled_is_bit_exact_when_tiles_are_whole_simd_vectors(shape, tile_bytes):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     prog = silu(shape)
-    (got,) = run(prog, [x], B.Options(tile_bytes=tile_bytes))
+    (got,) = run(prog, [x], B.Options(backend="tiled", tile_bytes=tile_bytes))
     assert torch.equal(got, prog.run_reference([x])[0])
 
 
@@ -67,7 +67,7 @@ def test_ragged_tiles_match_within_rounding(shape, tile_bytes):
     # a tile's ragged tail runs torch's scalar code, which may differ from SIMD by an ulp
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     prog = silu(shape)
-    (got,) = run(prog, [x], B.Options(tile_bytes=tile_bytes))
+    (got,) = run(prog, [x], B.Options(backend="tiled", tile_bytes=tile_bytes))
     torch.testing.assert_close(got, prog.run_reference([x])[0], rtol=4e-7, atol=1e-7)
 
 
@@ -79,7 +79,7 @@ def test_broadcast_rows_columns_and_invariant_outputs():
                    (instr("exp", [1]), instr("mul", [0, 3]), instr("sub", [4, 2]), instr("gt", [5], scalar=0.0),
                     instr("where", [6, 5], scalar=0.0, scalar_pos=2)), (3, 7, 5))
     for tb in (None, 160, 40):
-        got = run(prog, [x, row, col], B.Options(tile_bytes=tb))
+        got = run(prog, [x, row, col], B.Options(backend="tiled", tile_bytes=tb))
         for a, b in zip(got, prog.run_reference([x, row, col])):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=4e-7, atol=1e-7)
@@ -90,7 +90,7 @@ def test_non_contiguous_inputs_and_outputs():
     x = torch.randn(40, 30, generator=g).t()  # (30, 40) transposed view
     prog = silu((30, 40))
     out_store = torch.zeros(40, 30)
-    B.compile_program(prog, B.Options(tile_bytes=300))([x], [out_store.t()])
+    B.compile_program(prog, B.Options(backend="tiled", tile_bytes=300))([x], [out_store.t()])
     torch.testing.assert_close(out_store.t(), prog.run_reference([x])[0], rtol=0, atol=1e-6)
 
 
@@ -108,7 +108,7 @@ def test_empty_domains():
 def test_threads_over_tiles_match():
     x = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
     prog = silu((64, 50))
-    (got,) = run(prog, [x], B.Options(tile_bytes=800, threads=2))
+    (got,) = run(prog, [x], B.Options(backend="tiled", tile_bytes=800, threads=2))
     torch.testing.assert_close(got, prog.run_reference([x])[0], rtol=4e-7, atol=1e-7)
 
 
@@ -117,7 +117,7 @@ def test_in_place_register_reuse_keeps_live_values():
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(4))
     prog = Program((((16, 8), "float32"),), (instr("exp", [0]), instr("neg", [1]), instr("tanh", [2]),
                                              instr("add", [3, 1]), instr("mul", [4, 4])), (5,))
-    (got,) = run(prog, [x], B.Options(tile_bytes=64))
+    (got,) = run(prog, [x], B.Options(backend="tiled", tile_bytes=64))
     torch.testing.assert_close(got, prog.run_reference([x])[0], rtol=4e-7, atol=1e-7)
 
 
@@ -128,7 +128,7 @@ def test_options_are_checked():
         dvm.configure(tiles=3)
     with pytest.raises(ConfigError, match="threads"):
         dvm.configure(threads=0)
-    assert dvm.options().backend == "tiled"
+    assert dvm.options().backend == "native"
 
 
 def test_l2_detection_and_size_parsing():

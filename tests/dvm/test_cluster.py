@@ -12,6 +12,17 @@ from megaloom.runtime.graph import TaskGraph
 S = (16, 8)
 
 
+@pytest.fixture(autouse=True)
+def tiled_backend():
+    """The fusion pass is checked bit for bit: fused tasks run on the tiled torch backend,
+    which makes the very torch calls of the unfused chain (tests/dvm/test_native.py
+    covers the native backend)."""
+    old = dvm.options().backend
+    dvm.configure(backend="tiled")
+    yield
+    dvm.configure(backend=old)
+
+
 def silu_graph(g: TaskGraph, x, y, tag: str = "") -> None:
     a, b, c, d = (g.buffer(f"{tag}{n}", x.shape if hasattr(x, "shape") else S) for n in "abcd")
     g.task("dvm.neg", [x], [a])

@@ -1,4 +1,4 @@
-"""Random fused chains (hypothesis): tiled kernel == unfused evaluation, every dtype,
+"""Random fused chains (hypothesis): tiled torch kernel == unfused evaluation, every dtype,
 broadcast rows/columns, non-contiguous inputs, empty domains, any tile size."""
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_fused_equals_unfused(case):
     xs = _inputs(prog, seed, strided)
     want = prog.run_reference(xs)
     outs = [torch.empty(s, dtype=getattr(torch, d)) for s, d in prog.out_specs()]
-    B.compile_program(prog, B.Options(tile_bytes=tile_bytes))(xs, outs)
+    B.compile_program(prog, B.Options(backend="tiled", tile_bytes=tile_bytes))(xs, outs)
     rtol, atol = (0.0, 0.0) if tile_bytes is None else _tolerance(prog, xs)
     for got, w in zip(outs, want):
         assert got.shape == w.shape and got.dtype == w.dtype

@@ -1,15 +1,29 @@
-"""Bit-exact MXFP8 quantisation against the float64 spec implementation in ``spec.py``."""
+"""Bit-exact MXFP8 quantisation against the float64 spec implementation in ``spec.py``,
+through the compiled kernels and through the torch implementation."""
 import math
 
 import pytest
 import torch
 
+from megaloom.ops import native
 from megaloom.ops.mxfp8 import dequantize, quantize, quantize_dual
 from megaloom.runtime.errors import GraphError
 
 from .spec import e4m3_value, quantize_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def impl(request):
+    """Every test runs on the compiled kernels and on the torch implementation."""
+    if request.param == "native":
+        if not native.AVAILABLE:
+            pytest.skip("the compiled kernels are not built")
+        yield request.param
+    else:
+        with native.disabled():
+            yield request.param
 
 
 def special_rows(dtype: torch.dtype) -> torch.Tensor:

@@ -86,7 +86,7 @@ def measured(quick: bool) -> None:
         (megagate_reference(x, w, bias, top_k=k, score="sigmoid")[1] * g).sum().backward()
 
     n, Tm = 4, T // 2
-    ins = [torch.randn(Tm, H), torch.randn(Tm, n, H), torch.rand(Tm, n), torch.rand(Tm, n),
+    ins = [torch.randn(Tm, H), torch.randn(Tm, n, H), torch.rand(Tm, n),
            torch.softmax(torch.randn(Tm, n, n), -1), 0.02 * torch.randn(24, n * H), torch.ones(3), torch.zeros(24),
            torch.ones(H)]
     ins = [t.requires_grad_() for t in ins]

@@ -6,13 +6,14 @@ the full state dict) and a load at another world size reads exactly the rows eac
 rank's new shard covers (save on 4 ranks, load on 3 or 2, bit-exact).
 
 Keys: ``model.<param>`` for parameters (shards, or whole when replicated) and buffers,
-``optim.<param>.<state>`` for optimizer state (sharded like its parameter when it has
-the shard's shape, else replicated). :func:`save_params` / :func:`load_params` take a
-``{name: (local tensor, layout or None)}`` map (the trainer's whole model: expert-parallel
-slices, replicated weights; DTensors, such as FSDP2 and tensor-parallel parameters, carry
-their own layout and are written and read as the chunks they hold). ``extra`` is one small
-msgpack value per rank (step, RNG states, ...), saved as ``megaloom.extra`` inside the same
-atomic save and returned as ``manifest["extra"]``.
+``optim.state.<param>.<state>`` for optimizer state (sharded like its parameter when it has
+the shard's shape, else replicated): the layout ``torch.distributed.checkpoint.state_dict``'s
+``get_state_dict`` gives a model and optimizer saved as ``{"model": ..., "optim": ...}``.
+:func:`save_params` / :func:`load_params` take a ``{name: (local tensor, layout or None)}``
+map (the trainer's whole model: expert-parallel slices, replicated weights; DTensors, such
+as FSDP2 and tensor-parallel parameters, carry their own layout and are written and read as
+the chunks they hold). ``extra`` is one small msgpack value per rank (step, RNG states, ...),
+saved as ``megaloom.extra`` inside the same atomic save and returned as ``manifest["extra"]``.
 
 Safety. DCP writes into ``<path>.partial``; rank 0 then adds ``megaloom.manifest``
 (msgpack: layouts, DCP's metadata, and the size and SHA-256 of every file) and swaps the
@@ -64,6 +65,7 @@ from megaloom.runtime.errors import CheckpointError, CommError, FileFormatError,
 from megaloom.runtime.files import atomic_write, read_msgpack
 
 MANIFEST, EXTRA = "megaloom.manifest", "megaloom.extra"
+OPTIM = "optim.state."  # optimizer state keys: optim.state.<param>.<state>, as torch's get_state_dict names them
 FORMAT, VERSION = "megaloom-checkpoint", 2  # 2: DCP metadata in the manifest (1 relied on DCP's pickle)
 MAX_MANIFEST = 256 << 20
 _FILE_NAME = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,254}")
@@ -154,9 +156,9 @@ def state_of(params: Params, optimizer: torch.optim.Optimizer | None = None
             continue
         for key, v in optimizer.state.get(t, {}).items():
             if isinstance(v, torch.Tensor):
-                state[f"optim.{fqn}.{key}"] = v.detach()
+                state[f"{OPTIM}{fqn}.{key}"] = v.detach()
                 if lay is not None and v.dim() and tuple(v.shape) == lay.local_shape:
-                    layouts[f"optim.{fqn}.{key}"] = lay
+                    layouts[f"{OPTIM}{fqn}.{key}"] = lay
     return state, layouts
 
 
@@ -391,9 +393,9 @@ def _make_optimizer_state(tensors: dict[str, Any], params: Params, optimizer: to
 
     No state may be larger than its parameter, so a manifest cannot make this allocate more."""
     for key, info in tensors.items():
-        if not key.startswith("optim."):
+        if not key.startswith(OPTIM):
             continue
-        fqn, _, name = key[len("optim."):].rpartition(".")
+        fqn, _, name = key[len(OPTIM):].rpartition(".")
         if fqn not in params:
             raise CheckpointError(f"checkpoint entry {key!r} names parameter {fqn!r}, which the model lacks")
         t, lay = params[fqn]

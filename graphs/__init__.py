@@ -2,7 +2,7 @@
 :mod:`.mhc`, :mod:`.fsdp`), on what they share (:mod:`.common`)."""
 from megaloom.graphs.common import GraphBuilder, GraphRunner
 from megaloom.graphs.gate import (
-    MEGAGATE, GateOutput, GateSpec, MegaGate, MegaGateFunction, build_megagate, build_megagate_backward,
+    MEGAGATE, GateOutput, GateSpec, MegaGate, build_megagate, build_megagate_backward,
     build_megagate_forward, megagate_reference, run_megagate,
 )
 from megaloom.graphs.mhc import (
@@ -13,7 +13,7 @@ from megaloom.graphs.moe import MEGAMOE, MegaMoE, MegaMoESpec, moe_reference
 
 __all__ = [
     "GateOutput", "GateSpec", "GraphBuilder", "GraphRunner", "MEGAGATE", "MEGAMHC", "MEGAMOE", "MHCOutput", "MHCSpec",
-    "MegaGate", "MegaGateFunction", "MegaMHC", "MegaMHCFunction", "MegaMoE", "MegaMoESpec", "build_megagate",
+    "MegaGate", "MegaMHC", "MegaMHCFunction", "MegaMoE", "MegaMoESpec", "build_megagate",
     "build_megagate_backward", "build_megagate_forward", "build_megamhc", "build_megamhc_backward",
     "build_megamhc_forward", "megagate_reference", "megamhc_reference", "moe_reference", "run_megagate", "run_megamhc",
 ]

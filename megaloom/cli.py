@@ -12,7 +12,8 @@ import sys
 
 from megaloom.runtime.errors import MegaloomError
 
-COMMANDS = ["demo", "launch", "collect", "train", "simulate", "replay", "profiles", "calibrate", "trace", "catalog", "graph"]
+COMMANDS = ["demo", "launch", "collect", "train", "export", "simulate", "replay", "profiles", "calibrate", "trace",
+            "catalog", "graph"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,8 @@ ranks, hold the communicator in its context.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import OrderedDict
 from typing import Any, Mapping
 
@@ -20,9 +22,18 @@ from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Trace
 
+_RUNNERS: weakref.WeakValueDictionary[int, GraphRunner] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
+# the dispatcher's default thread state: inside a torch.library custom op autograd is skipped,
+# but some reference ops differentiate (vjp), so a run restores this state (autocast off)
+_DEFAULT_DISPATCH = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
 class GraphRunner:
     """Builds graphs with a family's :class:`~megaloom.graphs.common.builder.GraphBuilder`, caches
-    them, and runs them; ``last_trace[direction]`` keeps the trace of the latest run of each direction."""
+    them, and runs them; ``last_trace[direction]`` keeps the trace of the latest run of each direction.
+    ``key`` names the runner to the families' ``torch.library`` custom ops, which take no Python
+    objects (:func:`runner_for` finds it again)."""
 
     def __init__(self, executor: str | Executor = "thread", *, units: Mapping[str, int] | None = None,
                  policy: Any = None, comm: Any = None, cache_size: int = 16):
@@ -37,6 +48,8 @@ class GraphRunner:
         self.cache_size = cache_size
         self._graphs: OrderedDict[tuple, TaskGraph] = OrderedDict()
         self.last_trace: dict[str, Trace] = {}
+        self.key = next(_KEYS)
+        _RUNNERS[self.key] = self
 
     def graph(self, family: Any, spec: Any, direction: str = "fwd", *args: Any, **kw: Any) -> TaskGraph:
         """``family.build(spec, direction, *args, **kw)``, validated; built once per (hashable) arguments."""
@@ -57,7 +70,8 @@ class GraphRunner:
         as they are, e.g. transposed weight views, with no copy)."""
         inputs = {k: (v.detach().contiguous() if contiguous else v.detach()) for k, v in inputs.items()}
         device = next(iter(inputs.values())).device
-        res = self.executor_for(graph, device).run(graph, inputs)
+        with torch._C._ForceDispatchKeyGuard(*_DEFAULT_DISPATCH), torch.autocast(device.type, enabled=False):
+            res = self.executor_for(graph, device).run(graph, inputs)
         self.last_trace[direction] = res.trace
         return res
 
@@ -76,3 +90,11 @@ class GraphRunner:
         from megaloom.scheduler import make_policy
 
         return cls(self.units, policy=make_policy(self.policy), ctx=ctx)
+
+
+def runner_for(key: int) -> GraphRunner:
+    """The live runner of ``key``."""
+    runner = _RUNNERS.get(key)
+    if runner is None:
+        raise ExecutionError(f"graph runner {key} is gone (its module was deleted)")
+    return runner

@@ -2,14 +2,14 @@
 
 Modules: :mod:`.ops` (vector tile ops), :mod:`.graph` (``GateSpec``, forward and backward
 builders, the ``MEGAGATE`` graph factory, the golden router), :mod:`.module` (``MegaGate``
-module and autograd function).
+module and the custom ops its autograd runs on).
 """
 from megaloom.graphs.gate.graph import (
     MEGAGATE, GateSpec, build_megagate, build_megagate_backward, build_megagate_forward, megagate_reference,
 )
-from megaloom.graphs.gate.module import GateOutput, MegaGate, MegaGateFunction, run_megagate
+from megaloom.graphs.gate.module import GateOutput, MegaGate, run_megagate
 
 __all__ = [
-    "GateOutput", "GateSpec", "MEGAGATE", "MegaGate", "MegaGateFunction", "build_megagate", "build_megagate_backward",
+    "GateOutput", "GateSpec", "MEGAGATE", "MegaGate", "build_megagate", "build_megagate_backward",
     "build_megagate_forward", "megagate_reference", "run_megagate",
 ]

@@ -29,7 +29,7 @@ from megaloom.graphs.common.ops import up
 from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
-from megaloom.graphs.gate.ops import SCORES, combine, scores  # (registers the gate ops)
+from megaloom.graphs.gate.ops import SCORES, combine, scores, select  # (registers the gate ops)
 from megaloom.runtime.graph import TaskGraph
 
 
@@ -38,7 +38,8 @@ class GateSpec(GraphSpec):
     """Router shape and options. ``scale``: routed scaling factor; ``renorm``: renormalise
     the k weights (only when ``top_k > 1``); ``tile_tokens``: rows per token shard;
     ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel);
-    ``weight_rows``: tokens per link of a chain."""
+    ``weight_rows``: tokens per link of a chain; ``n_group`` / ``topk_group``: pick experts only
+    from the ``topk_group`` best of ``n_group`` equal expert groups (DeepSeek-V3: 8 / 4; 1 / 1: no limit)."""
 
     tokens: int
     hidden: int
@@ -51,18 +52,27 @@ class GateSpec(GraphSpec):
     tile_tokens: int = 128
     weight_cols: int = 256
     weight_rows: int = 1024
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self) -> None:
-        problems = positive(self, "tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols", "weight_rows")
+        problems = positive(self, "tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols", "weight_rows",
+                            "n_group", "topk_group")
         if not problems and self.top_k > self.experts:
             problems.append(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if not problems and self.n_group > 1 and (
+                self.experts % self.n_group or self.topk_group > self.n_group
+                or self.top_k > self.topk_group * (self.experts // self.n_group)):
+            problems.append(f"top_k={self.top_k} from topk_group={self.topk_group} of n_group={self.n_group} groups "
+                            f"does not fit experts={self.experts}")
         if self.score not in SCORES:
             problems.append(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         report("GateSpec", problems + dtype_problems(self))
 
     @property
     def attrs(self) -> dict:
-        return {"top_k": self.top_k, "score": self.score, "scale": float(self.scale), "renorm": self.renorm}
+        return {"top_k": self.top_k, "score": self.score, "scale": float(self.scale), "renorm": self.renorm,
+                "n_group": self.n_group, "topk_group": self.topk_group}
 
 
 def build_megagate_forward(spec: GateSpec) -> TaskGraph:
@@ -105,9 +115,10 @@ build_megagate = MEGAGATE.build  # build_megagate(spec, "fwd" | "bwd")
 
 
 def megagate_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, *, top_k: int,
-                       score: str = "softmax", scale: float = 1.0, renorm: bool = True):
+                       score: str = "softmax", scale: float = 1.0, renorm: bool = True, n_group: int = 1,
+                       topk_group: int = 1):
     """Golden router in plain torch with autograd: (logits [T, E], weights [T, k], indices [T, k])."""
     logits = torch.nn.functional.linear(up(x), up(weight))
     s = scores(logits, score)
-    indices = torch.topk(s.detach() + bias, top_k, dim=-1).indices
+    indices = select(s.detach(), bias, top_k, n_group, topk_group)
     return logits, combine(s, indices, top_k, scale, renorm), indices

@@ -7,8 +7,11 @@
 
 Attributes of both: ``top_k``, ``score`` (``softmax``, ``sigmoid`` or ``sqrtsoftplus``:
 sqrt(softplus(x))), ``scale`` (routed scaling factor), ``renorm`` (renormalise the k
-weights to sum 1 before scaling; applied only when ``top_k > 1``). The correction
-bias only moves the selection: weights are gathered from the unbiased scores.
+weights to sum 1 before scaling; applied only when ``top_k > 1``), ``n_group`` and
+``topk_group`` (group-limited selection, as DeepSeek-V3: the experts form ``n_group`` equal
+groups, each scored by the sum of its two best biased scores, and only the experts of the
+``topk_group`` best groups can be picked). The correction bias only moves the selection:
+weights are gathered from the unbiased scores.
 
 The references are literal torch; ``gate_topk_bwd``'s reference is the
 ``torch.autograd.functional.vjp`` of ``gate_topk``'s weights, its kernel the analytic
@@ -40,9 +43,18 @@ def scores(logits: torch.Tensor, score: str) -> torch.Tensor:
     raise GraphError(f"unknown gate score {score!r}; known: {', '.join(SCORES)}")
 
 
-def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, score: str) -> torch.Tensor:
-    """Indices [t, k] of the top-k of scores + correction bias (sorted, largest first)."""
-    return torch.topk(scores(logits, score) + bias, top_k, dim=-1).indices
+def select(s: torch.Tensor, bias: torch.Tensor, top_k: int, n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """Indices [t, k] of the top-k of scores ``s`` + correction bias (sorted, largest first), within the
+    ``topk_group`` best of ``n_group`` expert groups (a group's score: the sum of its two best)."""
+    biased = s + bias
+    if n_group > 1 and topk_group < n_group:
+        t, e = biased.shape
+        grouped = biased.view(t, n_group, e // n_group)
+        group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+        keep = torch.zeros(t, n_group, dtype=torch.bool, device=s.device)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+    return torch.topk(biased, top_k, dim=-1).indices
 
 
 def combine(s: torch.Tensor, indices: torch.Tensor, top_k: int, scale: float, renorm: bool) -> torch.Tensor:
@@ -56,9 +68,12 @@ def combine(s: torch.Tensor, indices: torch.Tensor, top_k: int, scale: float, re
 def _topk_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     if len(ins) != 2 or len(ins[0].shape) != 2 or ins[1].shape != ins[0].shape[1:]:
         raise GraphError(f"gate_topk takes logits [t, E] and bias [E], got {[s.shape for s in ins]}")
-    k = int(attrs["top_k"])
-    if not 0 < k <= ins[0].shape[1]:
-        raise GraphError(f"gate_topk: top_k={k} outside 1..{ins[0].shape[1]} experts")
+    k, e = int(attrs["top_k"]), ins[0].shape[1]
+    if not 0 < k <= e:
+        raise GraphError(f"gate_topk: top_k={k} outside 1..{e} experts")
+    groups, top = int(attrs.get("n_group", 1)), int(attrs.get("topk_group", 1))
+    if groups > 1 and (e % groups or not 0 < top <= groups or k > top * (e // groups)):
+        raise GraphError(f"gate_topk: top_k={k} from {top} of {groups} groups does not fit {e} experts")
     t = ins[0].shape[0]
     return [TensorSpec((t, k), ins[0].dtype), TensorSpec((t, k), "int64")]
 
@@ -69,17 +84,19 @@ def _topk_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Co
     return Cost(flops=t * e * (6.0 + k), bytes=float(sum(s.nbytes for s in ins + outs)))
 
 
-def _topk_ref(logits, bias, top_k: int, score: str, scale: float = 1.0, renorm: bool = True):
+def _topk_ref(logits, bias, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, n_group: int = 1,
+              topk_group: int = 1):
     s = scores(logits, score)
-    idx = torch.topk(s + bias, top_k, dim=-1).indices
+    idx = select(s, bias, top_k, n_group, topk_group)
     return combine(s, idx, top_k, scale, renorm), idx
 
 
-def _topk_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True) -> None:
+def _topk_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, n_group: int = 1,
+                 topk_group: int = 1) -> None:
     logits, bias = ins
     w, idx = outs
     s = scores(logits, score)
-    torch.topk(s + bias, top_k, dim=-1, out=(torch.empty_like(w), idx))
+    idx.copy_(select(s, bias, top_k, n_group, topk_group))
     torch.gather(s, -1, idx, out=w)
     if renorm and top_k > 1:
         w.div_(w.sum(-1, keepdim=True).add_(RENORM_EPS))
@@ -98,7 +115,8 @@ def _bwd_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cos
     return Cost(flops=10.0 * t * e, bytes=float(sum(s.nbytes for s in ins + outs)))
 
 
-def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: float = 1.0, renorm: bool = True):
+def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: float = 1.0, renorm: bool = True,
+             **_groups):
     def weights(lg: torch.Tensor) -> torch.Tensor:
         return combine(scores(lg, score), indices, top_k, scale, renorm)
 
@@ -106,7 +124,7 @@ def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: floa
     return gl + g_logits
 
 
-def _bwd_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True) -> None:
+def _bwd_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, **_groups) -> None:
     logits, idx, g_w, g_logits = ins
     out = outs[0]
     s = scores(logits, score)

@@ -15,20 +15,23 @@ from megaloom.runtime.executors import Executor
 
 class MHCOutput(NamedTuple):
     new_res: torch.Tensor  # [T, n, H] the updated residual streams
-    block_in: torch.Tensor  # [T, H] the input of the next block
+    block_in: torch.Tensor  # [T, H] the input of the next block (collapsed with the next pre)
     pre: torch.Tensor  # [T, n] next pre weights
     post: torch.Tensor  # [T, n] next post weights
     res: torch.Tensor  # [T, n, n] next residual mix (near doubly stochastic)
+
+
+SAVED = ("new_res", "raw", "inv_rms", "next_pre")  # forward outputs the backward graph reads
 
 
 class MegaMHCFunction(torch.autograd.Function):
     """Autograd function over the graphs; inputs in :data:`GRAD_INPUTS` order, outputs as :class:`MHCOutput`."""
 
     @staticmethod
-    def forward(ctx, y, h, pre, post, res, phi, alpha, bias, norm_w, spec: MHCSpec, runner: GraphRunner):
-        inputs = dict(zip(GRAD_INPUTS, (y, h, pre, post, res, phi, alpha, bias, norm_w)))
+    def forward(ctx, y, h, post, res, phi, alpha, bias, norm_w, spec: MHCSpec, runner: GraphRunner):
+        inputs = dict(zip(GRAD_INPUTS, (y, h, post, res, phi, alpha, bias, norm_w)))
         out = runner.run(runner.graph(MEGAMHC, spec, "fwd"), inputs, "fwd").outputs
-        ctx.save_for_backward(*inputs.values(), out["new_res"], out["raw"], out["inv_rms"])
+        ctx.save_for_backward(*inputs.values(), *(out[k] for k in SAVED))
         ctx.spec, ctx.runner = spec, runner
         return tuple(out[k] for k in GRAD_OUTPUTS)
 
@@ -36,8 +39,8 @@ class MegaMHCFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         inputs = dict(zip(GRAD_INPUTS, saved))
-        inputs.update(new_res=saved[-3], raw=saved[-2], inv_rms=saved[-1])
-        like = {"new_res": inputs["h"], "block_in": inputs["y"], "next_pre": inputs["pre"],
+        inputs.update(zip(SAVED, saved[len(GRAD_INPUTS):]))
+        like = {"new_res": inputs["h"], "block_in": inputs["y"], "next_pre": inputs["post"],
                 "next_post": inputs["post"], "next_res": inputs["res"]}
         for name, gr in zip(GRAD_OUTPUTS, grads):
             inputs[f"grad_{name}"] = torch.zeros_like(like[name]) if gr is None else gr.to(like[name].dtype)
@@ -45,18 +48,18 @@ class MegaMHCFunction(torch.autograd.Function):
         return tuple(out[f"grad_{k}"] for k in GRAD_INPUTS) + (None, None)
 
 
-def run_megamhc(y, h, pre, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunner | None = None,
+def run_megamhc(y, h, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunner | None = None,
                 **options) -> MHCOutput:
     """One hyper-connection step on token rows (see :mod:`megaloom.graphs.mhc.graph` for the maths).
 
     ``y`` [T, H] and ``h`` [T, n, H] set the dtype; phi and norm_w are used in it, and
-    pre / post / res / alpha / bias in float32 (float64 for float64 inputs). ``options``:
+    post / res / alpha / bias in float32 (float64 for float64 inputs). ``options``:
     the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows).
     """
     T, n, H = h.shape
     spec = MHCSpec.from_dict({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(h.dtype), **options})
     acc = torch_dtype(acc_dtype(spec.dtype))
-    out = MegaMHCFunction.apply(y.to(h.dtype), h, pre.to(acc), post.to(acc), res.to(acc), phi.to(h.dtype),
+    out = MegaMHCFunction.apply(y.to(h.dtype), h, post.to(acc), res.to(acc), phi.to(h.dtype),
                                 alpha.to(acc), bias.to(acc), norm_w.to(h.dtype), spec, runner or GraphRunner())
     return MHCOutput(*out)
 
@@ -65,7 +68,8 @@ class MegaMHC(nn.Module):
     """Manifold-constrained hyper-connections over ``streams`` residual streams.
 
     Parameters (``nn.Parameter``): ``phi`` [m, n*H], ``alpha`` [3], ``bias`` [m], ``norm_w`` [H],
-    with ``m = n*n + 2n`` (24 for n = 4). ``forward(y, h, pre, post, res)`` takes token rows or
+    with ``m = n*n + 2n`` (24 for n = 4). ``forward(y, h, post, res)`` (the previous block's output,
+    the previous streams, the previous layer's post and residual mix) takes token rows or
     [B, S, ...] batches and returns :class:`MHCOutput` with the same leading dims. ``options``:
     the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows);
     ``executor``, ``units``, ``policy``: what runs the graphs (see
@@ -96,12 +100,10 @@ class MegaMHC(nn.Module):
             self.bias[2 * n:].view(n, n).fill_diagonal_(4.0)
         nn.init.ones_(self.norm_w)
 
-    def forward(self, y: torch.Tensor, h: torch.Tensor, pre: torch.Tensor, post: torch.Tensor,
-                res: torch.Tensor) -> MHCOutput:
+    def forward(self, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, res: torch.Tensor) -> MHCOutput:
         lead, n, H = h.shape[:-2], self.streams, self.hidden
-        out = run_megamhc(y.reshape(-1, H), h.reshape(-1, n, H), pre.reshape(-1, n), post.reshape(-1, n),
-                          res.reshape(-1, n, n), self.phi, self.alpha, self.bias, self.norm_w, runner=self.runner,
-                          **self.options)
+        out = run_megamhc(y.reshape(-1, H), h.reshape(-1, n, H), post.reshape(-1, n), res.reshape(-1, n, n),
+                          self.phi, self.alpha, self.bias, self.norm_w, runner=self.runner, **self.options)
         return MHCOutput(*(t.reshape(*lead, *t.shape[1:]) for t in out))
 
     def extra_repr(self) -> str:

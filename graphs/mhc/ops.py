@@ -2,11 +2,12 @@
 
 | op                | engine | what it computes (one token tile)                                          |
 |-------------------|--------|----------------------------------------------------------------------------|
-| mhc_mix_norm      | vector | new residual ``R^T h + post (x) y``, the inverse RMS of its flattening, and  |
-|                   |        | the block input ``RMSNorm(sum_j pre_j new_j) * norm_w``                     |
+| mhc_mix_norm      | vector | new residual ``R^T h + post (x) y`` and the inverse RMS of its flattening  |
 | mhc_coeff         | vector | next pre / post / residual mix from the projected logits (Sinkhorn on the mix) |
+| mhc_block_in      | vector | the block input ``RMSNorm(sum_j pre_j new_j) * norm_w`` with the *next* pre |
+| mhc_block_in_bwd  | vector | gradient of mhc_block_in: new, pre (plus pre's own gradient), norm-weight partial |
 | mhc_coeff_bwd     | vector | gradient of mhc_coeff: logits, inverse RMS, and per-tile alpha / bias partials |
-| mhc_mix_norm_bwd  | vector | gradient of mhc_mix_norm, plus per-tile norm-weight partials                  |
+| mhc_mix_norm_bwd  | vector | gradient of mhc_mix_norm (new's gradient from every reader summed in)       |
 
 Logit layout (``m = n*n + 2n``; 24 for n = 4): ``l[:, 0:n]`` pre, ``l[:, n:2n]`` post,
 ``l[:, 2n:]`` the mix, row-major ``[n, n]`` (mix entry ``n*i + j`` is row i, column j). The bias
@@ -47,15 +48,18 @@ def _cost(flops_per_elem: float, elem_operand: int = 0):
 
 
 # -- forward references ------------------------------------------------------------------
-def mix_norm_ref(y, h, pre, post, res, norm_w, rms_eps: float = 1e-6):
-    """(new, inv_rms, block): ``new_i = sum_j res[j, i] h_j + post_i y`` stored in h's dtype,
-    the inverse RMS of flat(new), and ``RMSNorm(sum_j pre_j new_j) * norm_w`` (from the stored new)."""
+def mix_norm_ref(y, h, post, res, rms_eps: float = 1e-6):
+    """(new, inv_rms): ``new_i = sum_j res[j, i] h_j + post_i y`` stored in h's dtype, and the inverse
+    RMS of flat(new) (from the stored new)."""
     new = (torch.einsum("tji,tjh->tih", res, up(h)) + post.unsqueeze(-1) * up(y).unsqueeze(1)).to(h.dtype)
-    nw = up(new)
-    inv = torch.rsqrt(nw.flatten(1).pow(2).mean(-1, keepdim=True) + rms_eps)
-    z = (pre.unsqueeze(-1) * nw).sum(1)
-    block = (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + rms_eps) * up(norm_w)).to(h.dtype)
-    return new, inv, block
+    inv = torch.rsqrt(up(new).flatten(1).pow(2).mean(-1, keepdim=True) + rms_eps)
+    return new, inv
+
+
+def block_in_ref(new, pre, norm_w, rms_eps: float = 1e-6):
+    """``RMSNorm(sum_j pre_j new_j) * norm_w`` in new's dtype."""
+    z = (pre.unsqueeze(-1) * up(new)).sum(1)
+    return (z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + rms_eps) * up(norm_w)).to(new.dtype)
 
 
 def sinkhorn(m: torch.Tensor, iters: int) -> torch.Tensor:
@@ -82,13 +86,17 @@ def coeff_ref(raw, inv_rms, alpha, bias, n: int = 4, iters: int = 20, pre_eps: f
 
 # -- forward kernels ---------------------------------------------------------------------
 def _mix_norm_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
-    y, h, pre, post, res, w = ins
-    new, inv, block = outs
+    y, h, post, res = ins
+    new, inv = outs
     new.copy_(torch.matmul(res.transpose(1, 2), up(h)).addcmul_(post.unsqueeze(-1), up(y).unsqueeze(1)))
     nw = up(new)  # the stored (rounded) values, as a later reader sees them
     torch.rsqrt(nw.flatten(1).square().mean(-1, keepdim=True).add_(rms_eps), out=inv)
-    z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
-    block.copy_(F.rms_norm(z, (z.shape[-1],), up(w), rms_eps))
+
+
+def _block_in_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    new, pre, w = ins
+    z = torch.bmm(pre.unsqueeze(1), up(new)).squeeze(1)
+    outs[0].copy_(F.rms_norm(z, (z.shape[-1],), up(w), rms_eps))
 
 
 def _coeff_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
@@ -113,14 +121,21 @@ def _coeff_bwd_ref(raw, inv_rms, alpha, bias, g_pre, g_post, g_res, n: int = 4, 
     return gr, gi, ga.unsqueeze(0), gb.unsqueeze(0)
 
 
-def _mix_norm_bwd_ref(y, h, pre, post, res, norm_w, new, inv_rms, g_new, g_flat, g_block, g_inv,
-                      rms_eps: float = 1e-6):
-    def f(y_, h_, pre_, post_, res_, w_):
-        return mix_norm_ref(y_, h_, pre_, post_, res_, w_, rms_eps)
+def _block_in_bwd_ref(new, pre, norm_w, g_block, g_pre, rms_eps: float = 1e-6):
+    def f(new_, pre_, w_):
+        return block_in_ref(new_, pre_, w_, rms_eps)
 
-    x = (up(y), up(h), pre, post, res, up(norm_w))
-    _, (gy, gh, gpre, gpost, gres, gw) = torch.autograd.functional.vjp(f, x, (up(g_new) + g_flat, g_inv, up(g_block)))
-    return gy.to(y.dtype), gh.to(h.dtype), gpre, gpost, gres, gw.unsqueeze(0)
+    _, (gn, gp, gw) = torch.autograd.functional.vjp(f, (up(new), pre, up(norm_w)), up(g_block))
+    return gn, gp + g_pre, gw.unsqueeze(0)
+
+
+def _mix_norm_bwd_ref(y, h, post, res, new, inv_rms, g_new, g_flat, g_block_new, g_inv, rms_eps: float = 1e-6):
+    def f(y_, h_, post_, res_):
+        return mix_norm_ref(y_, h_, post_, res_, rms_eps)
+
+    x = (up(y), up(h), post, res)
+    _, (gy, gh, gpost, gres) = torch.autograd.functional.vjp(f, x, (up(g_new) + g_flat + g_block_new, g_inv))
+    return gy.to(y.dtype), gh.to(h.dtype), gpost, gres
 
 
 # -- backward kernels: analytic gradients ------------------------------------------------
@@ -156,20 +171,26 @@ def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1
     torch.sum(g_z, 0, keepdim=True, out=g_bias)
 
 
-def _mix_norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
-    y, h, pre, post, res, w, new, inv, g_new, g_flat, g_block, g_inv = ins
-    g_y, g_h, g_pre, g_post, g_res, g_w = outs
+def _block_in_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    new, pre, w, g_block, g_pre_in = ins
+    g_new, g_pre, g_w = outs
     nw, gb = up(new), up(g_block)
-    # block input: z = sum_j pre_j new_j, out = z r w with r = (mean z^2 + eps)^-1/2
+    # z = sum_j pre_j new_j, out = z r w with r = (mean z^2 + eps)^-1/2
     z = torch.bmm(pre.unsqueeze(1), nw).squeeze(1)
     r = torch.rsqrt(z.square().mean(-1, keepdim=True) + rms_eps)
     torch.sum(gb * z * r, 0, keepdim=True, out=g_w)
     u = gb * up(w)
     g_z = r * u - z * r.pow(3) * (u * z).mean(-1, keepdim=True)
-    torch.sum(nw * g_z.unsqueeze(1), -1, out=g_pre)
+    torch.add(torch.sum(nw * g_z.unsqueeze(1), -1), g_pre_in, out=g_pre)
+    torch.mul(pre.unsqueeze(-1), g_z.unsqueeze(1), out=g_new)
+
+
+def _mix_norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
+    y, h, post, res, new, inv, g_new, g_flat, g_block_new, g_inv = ins
+    g_y, g_h, g_post, g_res = outs
+    nw = up(new)
     # total gradient of new: its own, the projection's, the block input's, the inverse RMS's
-    g = up(g_new) + g_flat
-    g.addcmul_(pre.unsqueeze(-1), g_z.unsqueeze(1))
+    g = (up(g_new) + g_flat).add_(g_block_new)
     g.addcmul_(nw, (g_inv * inv.pow(3) / -(nw.shape[1] * nw.shape[2])).unsqueeze(-1))
     # new_i = sum_j res[j, i] h_j + post_i y
     g_h.copy_(torch.bmm(res, g))
@@ -186,8 +207,26 @@ def _dims(ins: list[TensorSpec]) -> tuple[int, int, int]:
 
 def _mix_norm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     t, n, hd = _dims(ins)
-    _check("mhc_mix_norm", ins, [(t, hd), (t, n, hd), (t, n), (t, n), (t, n, n), (hd,)])
-    return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype)), ins[0]]
+    _check("mhc_mix_norm", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n)])
+    return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype))]
+
+
+def _new_dims(ins: list[TensorSpec]) -> tuple[int, int, int]:
+    """(t, n, H) from the new residual operand (the first)."""
+    return (ins[0].shape + (0, 0, 0))[:3] if ins else (0, 0, 0)
+
+
+def _block_in_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = _new_dims(ins)
+    _check("mhc_block_in", ins, [(t, n, hd), (t, n), (hd,)])
+    return [TensorSpec((t, hd), ins[0].dtype)]
+
+
+def _block_in_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, hd = _new_dims(ins)
+    _check("mhc_block_in_bwd", ins, [(t, n, hd), (t, n), (hd,), (t, hd), (t, n)])
+    acc = acc_dtype(ins[0].dtype)
+    return [TensorSpec((t, n, hd), acc), TensorSpec((t, n), acc), TensorSpec((1, hd), acc)]
 
 
 def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -210,15 +249,20 @@ def _coeff_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _mix_norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     t, n, hd = _dims(ins)
-    _check("mhc_mix_norm_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n), (t, n, n), (hd,), (t, n, hd), (t, 1),
-                                     (t, n, hd), (t, n, hd), (t, hd), (t, 1)])
-    return [ins[0], ins[1], ins[2], ins[3], ins[4], TensorSpec((1, hd), acc_dtype(ins[1].dtype))]
+    _check("mhc_mix_norm_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n), (t, n, hd), (t, 1),
+                                     (t, n, hd), (t, n, hd), (t, n, hd), (t, 1)])
+    return [ins[0], ins[1], ins[2], ins[3]]
 
 
 SINKHORN_FLOPS = 4.0  # per matrix entry and round: a sum and a divide, rows then columns
 
-register(OpDef("mhc_mix_norm", ("vector",), mix_norm_ref, _mix_norm_shape, _cost(16.0, 1), _mix_norm_kernel,
-               doc="new residual R^T h + post (x) y, the inverse RMS of its flattening, and the block input"))
+register(OpDef("mhc_mix_norm", ("vector",), mix_norm_ref, _mix_norm_shape, _cost(12.0, 1), _mix_norm_kernel,
+               doc="new residual R^T h + post (x) y and the inverse RMS of its flattening"))
+register(OpDef("mhc_block_in", ("vector",), block_in_ref, _block_in_shape, _cost(4.0, 0), _block_in_kernel,
+               doc="block input RMSNorm(sum_j pre_j new_j) * norm_w, with the pre computed from new"))
+register(OpDef("mhc_block_in_bwd", ("vector",), _block_in_bwd_ref, _block_in_bwd_shape, _cost(10.0, 0),
+               _block_in_bwd_kernel, doc="gradient of mhc_block_in, plus the per-tile norm-weight partial",
+               grad_of=GradOf("mhc_block_in", "x0 x1 x2 dy0 dx1", "dx0 dx1 dx2")))
 register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
                lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
                _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
@@ -226,6 +270,6 @@ register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
                lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
                _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)",
                grad_of=GradOf("mhc_coeff", "x0 x1 x2 x3 dy0 dy1 dy2", "dx0 dx1 dx2 dx3")))
-register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(30.0, 1),
-               _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm, plus the per-tile norm-weight partial",
-               grad_of=GradOf("mhc_mix_norm", "x0 x1 x2 x3 x4 x5 y0 y1 dy0 dy0 dy2 dy1", "dx0 dx1 dx2 dx3 dx4 dx5")))
+register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(22.0, 1),
+               _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm",
+               grad_of=GradOf("mhc_mix_norm", "x0 x1 x2 x3 y0 y1 dy0 dy0 dy0 dy1", "dx0 dx1 dx2 dx3")))

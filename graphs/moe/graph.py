@@ -28,6 +28,15 @@ Tasks carry the tags ``stage``, ``expert``, ``group``, ``rank``, ``peer``, ``dir
 Schedules: ``sequential`` puts a barrier between stages (the no-overlap baseline);
 ``interleaved`` keeps only data dependencies, gives expert group ``g`` priority
 ``-g``, and runs dispatch one group ahead of combine in the collective chain.
+
+With ``precision="mxfp8"`` every expert GEMM is an ``mx_grouped_matmul`` tile (cube) on
+operands quantised by vector tasks: activations row-wise per row tile (``mx_quantize``),
+weights per expert along the contraction dim, and, for the weight gradients, activations and
+output gradients along tokens per expert (``mx_quantize_grouped``: each expert's rows padded
+to 32). Layouts: forward ``X W`` and ``A W2`` are NN (weights quantised along their rows'
+dim), input gradients ``dY W2^T`` and ``dG W1^T`` are NT, weight gradients ``A^T dY`` and
+``X^T dG`` are TN. The forward saves ``xr`` and ``a`` only as their token-axis FP8 payload and
+scales (``xr_mx``, ``a_mx``: what the weight gradients read), as MXFP8Linear saves its input.
 """
 from __future__ import annotations
 
@@ -39,11 +48,20 @@ from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import split, tile_ranges
 from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
+from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
 
 FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
 BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
+FP8, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
+
+
+def saved_names(spec: MegaMoESpec) -> tuple[str, ...]:
+    """The forward's outputs that its backward reads, in order."""
+    if spec.mxfp8:
+        return ("xr_mx", "xr_mx_scales", "gu", "a_mx", "a_mx_scales", "yc")
+    return ("xr", "gu", "a", "yc")
 
 
 def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
@@ -62,6 +80,11 @@ class _Builder:
         self._stage_tasks: list[Task] = []
         self._barrier: Task | None = None
         self._comm: list[tuple[tuple[int, int, int], Task]] = []
+        self.padded, at = [], 0  # each local expert's rows in the token-axis MXFP8 layout (padded to 32)
+        for e in range(self.El):
+            lo, hi = counts.expert_rows(e)
+            self.padded.append((at, at + -(-(hi - lo) // BLOCK) * BLOCK))
+            at = self.padded[-1][1]
 
     # -- bookkeeping ---------------------------------------------------------------
     def stage(self, name: str) -> None:
@@ -174,10 +197,120 @@ class _Builder:
                     self.task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
                               f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube")
 
+    # -- MXFP8 ------------------------------------------------------------------------
+    def mx_attrs(self, **attrs: Any) -> dict:
+        return {"scale_mode": self.spec.scale_mode, **attrs}
+
+    def chunks(self, n: int) -> list[tuple[int, int]]:
+        """Column ranges of one quantisation task each (``quant_cols`` wide)."""
+        return tile_ranges(n, self.spec.quant_cols)
+
+    def quant_rows(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
+        """Row-wise (along the last dim) quantisation of every row tile of every expert, in column chunks."""
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
+                for c0, c1 in self.chunks(src.shape[1]):
+                    self.task("mx_quantize", [src[a:b, c0:c1]], [q[0][a:b, c0:c1], q[1][a:b, c0 // BLOCK:c1 // BLOCK]],
+                              f"{stage}.e{e}.{a}.c{c0}", expert=e, attrs=self.mx_attrs(axis="rows"))
+
+    def quant_tokens(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
+        """Token-axis quantisation of each expert's rows into its padded block of ``q``, in column chunks."""
+        for e in range(self.El):
+            (lo, hi), (p0, p1) = self.c.expert_rows(e), self.padded[e]
+            for c0, c1 in self.chunks(src.shape[1]) if hi > lo else ():
+                self.task("mx_quantize_grouped", [src[lo:hi, c0:c1]],
+                          [q[0][p0:p1, c0:c1], q[1][p0 // BLOCK:p1 // BLOCK, c0:c1]], f"{stage}.e{e}.c{c0}", expert=e,
+                          attrs=self.mx_attrs(group_offsets=[hi - lo], axis="cols"))
+
+    def quant_weights(self, stage: str, w: Buffer, q: tuple[Buffer, Buffer], axis: str) -> None:
+        """Each expert's weight ``[K, N]`` quantised along ``axis`` (``cols``: along K, chunks of the N
+        columns; ``rows``: along N, chunks of the K rows); experts without rows are not needed."""
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for c0, c1 in self.chunks(w.shape[2 if axis == "cols" else 1]) if hi > lo else ():
+                at = (slice(e, e + 1), slice(None), slice(c0, c1)) if axis == "cols" else (
+                    slice(e, e + 1), slice(c0, c1), slice(None))
+                self.task("mx_quantize", [w[at]], [q[0][at], q[1][at]], f"{stage}.e{e}.c{c0}", expert=e,
+                          attrs=self.mx_attrs(axis=axis))
+
+    def mx_gemm_tiles(self, stage: str, a: tuple[Buffer, Buffer], w: tuple[Buffer, Buffer], out: Buffer, n: int,
+                      layout: str) -> None:
+        """:meth:`gemm_tiles` on MXFP8 operands: NN (``a @ W[e]``) or NT (``a @ W[e]^T``)."""
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for r0, r1 in tile_ranges(hi, self.spec.tile_m, lo):
+                for c0, c1 in split(n, self.spec.cube_split):
+                    cols = (slice(e, e + 1), slice(None), slice(c0, c1)) if layout == "NN" else (
+                        slice(e, e + 1), slice(c0, c1), slice(None))
+                    self.task("mx_grouped_matmul", [a[0][r0:r1], a[1][r0:r1], w[0][cols], w[1][cols]],
+                              [out[r0:r1, c0:c1]], f"{stage}.e{e}.{r0}.c{c0}", expert=e, engine="cube",
+                              attrs={"group_offsets": [r1 - r0], "layout": layout, "out_dtype": self.spec.dtype})
+
+    def mx_wgrad(self, stage: str, a: tuple[Buffer, Buffer], b: tuple[Buffer, Buffer], out: Buffer) -> None:
+        """:meth:`wgrad` on token-axis MXFP8 operands (layout TN; zeros for an idle expert)."""
+        for e in range(self.El):
+            (lo, hi), (p0, p1) = self.c.expert_rows(e), self.padded[e]
+            rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
+            for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
+                for c0, c1 in split(out.shape[2], self.spec.cube_split):
+                    self.task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
+                                                    b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
+                              f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube",
+                              attrs={"group_offsets": [hi - lo], "layout": "TN", "out_dtype": self.spec.dtype})
+
+    def forward_gemm(self, stage: str, x: Buffer, w: Buffer, out: Buffer, save: bool) -> None:
+        """``out[e] = x[e] @ w[e]`` per expert, in the spec's precision; under MXFP8 with ``save``, ``x`` is
+        also kept as the token-axis FP8 output ``<x>_mx`` (what the weight gradient reads)."""
+        n = out.shape[1]
+        if not self.spec.mxfp8:
+            self.gemm_tiles(stage, x, w, out, n, trans=False)
+            return
+        wq, xq = _mx_buffers(self.g, f"{w.name}_q", w.shape, "cols"), _mx_buffers(self.g, f"{x.name}_q", x.shape, "rows")
+        self.quant_weights(f"quant_{w.name}", w, wq, "cols")
+        self.quant_rows(f"quant_{x.name}", x, xq)
+        if save:
+            self.quant_tokens(f"quant_{x.name}_t", x, _mx_buffers(self.g, f"{x.name}_mx", (self.padded_rows,
+                                                                                         x.shape[1]), "cols", out=True))
+        self.mx_gemm_tiles(stage, xq, wq, out, n, "NN")
+
+    def backward_gemms(self, which: str, dy: Buffer, w: Buffer, dx: Buffer, act: Buffer | tuple[Buffer, Buffer],
+                       dw: Buffer) -> None:
+        """GEMM ``which`` backward: ``dx = dy w[e]^T`` per expert and ``dw[e] = act[e]^T dy[e]`` (``act``:
+        the saved forward input; under MXFP8 its token-axis FP8 payload and scales)."""
+        n = dx.shape[1]
+        if not self.spec.mxfp8:
+            self.gemm_tiles(f"dgmm{which}", dy, w, dx, n, trans=True)
+            self.wgrad(f"wgrad{which}", act, dy, dw)
+            return
+        wq, dyq = _mx_buffers(self.g, f"{w.name}_q", w.shape, "rows"), _mx_buffers(self.g, f"{dy.name}_q", dy.shape, "rows")
+        dyt = _mx_buffers(self.g, f"{dy.name}_mx", (self.padded_rows, dy.shape[1]), "cols")
+        self.quant_weights(f"quant_{w.name}", w, wq, "rows")
+        self.quant_rows(f"quant_{dy.name}", dy, dyq)
+        self.quant_tokens(f"quant_{dy.name}_t", dy, dyt)
+        self.mx_gemm_tiles(f"dgmm{which}", dyq, wq, dx, n, "NT")
+        self.mx_wgrad(f"wgrad{which}", act, dyt, dw)
+
+    @property
+    def padded_rows(self) -> int:
+        """Rows of the token-axis MXFP8 layout (every local expert's rows padded to 32)."""
+        return self.padded[-1][1] if self.padded else 0
+
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
         for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
             self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
+
+
+def _mx_buffers(g: TaskGraph, name: str, shape: tuple[int, ...], axis: str, out: bool = False
+                ) -> tuple[Buffer, Buffer]:
+    """FP8 payload and E8M0 scales of a tensor of ``shape`` blocked along ``axis`` (rows: last dim;
+    cols: dim -2), as graph buffers (outputs with ``out``)."""
+    make = g.output if out else g.buffer
+    d = -1 if axis == "rows" else -2
+    scales = list(shape)
+    scales[d] //= BLOCK
+    return make(name, shape, FP8), make(f"{name}_scales", tuple(scales), E8M0)
 
 
 def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, c: Counts, names: tuple[str, str], keep: tuple[bool, bool]):
@@ -193,16 +326,17 @@ def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, c: Counts, names: tuple[str
 def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> TaskGraph:
     """Forward graph of rank ``counts.rank``. Inputs ``x [T, H]``, ``tok [S]``, ``pos [T, k]``,
     ``w [T, k]``, ``gate_up [E_l, H, 2I]``, ``down [E_l, I, H]``; output ``out [T, H]`` and,
-    with ``save``, the activations the backward graph needs (``xr``, ``gu``, ``a``, ``yc``)."""
+    with ``save``, the activations the backward graph needs (:func:`saved_names`)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
     dt, R, S = spec.dtype, counts.recv_rows, counts.send_rows
     g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
     x, tok = g.input("x", (T, H), dt), g.input("tok", (S,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
+    mx = spec.mxfp8
     keep = g.output if save else g.buffer
-    xs, xr = _layout_buffers(g, spec, counts, ("xs", "xr"), (False, save))
-    gu, a = keep("gu", (R, 2 * I), dt), keep("a", (R, I), dt)
+    xs, xr = _layout_buffers(g, spec, counts, ("xs", "xr"), (False, save and not mx))
+    gu, a = keep("gu", (R, 2 * I), dt), (keep if not mx else g.buffer)("a", (R, I), dt)
     yc, y = _layout_buffers(g, spec, counts, ("yc", "y"), (save, False))
     out = g.output("out", (T, H), dt)
 
@@ -212,11 +346,11 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> Ta
     for e in range(El):
         b.exchange(xs, xr, e, combine=False)
     b.stage("gmm1")
-    b.gemm_tiles("gmm1", xr, w1, gu, 2 * I, trans=False)
+    b.forward_gemm("gmm1", xr, w1, gu, save)
     b.stage("swiglu")
     b.row_tiles("swiglu", [gu], a, "swiglu")
     b.stage("gmm2")
-    b.gemm_tiles("gmm2", a, w2, y, H, trans=False)
+    b.forward_gemm("gmm2", a, w2, y, save)
     b.stage("combine")
     for e in range(El):
         b.exchange(yc, y, e, combine=True)
@@ -228,14 +362,22 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> Ta
 
 def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     """Backward graph of rank ``counts.rank``. Inputs ``dout [T, H]``, ``tok``, ``pos``,
-    ``ws [S, 1]`` (top-k weights in send layout), the saved ``xr``, ``gu``, ``a``, ``yc`` and
+    ``ws [S, 1]`` (top-k weights in send layout), the saved activations (:func:`saved_names`) and
     the weights; outputs ``dx [T, H]``, ``dw [T, k]``, ``d_gate_up``, ``d_down``."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    dt, R, S = spec.dtype, counts.recv_rows, counts.send_rows
+    dt, R, S, mx = spec.dtype, counts.recv_rows, counts.send_rows, spec.mxfp8
     g = TaskGraph(f"megamoe.bwd.r{counts.rank}")
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (S,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (S, 1), dt)
-    xr, gu, a = g.input("xr", (R, H), dt), g.input("gu", (R, 2 * I), dt), g.input("a", (R, I), dt)
+    b = _Builder(g, spec, counts, "bwd")
+    padded = b.padded_rows
+
+    def saved_mx(name: str, cols: int) -> tuple[Buffer, Buffer]:
+        return g.input(name, (padded, cols), FP8), g.input(f"{name}_scales", (padded // BLOCK, cols), E8M0)
+
+    xr = saved_mx("xr_mx", H) if mx else g.input("xr", (R, H), dt)
+    gu = g.input("gu", (R, 2 * I), dt)
+    a = saved_mx("a_mx", I) if mx else g.input("a", (R, I), dt)
     yc = g.input("yc", (S, H), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
     dx, dw = g.output("dx", (T, H), dt), g.output("dw", (T, k), dt)
@@ -244,7 +386,6 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     da, dgu = g.buffer("da", (R, I), dt), g.buffer("dgu", (R, 2 * I), dt)
     dxs, dxr = _layout_buffers(g, spec, counts, ("dxs", "dxr"), (False, False))
 
-    b = _Builder(g, spec, counts, "bwd")
     b.stage("dispatch")
     if not b.sequential:  # off the expert path: fills vector gaps while dY travels
         _topk_grad(b, dout, yc, pos, dw)
@@ -252,13 +393,11 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     for e in range(El):
         b.exchange(dys, dyr, e, combine=False)
     b.stage("dgmm2")
-    b.gemm_tiles("dgmm2", dyr, w2, da, I, trans=True)
-    b.wgrad("wgrad2", a, dyr, dw2)
+    b.backward_gemms("2", dyr, w2, da, a, dw2)
     b.stage("swiglu_grad")
     b.row_tiles("swiglu_grad", [gu, da], dgu, "swiglu_grad")
     b.stage("dgmm1")
-    b.gemm_tiles("dgmm1", dgu, w1, dxr, H, trans=True)
-    b.wgrad("wgrad1", xr, dgu, dw1)
+    b.backward_gemms("1", dgu, w1, dxr, xr, dw1)
     b.stage("combine")
     for e in range(El):
         b.exchange(dxs, dxr, e, combine=True)

@@ -6,6 +6,14 @@
 Expert parallel: pass ``comm`` (a :class:`megaloom.comm.Communicator`, e.g.
 ``TorchCommunicator(group)``); each rank then holds ``experts / world_size`` experts and
 exchanges per-expert counts on the host before building (or reusing) its graphs.
+
+The graph runs are two ``torch.library`` custom ops, ``megaloom::moe_forward`` and
+``megaloom::moe_backward``, with fake (shape-only) implementations and an autograd
+formula, so ``torch.compile`` traces a block that calls :func:`megamoe` without a graph
+break (``fullgraph=True`` works). :func:`megamoe` honours ``torch.autocast``: under autocast
+the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
+would. Double backward (``create_graph=True``) differentiates the first-order gradients of
+megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
 
@@ -14,17 +22,17 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from megaloom.graphs.common.runner import GraphRunner
-from megaloom.graphs.moe.graph import MEGAMOE
-from megaloom.graphs.moe.spec import MegaMoESpec, Routing, local_counts, make_routing
+from megaloom.graphs.common.runner import GraphRunner, runner_for
+from megaloom.graphs.moe.graph import MEGAMOE, saved_names
+from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
-from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 
-SAVED = ("xr", "gu", "a", "yc")
+ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
 
 
 class MegaMoERunner(GraphRunner):
@@ -42,9 +50,17 @@ class MegaMoERunner(GraphRunner):
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
 
-    def route(self, topk_ids: torch.Tensor) -> tuple[MegaMoESpec, Routing]:
-        """Host routing: this rank's counts, exchanged with every rank when ``ep > 1``."""
-        spec = replace(self.spec, tokens=int(topk_ids.shape[0]))
+    def spec_for(self, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
+        """The spec of a call: ``tokens`` rows of ``dtype``, expert GEMMs in MXFP8 with scale rule ``mx``
+        (empty: in ``dtype``)."""
+        return replace(self.spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
+                       scale_mode=mx or self.spec.scale_mode)
+
+    def route(self, topk_ids: torch.Tensor, dtype: torch.dtype | None = None, mx: str = ""
+              ) -> tuple[MegaMoESpec, Routing]:
+        """The call's spec (:meth:`spec_for`; dtype default: the spec's) and host routing: this rank's
+        counts, exchanged with every rank when ``ep > 1``."""
+        spec = self.spec_for(int(topk_ids.shape[0]), dtype or torch_dtype(self.spec.dtype), mx)
         all_counts = None
         if spec.ep > 1:
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
@@ -64,26 +80,123 @@ class MegaMoERunner(GraphRunner):
                             "gate_up": gate_up, "down": down}, "bwd", contiguous=False)
 
 
-class MegaMoEFunction(torch.autograd.Function):
-    """``out = MoE(x; ids, w, gate_up, down)`` through the MegaMoE graphs; ids get no gradient."""
+@torch.library.custom_op("megaloom::moe_forward", mutates_args=())
+def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, runner: int,
+                 mx: str, save: bool) -> list[Tensor]:
+    """``[out]``, plus with ``save`` the activations (:func:`saved_names`) and routing (:data:`ROUTING`)
+    backward needs. ``mx``: the MXFP8 scale rule of the expert GEMMs, or empty (no MXFP8)."""
+    r = runner_for(runner)
+    spec, routing = r.route(topk_ids, x.dtype, mx)
+    res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
+                    down.detach(), save)
+    if not save:
+        return [res["out"]]
+    counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
+    return [res["out"], *(res[n] for n in saved_names(spec)), routing.tok, routing.flat, routing.pos, counts]
 
-    @staticmethod
-    def forward(ctx, runner: MegaMoERunner, x, topk_ids, topk_weights, gate_up, down):
-        spec, routing = runner.route(topk_ids)
-        save = any(ctx.needs_input_grad)
-        # executor threads have grad mode on: hand them detached tensors
-        x, topk_weights, gate_up, down = (t.detach() for t in (x, topk_weights, gate_up, down))
-        res = runner.forward(spec, routing, x.contiguous(), topk_weights.contiguous(), gate_up, down, save)
-        if save:
-            ctx.runner, ctx.spec, ctx.routing = runner, spec, routing
-            ctx.save_for_backward(topk_weights, gate_up, down, *(res[n] for n in SAVED))
-        return res["out"]
 
-    @staticmethod
-    def backward(ctx, dout):
-        w, gate_up, down, *saved = ctx.saved_tensors
-        res = ctx.runner.backward(ctx.spec, ctx.routing, dout.contiguous(), w, dict(zip(SAVED, saved)), gate_up, down)
-        return None, res["dx"], None, res["dw"], res["d_gate_up"], res["d_down"]
+@_moe_forward.register_fake
+def _(x, topk_ids, topk_weights, gate_up, down, runner, mx, save):
+    t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
+    out = x.new_empty(t, h)
+    if not save:
+        return [out]
+    spec = runner_for(runner).spec
+    ctx = torch.library.get_ctx()
+    rows = t * k if spec.ep == 1 else ctx.new_dynamic_size()  # received rows
+    i = down.shape[1]
+    if mx:  # token-axis FP8 copies of xr and a: each expert's rows padded to 32
+        blocks = ctx.new_dynamic_size()
+        acts = [x.new_empty(blocks * 32, h, dtype=torch.float8_e4m3fn), x.new_empty(blocks, h, dtype=torch.float8_e8m0fnu),
+                x.new_empty(rows, 2 * i), x.new_empty(blocks * 32, i, dtype=torch.float8_e4m3fn),
+                x.new_empty(blocks, i, dtype=torch.float8_e8m0fnu)]
+    else:
+        acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
+    ids = topk_ids.new_empty(t * k, dtype=torch.int64)
+    return [out, *acts, x.new_empty(t * k, h), ids, torch.empty_like(ids), topk_ids.new_empty(t, k, dtype=torch.int64),
+            topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
+
+
+@torch.library.custom_op("megaloom::moe_backward", mutates_args=())
+def _moe_backward(dout: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, saved: list[Tensor],
+                  runner: int, mx: str) -> list[Tensor]:
+    """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
+    r = runner_for(runner)
+    spec = r.spec_for(int(dout.shape[0]), dout.dtype, mx)
+    names = saved_names(spec)
+    acts, (tok, flat, pos, counts) = saved[:len(names)], saved[len(names):]
+    routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
+    res = r.backward(spec, routing, dout.detach().contiguous(), topk_weights.detach(), dict(zip(names, acts)),
+                     gate_up.detach(), down.detach())
+    return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
+
+
+@_moe_backward.register_fake
+def _(dout, topk_weights, gate_up, down, saved, runner, mx):
+    return [torch.empty_like(dout), torch.empty_like(topk_weights), torch.empty_like(gate_up), torch.empty_like(down)]
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, topk_ids, topk_weights, gate_up, down, runner, mx, save = inputs
+    ctx.runner, ctx.mx, ctx.keep = runner, mx, runner_for(runner)
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, *output[1:])
+
+
+def _backward(ctx, grads):
+    x, topk_ids, topk_weights, gate_up, down, *saved = ctx.saved_tensors
+    dout = grads[0]
+    if torch.is_grad_enabled():  # create_graph=True: first-order gradients that are themselves differentiable
+        if ctx.mx:
+            raise ExecutionError("MegaMoE double backward (create_graph=True) is not supported with MXFP8 experts")
+        return (*_differentiable_grads(ctx.runner, dout, x, topk_ids, topk_weights, gate_up, down), None, None, None)
+    dx, dw, dgu, ddn = _moe_backward(dout.contiguous(), topk_weights, gate_up, down, saved, ctx.runner, ctx.mx)
+    return dx, None, dw, dgu, ddn, None, None, None
+
+
+def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up, down):
+    """(dx, None, dw, d gate_up, d down) of the eager reference block, with a graph for double backward."""
+    from megaloom.graphs.moe.reference import moe_reference
+
+    if runner_for(runner).world_size > 1:
+        raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
+                             "under expert parallelism the experts live on other ranks")
+    with torch.enable_grad():
+        ins = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, topk_weights, gate_up, down)]
+        out = moe_reference(ins[0], topk_ids, ins[1], ins[2], ins[3])
+        dx, dw, dgu, ddn = torch.autograd.grad(out, ins, dout, create_graph=True)
+    return dx, None, dw, dgu, ddn
+
+
+_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype when autocast is on for ``x``'s device type, else ``x``'s dtype."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor,
+            down: Tensor, mx: str | None = None) -> Tensor:
+    """``out [T, H] = sum_j w[t, j] MLP_{ids[t, j]}(x[t])`` through the MegaMoE graphs of ``runner``.
+
+    ``x [T, H]``, ``topk_ids`` / ``topk_weights [T, k]``, ``gate_up [E_local, H, 2I]``, ``down
+    [E_local, I, H]`` (views are fine: they are passed without a copy). Under ``torch.autocast``
+    every operand is cast to the autocast dtype (differentiably: gradients reach float32
+    parameters in float32); otherwise x and the weights must share a dtype. ``T`` may be 0. ``mx``:
+    the expert GEMMs in MXFP8 with this scale rule (``"floor"`` or ``"rceil"``).
+    """
+    dt = compute_dtype(x)
+    if torch.is_autocast_enabled(x.device.type):
+        x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
+    if not x.dtype == gate_up.dtype == down.dtype:
+        raise ConfigError(f"MegaMoE: hidden states are {x.dtype}, expert weights {gate_up.dtype} / {down.dtype} "
+                          "(cast the module with .to(dtype), or run under torch.autocast)")
+    ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
+    w = topk_weights.reshape(ids.shape).to(dt)
+    save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
+    return _moe_forward(x, ids, w, gate_up, down, runner.key, mx or "", save)[0]
 
 
 class MegaMoE(nn.Module):
@@ -91,9 +204,10 @@ class MegaMoE(nn.Module):
 
     Parameters ``gate_up [E_local, H, 2I]`` (gate then up projection) and ``down
     [E_local, I, H]`` are ordinary ``nn.Parameter`` s of this rank's experts
-    (``E_local = experts / world_size``). Top-k weights are used in the parameter dtype.
-    ``options``: tiling and schedule fields of :class:`MegaMoESpec` (``tile_m``,
-    ``cube_split``, ``wgrad_split``, ``schedule``, ``group_size``, ``ordered_comm``).
+    (``E_local = experts / world_size``). Top-k weights are used in the compute dtype (the
+    parameters', or autocast's). ``options``: tiling and schedule fields of
+    :class:`MegaMoESpec` (``tile_m``, ``cube_split``, ``wgrad_split``, ``schedule``,
+    ``group_size``, ``ordered_comm``).
     """
 
     def __init__(self, hidden: int, intermediate: int, experts: int, top_k: int, *, comm: Any = None,
@@ -122,13 +236,9 @@ class MegaMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        if x.dtype != self.gate_up.dtype:
-            raise ConfigError(f"MegaMoE: hidden states are {x.dtype}, parameters {self.gate_up.dtype}")
-        ids = topk_ids.reshape(x.shape[0], -1)
-        w = topk_weights.reshape(ids.shape).to(self.gate_up.dtype)
-        out = MegaMoEFunction.apply(self.runner, x, ids, w, self.gate_up, self.down)
-        return out.view(shape)
+        out = megamoe(self.runner, hidden_states.reshape(-1, shape[-1]), topk_ids, topk_weights, self.gate_up,
+                      self.down)
+        return out.view(*shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -24,6 +24,8 @@ from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, rep
 from megaloom.runtime.errors import ConfigError
 
 SCHEDULES = ("sequential", "interleaved")
+PRECISIONS = ("none", "mxfp8")  # the expert GEMMs: in the spec's dtype, or MXFP8 (E4M3 + E8M0 block scales)
+SCALE_MODES = ("floor", "rceil")
 ROUTINGS = ("balanced", "random", "skewed")
 
 
@@ -31,7 +33,7 @@ ROUTINGS = ("balanced", "random", "skewed")
 class MegaMoESpec(GraphSpec):
     """Shapes and tiling of one MoE expert block, per EP rank.
 
-    ``tokens``: tokens per rank (T); ``experts``: global expert count (E); ``ep``: EP
+    ``tokens``: tokens per rank (T, may be 0); ``experts``: global expert count (E); ``ep``: EP
     size; ``tile_m``: rows per tile (dispatch packing, GEMM rows, SwiGLU, top-k sums);
     ``cube_split``: column blocks per GEMM row tile (spread over the cube units);
     ``wgrad_split``: row blocks of each expert weight gradient (times ``cube_split``
@@ -39,7 +41,11 @@ class MegaMoESpec(GraphSpec):
     peer round); ``ordered_comm``: chain the collectives in one order on every rank
     (needed to execute on real ranks; off to simulate one-sided puts on all channels);
     ``schedule``: ``sequential`` (stage barriers) or ``interleaved`` (per-expert
-    dependencies, expert groups of ``group_size`` prioritised in order).
+    dependencies, expert groups of ``group_size`` prioritised in order); ``precision``:
+    ``mxfp8`` runs the six expert GEMMs (forward, input and weight gradients) as MXFP8 matmul
+    tiles on operands quantised on the vector units (``scale_mode``: the MX scale rule; one task
+    per ``quant_cols`` columns of a tile, a multiple of 32), and keeps for backward the token-axis
+    quantised ``xr`` and ``a`` instead of their high-precision copies.
     """
 
     tokens: int
@@ -56,11 +62,16 @@ class MegaMoESpec(GraphSpec):
     group_size: int = 1
     comm_tile: int = 0
     ordered_comm: bool = True
+    precision: str = "none"
+    scale_mode: str = "floor"
+    quant_cols: int = 1024
 
     def __post_init__(self) -> None:
-        problems = positive(self, *(f.name for f in fields(self) if f.type == "int" and f.name != "comm_tile"))
-        if not isinstance(self.comm_tile, int) or self.comm_tile < 0:
-            problems.append(f"comm_tile must be a non-negative integer, got {self.comm_tile!r}")
+        problems = positive(self, *(f.name for f in fields(self) if f.type == "int"
+                                    and f.name not in ("comm_tile", "tokens")))
+        for name in ("comm_tile", "tokens"):  # a rank may have no tokens in a step
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                problems.append(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if not problems:
             if self.experts % self.ep:
                 problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
@@ -70,7 +81,20 @@ class MegaMoESpec(GraphSpec):
             problems.append(f"ordered_comm must be a bool, got {self.ordered_comm!r}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            problems.append(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.scale_mode not in SCALE_MODES:
+            problems.append(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        if not problems and self.quant_cols % 32:
+            problems.append(f"quant_cols must be a multiple of 32, got {self.quant_cols}")
+        if self.precision == "mxfp8" and not problems:
+            problems += [f"precision mxfp8 needs {n} to be a multiple of 32, got {getattr(self, n)}"
+                         for n in ("hidden", "intermediate") if getattr(self, n) % 32]
         report("MegaMoESpec", problems + dtype_problems(self))
+
+    @property
+    def mxfp8(self) -> bool:
+        return self.precision == "mxfp8"
 
     @property
     def experts_local(self) -> int:

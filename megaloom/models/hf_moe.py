@@ -1,14 +1,23 @@
-"""Hugging Face ``transformers`` models: build them locally, and read their MoE blocks.
+"""Hugging Face ``transformers`` models: build them locally, and read their MoE blocks by structure.
 
-A :class:`MoEBlockParts` is everything a megaloom MoE needs from a transformers MoE
-block, taken by identity (no copies): the router module, the stacked expert weights
-``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` (the model's own Parameters),
-the activation, and an optional shared-expert MLP added to the routed output.
+An MoE block is recognised by what it holds, not by its class name:
 
-Supported blocks (transformers >= 5 layout, experts stored as 3-D tensors):
-``Qwen3MoeSparseMoeBlock`` (softmax top-k router) and ``DeepseekV3MoE`` (grouped
-sigmoid router with score correction bias, plus shared experts). Both routers return
-``(logits, top-k weights, top-k indices)`` and are reused as they are.
+- a **router** child (``gate`` or ``router``): a module with a 2-D ``weight [E, H]`` and an
+  integer ``top_k`` that returns ``(logits, top-k weights, top-k indices)`` (transformers >= 5);
+- an **experts** child: fused 3-D weights ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
+  with an ``act_fn`` (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, Mixtral, OLMoE), or an
+  ``nn.ModuleList`` of gated MLPs (``gate_proj`` / ``up_proj`` / ``down_proj`` or ``w1`` / ``w3`` /
+  ``w2`` Linears without bias, and an ``act_fn``);
+- optionally a **shared expert** (``shared_experts`` or ``shared_expert``: any module on the
+  hidden states, added to the routed output), itself optionally **gated** by
+  ``shared_expert_gate``, a ``Linear(H, 1)`` whose sigmoid scales it (Qwen2-MoE).
+
+:func:`block_parts` reads these by identity (no copies) and refuses, naming the part, anything
+else: an unknown child, parameter or buffer, a router that is a plain Linear (routing inside the
+block's own forward), expert biases, router jitter noise. :func:`behaviour_problems` then checks
+that the block's own forward equals ``router -> experts -> + shared`` rebuilt from the parts
+(:func:`block_forward`) on a seeded probe, so a block whose forward does something else is
+refused too, never swapped into a silently different model.
 """
 from __future__ import annotations
 
@@ -18,20 +27,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megaloom.runtime.errors import ConfigError
 
-MODEL_KINDS = {
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
-}
-
-# transformers class name of an MoE block -> its number-of-experts config attribute
-MOE_BLOCKS = {
-    "Qwen3MoeSparseMoeBlock": "num_experts",
-    "DeepseekV3MoE": "n_routed_experts",
-}
+ROUTER_NAMES = ("gate", "router")
+SHARED_NAMES = ("shared_experts", "shared_expert")
+SHARED_GATE_NAME = "shared_expert_gate"
+MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # (gate, up, down) projections
+# relative error (max |a - b| / max |b|) allowed between a block and its rebuilt forward, per dtype
+PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+PROBE_TOKENS = 16
 
 
 def _transformers():
@@ -42,12 +49,28 @@ def _transformers():
     return transformers
 
 
+def model_classes(kind: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of a transformers model type such as ``qwen2_moe``."""
+    _transformers()
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import transformers as tf
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
+    if kind not in CONFIG_MAPPING or name is None:
+        moe = sorted(k for k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if "moe" in k or k in ("mixtral", "deepseek_v3"))
+        raise ConfigError(f"model.kind: {kind!r} is not a transformers causal-LM model type "
+                          f"(MoE ones include {', '.join(moe)}), nor 'path'")
+    return CONFIG_MAPPING[kind], getattr(tf, name)
+
+
 def build_model(model_cfg: dict, seed: int) -> nn.Module:
     """A transformers causal LM from a validated ``model`` section, on CPU, in train mode.
 
-    ``kind`` qwen3_moe / deepseek_v3: the config class gets ``model.config`` as keyword
-    arguments (unknown names are a ConfigError listing the allowed ones) and weights are
-    drawn with ``seed``. ``kind: path``: ``from_pretrained`` on a local directory only.
+    ``kind`` is a transformers model type (``qwen3_moe``, ``qwen2_moe``, ``deepseek_v3``,
+    ``mixtral``, ``olmoe``, ...): its config class gets ``model.config`` as keyword arguments
+    (unknown names are a ConfigError listing the allowed ones) and weights are drawn with
+    ``seed``. ``kind: path``: ``from_pretrained`` on a local directory only.
     """
     tf = _transformers()
     dtype = getattr(torch, model_cfg["dtype"])
@@ -61,21 +84,20 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.path: cannot load {path!r}: {e}") from None
     else:
-        config_name, model_name = MODEL_KINDS[model_cfg["kind"]]
-        config_cls = getattr(tf, config_name)
+        config_cls, model_cls = model_classes(model_cfg["kind"])
         kwargs = dict(model_cfg["config"])
         allowed = set(inspect.signature(config_cls.__init__).parameters) - {"self", "kwargs"}
         allowed |= set(config_cls.attribute_map) | set(config_cls().to_dict())
         unknown = sorted(set(kwargs) - allowed)
         if unknown:
-            raise ConfigError(
-                f"model.config: unknown key(s) {', '.join(unknown)} for {config_name}; allowed: {', '.join(sorted(allowed))}")
+            raise ConfigError(f"model.config: unknown key(s) {', '.join(unknown)} for {config_cls.__name__}; "
+                              f"allowed: {', '.join(sorted(allowed))}")
         try:
             config = config_cls(**kwargs)
         except Exception as e:  # transformers validates fields with its own exception types
-            raise ConfigError(f"model.config: {config_name} rejected the values: {e}") from None
+            raise ConfigError(f"model.config: {config_cls.__name__} rejected the values: {e}") from None
         with _default_dtype(dtype):
-            model = getattr(tf, model_name)(config)
+            model = model_cls(config)
     model.train()
     return model
 
@@ -93,63 +115,186 @@ class _default_dtype:
 
 @dataclass(slots=True)
 class MoEBlockParts:
-    """The pieces of one transformers MoE block, by identity."""
+    """The pieces of one MoE block, by identity, and the child names they sit under."""
 
     router: nn.Module              # called on [T, H]; returns (logits, weights [T, k], indices [T, k])
-    gate_up: nn.Parameter          # [E, 2I, H]: rows [:I] gate projection, [I:] up projection
-    down: nn.Parameter             # [E, H, I]
+    experts: nn.Module             # fused 3-D weights or a ModuleList of gated MLPs
     act: Callable[[torch.Tensor], torch.Tensor]
-    act_name: str
     top_k: int
+    num_experts: int
+    hidden: int
+    inter: int
+    router_name: str = "gate"
     shared: nn.Module | None = None
+    shared_name: str | None = None
+    shared_gate: nn.Module | None = None
 
     @property
-    def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+    def fused(self) -> bool:
+        return not isinstance(self.experts, nn.ModuleList)
 
-    @property
-    def hidden(self) -> int:
-        return self.gate_up.shape[2]
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(gate_up [E, H, 2I], down [E, I, H])`` in MegaMoE's layout: transposed views of fused
+        weights (no copy), or the ModuleList's Linear weights stacked (a copy each call; gradients
+        flow back to the Linears)."""
+        return expert_weights(self.experts)
 
-    @property
-    def inter(self) -> int:
-        return self.down.shape[2]
+    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output, scaled by the sigmoid of its gate when it has one."""
+        s = self.shared(hidden)
+        return s if self.shared_gate is None else torch.sigmoid(self.shared_gate(hidden)) * s
+
+
+def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """MegaMoE-layout weights of a fused or ModuleList experts module (see :meth:`MoEBlockParts.weights`)."""
+    if not isinstance(experts, nn.ModuleList):
+        return experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
+    names = _mlp_names(experts[0])
+    g, u, d = ([getattr(m, n).weight for m in experts] for n in names)
+    return torch.cat([torch.stack(g), torch.stack(u)], 1).transpose(1, 2), torch.stack(d).transpose(1, 2)
 
 
 def is_moe_block(module: nn.Module) -> bool:
-    return type(module).__name__ in MOE_BLOCKS
+    """True for a candidate MoE block: it has an ``experts`` child and a router child."""
+    children = dict(module.named_children())
+    return "experts" in children and any(n in children for n in ROUTER_NAMES)
+
+
+def is_router(module: nn.Module) -> bool:
+    """True for a candidate router: a 2-D ``weight`` Parameter and an integer ``top_k`` (not a plain Linear)."""
+    w = getattr(module, "weight", None)
+    return (not isinstance(module, nn.Linear) and isinstance(w, nn.Parameter) and w.dim() == 2
+            and isinstance(getattr(module, "top_k", None), int))
+
+
+def _mlp_names(mlp: nn.Module) -> tuple[str, str, str]:
+    for names in MLP_NAMES:
+        if all(isinstance(getattr(mlp, n, None), nn.Linear) for n in names):
+            return names
+    raise ConfigError(f"{type(mlp).__name__} has no gate/up/down Linears")
+
+
+def _own_tensors(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
+
+
+def _fused_problems(experts: nn.Module) -> list[str]:
+    problems = [f"experts: parameter or buffer {n!r} is not one megaloom understands (expected gate_up_proj, "
+                "down_proj)" for n in _own_tensors(experts) if n not in ("gate_up_proj", "down_proj")]
+    for name, child in experts.named_children():
+        if name != "act_fn" and any(True for _ in child.parameters()):
+            problems.append(f"experts: part {name!r} ({type(child).__name__}) is not one megaloom understands")
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
+        return problems + [f"experts ({type(experts).__name__}): expected 3-D gate_up_proj and down_proj "
+                           "Parameters (transformers >= 5) or a ModuleList of MLPs"]
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2 \
+            or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
+        problems.append(f"experts: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
+                        "[E, 2I, H] and [E, H, I]")
+    if not callable(getattr(experts, "act_fn", None)):
+        problems.append("experts: no act_fn")
+    return problems
+
+
+def _list_problems(experts: nn.ModuleList) -> list[str]:
+    if not len(experts):
+        return ["experts: an empty ModuleList"]
+    problems, shapes = [], set()
+    for i, mlp in enumerate(experts):
+        try:
+            names = _mlp_names(mlp)
+        except ConfigError:
+            problems.append(f"experts.{i} ({type(mlp).__name__}): expected gate_proj/up_proj/down_proj "
+                            "(or w1/w3/w2) Linears")
+            continue
+        linears = [getattr(mlp, n) for n in names]
+        problems += [f"experts.{i}.{n}: has a bias, which MegaMoE's experts do not take"
+                     for n, lin in zip(names, linears) if lin.bias is not None]
+        problems += [f"experts.{i}: part {n!r} ({type(c).__name__}) is not one megaloom understands"
+                     for n, c in mlp.named_children() if n not in names and n != "act_fn"
+                     and any(True for _ in c.parameters())]
+        problems += [f"experts.{i}: parameter or buffer {n!r} is not one megaloom understands"
+                     for n in _own_tensors(mlp)]
+        if not callable(getattr(mlp, "act_fn", None)):
+            problems.append(f"experts.{i}: no act_fn")
+        shapes.add(tuple(tuple(lin.weight.shape) for lin in linears))
+    if len(shapes) > 1:
+        problems.append(f"experts: the MLPs differ in shape ({sorted(shapes)})")
+    elif shapes:
+        (gi, h), (ui, uh), (dh, di) = next(iter(shapes))
+        if not gi == ui == di or not h == uh == dh:
+            problems.append(f"experts: gate/up/down shapes {next(iter(shapes))} do not pair up")
+    return problems
+
+
+def read_block(block: nn.Module) -> tuple[MoEBlockParts | None, list[str]]:
+    """The parts of an MoE block and the problems found (parts None when there are any)."""
+    name = type(block).__name__
+    if not is_moe_block(block):
+        return None, [f"{name} is not an MoE block (no 'experts' child next to a 'gate' or 'router')"]
+    problems: list[str] = []
+    children = dict(block.named_children())
+    router_name = next(n for n in ROUTER_NAMES if n in children)
+    shared_name = next((n for n in SHARED_NAMES if n in children), None)
+    known = {router_name, "experts", shared_name, SHARED_GATE_NAME}
+    problems += [f"part {n!r} ({type(c).__name__}) is not one megaloom understands; an MoE block holds a router "
+                 f"({'/'.join(ROUTER_NAMES)}), experts, and optionally {'/'.join(SHARED_NAMES)} and "
+                 f"{SHARED_GATE_NAME}" for n, c in children.items() if n not in known]
+    problems += [f"parameter or buffer {n!r} of the block itself is not one megaloom understands"
+                 for n in _own_tensors(block)]
+    jitter = getattr(block, "jitter_noise", 0) or 0
+    if jitter:
+        problems.append(f"router jitter noise (jitter_noise={jitter}) is not supported: it scales the hidden "
+                        "states randomly in training")
+    router, experts = children[router_name], children["experts"]
+    if isinstance(router, nn.Linear):
+        problems.append(f"router {router_name!r} is a plain Linear: the routing happens in the block's own forward, "
+                        "which megaloom cannot read (routers must return (logits, weights, indices))")
+    elif not is_router(router):
+        problems.append(f"router {router_name!r} ({type(router).__name__}) has no 2-D weight Parameter and "
+                        "integer top_k")
+    problems += _list_problems(experts) if isinstance(experts, nn.ModuleList) else _fused_problems(experts)
+    gate = children.get(SHARED_GATE_NAME)
+    if gate is not None and shared_name is None:
+        problems.append(f"{SHARED_GATE_NAME} without a shared expert")
+    if gate is not None and not (isinstance(gate, nn.Linear) and gate.out_features == 1):
+        problems.append(f"{SHARED_GATE_NAME} ({type(gate).__name__}) is not a Linear(H, 1)")
+    if problems:
+        return None, problems
+    gate_up, down = expert_weights(experts)  # [E, H, 2I], [E, I, H]
+    e, h, i = gate_up.shape[0], gate_up.shape[1], down.shape[1]
+    if tuple(router.weight.shape) != (e, h):
+        return None, [f"router weight {tuple(router.weight.shape)} does not fit {e} experts of hidden size {h}"]
+    act = experts.act_fn if not isinstance(experts, nn.ModuleList) else experts[0].act_fn
+    return MoEBlockParts(router=router, experts=experts, act=act, top_k=int(router.top_k), num_experts=e, hidden=h,
+                         inter=i, router_name=router_name, shared=children.get(shared_name) if shared_name else None,
+                         shared_name=shared_name, shared_gate=gate), []
 
 
 def block_parts(block: nn.Module) -> MoEBlockParts:
-    """Read a supported MoE block; a ConfigError names the class and what is missing."""
-    name = type(block).__name__
-    if name not in MOE_BLOCKS:
-        raise ConfigError(f"{name} is not a supported MoE block; supported: {', '.join(MOE_BLOCKS)}")
-    experts, router = getattr(block, "experts", None), getattr(block, "gate", None)
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter) or router is None:
-        raise ConfigError(f"{name}: expected .gate and .experts.gate_up_proj/.down_proj (transformers >= 5 layout)")
-    e, two_i, h = gate_up.shape
-    if down.shape != (e, h, two_i // 2) or two_i % 2:
-        raise ConfigError(f"{name}: expert weight shapes {tuple(gate_up.shape)} / {tuple(down.shape)} do not pair up")
-    act = experts.act_fn
-    act_name = getattr(getattr(block, "config", None), "hidden_act", None) or _act_name(act)
-    return MoEBlockParts(router=router, gate_up=gate_up, down=down, act=act, act_name=act_name,
-                         top_k=int(router.top_k), shared=getattr(block, "shared_experts", None))
+    """The parts of an MoE block; a ConfigError names the class and every part it does not understand."""
+    parts, problems = read_block(block)
+    if problems:
+        raise ConfigError(f"{type(block).__name__}: {'; '.join(problems)}")
+    return parts
 
 
-def _act_name(act: nn.Module) -> str:
-    n = type(act).__name__.lower()
-    return "silu" if "silu" in n else n.removesuffix("activation")
+def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """True when ``act`` computes SiLU (checked on values, whatever its class)."""
+    t = torch.linspace(-6, 6, 97)
+    try:
+        return bool(torch.allclose(act(t), F.silu(t), rtol=1e-6, atol=1e-7))
+    except Exception:  # an activation that cannot run on a plain tensor is not SiLU
+        return False
 
 
 def block_forward(parts: MoEBlockParts, hidden: torch.Tensor,
                   experts: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
-    """The block's forward rebuilt from its parts: route, run the experts, add the shared MLP.
+    """The block's forward rebuilt from its parts: route, run the experts, add the (gated) shared expert.
 
     ``experts(x, indices, weights)`` defaults to the golden eager MoE
-    (:func:`megaloom.graphs.moe.reference.moe_reference`) on the block's own weights, passed as
-    transposed views into its layout.
+    (:func:`megaloom.graphs.moe.reference.moe_reference`) on the block's own weights.
     """
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
@@ -157,10 +302,38 @@ def block_forward(parts: MoEBlockParts, hidden: torch.Tensor,
     if experts is None:
         from megaloom.graphs.moe.reference import moe_reference
 
-        y = moe_reference(x, indices, weights, parts.gate_up.transpose(1, 2), parts.down.transpose(1, 2), parts.act)
+        gate_up, down = parts.weights()
+        y = moe_reference(x, indices, weights, gate_up, down, parts.act)
     else:
         y = experts(x, indices, weights)
     y = y.reshape(shape)
     if parts.shared is not None:
-        y = y + parts.shared(hidden)
+        y = y + parts.shared_output(hidden)
     return y
+
+
+def behaviour_problems(block: nn.Module, parts: MoEBlockParts) -> list[str]:
+    """Why the block's own forward is not :func:`block_forward` of its parts, on a seeded probe (empty: it is).
+
+    Runs both on ``PROBE_TOKENS`` random tokens in the block's dtype and device, without
+    gradients and without touching the global RNG; tolerance :data:`PROBE_RTOL` by dtype.
+    """
+    p = next(parts.experts.parameters())
+    if p.device.type == "meta":
+        return []
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, PROBE_TOKENS, parts.hidden, generator=gen).to(p.device, p.dtype)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        try:
+            want, got = block(x.clone()), block_forward(parts, x.clone())
+        except Exception as e:  # a forward that does not run on [1, T, H] is not one megaloom can rebuild
+            return [f"its forward could not be checked on a [1, {PROBE_TOKENS}, {parts.hidden}] probe: "
+                    f"{type(e).__name__}: {e}"]
+    want = want[0] if isinstance(want, tuple) else want
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+    tol = PROBE_RTOL.get(p.dtype, 1e-5)
+    if not err <= tol:
+        return [f"its forward differs from router -> experts -> shared expert rebuilt from its parts by {err:.2e} "
+                f"(relative; allowed {tol:g} in {str(p.dtype).removeprefix('torch.')}): it does something "
+                "megaloom does not understand"]
+    return []

@@ -26,15 +26,16 @@ low-precision ones (logits within ``low_precision.rtol``).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import MOE_BLOCKS
+from megaloom.models.hf_moe import block_parts, is_moe_block, is_router
 from megaloom.models.replace import Check, Factory, Replacement, ReplacementPlan, Rule, glob_problem
-from megaloom.models.swaps import GATE_SCORES, MegaMoEBlock, gate_problems, make_gate, moe_problems
+from megaloom.models.swaps import MegaMoEBlock, RoutedExperts, gate_problems, make_gate, moe_problems, routed_experts
 from megaloom.ops.mxfp8 import SCALE_MODES, GroupedExperts, MXFP8GroupedExperts, MXFP8Linear, dim_problems
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.plugins import Registry
@@ -44,27 +45,40 @@ MOE_OPTIONS = ("gate", "executor", "units", "policy", "cache_size", "tile_m", "c
                "schedule", "group_size")
 GATE_OPTIONS = ("tile_tokens", "weight_cols")
 LP_KEYS = ("format", "linear", "scale_mode", "include", "exclude")
+# default parity bounds (max |logits - original| / max |original|) by model dtype
+REPLACE_RTOL = {"float32": 1e-5, "bfloat16": 2e-2}
+MXFP8_RTOL = {"float32": 0.1, "bfloat16": 0.15}
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A ``with:`` value: the class names it replaces, the option names it takes, and
-    ``rule(options, comm, where, problems) -> (factory, check)``."""
+    """A ``with:`` value: which modules it takes (``accepts``, by structure; ``kind`` names them),
+    the option names it takes, and ``rule(options, comm, where, problems) -> (factory, check)``."""
 
-    sources: tuple[str, ...]
+    accepts: Callable[[nn.Module], bool]
+    kind: str
     options: tuple[str, ...]
     describe: str
     rule: Callable[[dict, Any, str, list[str]], tuple[Factory, Check]]
+    preview: Callable[[nn.Module], dict[int, nn.Module]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ModuleType:
-    """How a low-precision format swaps one module type: ``build(module, scale_mode)``, ``check``, ``target``."""
+    """How a low-precision format swaps one module type: ``build(module, scale_mode)``; ``check``: reasons
+    a module is left in high precision (listed, not errors); ``applied``: already in the format (default:
+    an instance of ``target``)."""
 
     source: type
     target: type
     build: Callable[[nn.Module, str], nn.Module]
     check: Check
+    applied: Callable[[nn.Module], bool] | None = None
+
+    def done(self, module: nn.Module) -> bool:
+        if self.applied is not None:
+            return isinstance(module, self.source) and self.applied(module)
+        return isinstance(module, self.target)
 
 
 def _globs(value: Any, where: str, problems: list[str], *, single: bool = False) -> tuple[str, ...]:
@@ -79,7 +93,12 @@ def _globs(value: Any, where: str, problems: list[str], *, single: bool = False)
     return () if bad else tuple(globs)
 
 
-def _rule(i: int, raw: dict, types: dict[str, type], comm: Any, problems: list[str]) -> Rule | None:
+def _ours(t: type) -> bool:
+    return t.__module__.startswith("megaloom.")
+
+
+def _rule(i: int, raw: dict, modules: dict[str, nn.Module], comm: Any, problems: list[str]) -> Rule | None:
+    """The Rule of ``replace.rules[i]``; ``modules``: one module of each type name in the model."""
     where = f"replace.rules[{i}]"
     problems += [f"{where}: unknown key {k!r}; allowed: {', '.join(RULE_KEYS)}" for k in raw if k not in RULE_KEYS]
     kind = raw.get("with")
@@ -95,22 +114,24 @@ def _rule(i: int, raw: dict, types: dict[str, type], comm: Any, problems: list[s
         options = {}
     problems += [f"{where}.options: unknown option {k!r} for {raw['with']}; allowed: {', '.join(target.options)}"
                  for k in options if k not in target.options]
+    accepted = {n: type(m) for n, m in modules.items() if not _ours(type(m)) and target.accepts(m)}
     wanted = raw.get("type")
-    names = target.sources
     if wanted is not None:
-        if wanted not in target.sources:
-            problems.append(f"{where}.type: {wanted!r} cannot become {target.describe}; "
-                            f"supported: {', '.join(target.sources)}")
+        if wanted not in modules:
+            problems.append(f"{where}: the model has no module of type {wanted} for {raw['with']}")
             return None
-        names = (wanted,)
-    source = tuple(types[n] for n in names if n in types)
-    if not source:
-        problems.append(f"{where}: the model has no module of type {' / '.join(names)} for {raw['with']}")
+        if wanted not in accepted:
+            problems.append(f"{where}.type: {wanted!r} cannot become {target.describe}: it is not {target.kind}")
+            return None
+        accepted = {wanted: accepted[wanted]}
+    if not accepted:
+        problems.append(f"{where}: the model has no {target.kind} for {raw['with']}")
         return None
     if not include:
         return None
     factory, check = target.rule(dict(options), comm, where, problems)
-    return Rule(f"{where} ({kind})", source, factory, include, exclude, check=check, skip=(MegaMoEBlock,))
+    return Rule(f"{where} ({kind})", tuple(accepted.values()), factory, include, exclude, check=check,
+                skip=lambda m: _ours(type(m)), preview=target.preview)
 
 
 def _mega_gate(options: dict, comm: Any, where: str, problems: list[str]) -> tuple[Factory, Check]:
@@ -124,25 +145,40 @@ def _mega_moe(options: dict, comm: Any, where: str, problems: list[str]) -> tupl
         problems.append(f"{where}.options.gate: got {gate!r}, expected one of 'hf', 'mega_gate'")
 
     def check(block: nn.Module) -> list[str]:
-        return moe_problems(block, ep) + (gate_problems(block.gate) if gate == "mega_gate" else [])
+        problems = moe_problems(block, ep)
+        return problems + (gate_problems(block_parts(block).router) if gate == "mega_gate" and not problems else [])
 
     def build(block: nn.Module) -> nn.Module:
-        router = make_gate(block.gate) if gate == "mega_gate" else None
+        router = make_gate(block_parts(block).router) if gate == "mega_gate" else None
         return MegaMoEBlock(block, comm=comm if ep > 1 else None, gate=router, **options)
     return build, check
 
 
 TARGETS: Registry[Target] = Registry("replacement target")
-TARGETS.register("mega_moe", Target(tuple(MOE_BLOCKS), MOE_OPTIONS, "MegaMoEBlock (routed experts as MegaMoE graphs)",
-                                    _mega_moe))
-TARGETS.register("mega_gate", Target(tuple(GATE_SCORES), GATE_OPTIONS, "MegaGate (router as graphs)", _mega_gate))
+def _experts_preview(block: nn.Module) -> dict[int, nn.Module]:
+    """A block's experts as the MegaMoEBlock will hold them (so ``low_precision`` can select them)."""
+    experts = block_parts(block).experts
+    return {id(experts): routed_experts(experts)}
+
+
+TARGETS.register("mega_moe", Target(is_moe_block, "an MoE block (a router and experts)", MOE_OPTIONS,
+                                    "MegaMoEBlock (routed experts as MegaMoE graphs)", _mega_moe, _experts_preview))
+TARGETS.register("mega_gate", Target(is_router, "an MoE router (a 2-D weight and top_k)", GATE_OPTIONS,
+                                     "MegaGate (router as graphs)", _mega_gate))
+
+
+def _dims(**dims: int) -> list[str]:
+    return dim_problems(dims)
+
 
 FORMATS: Registry[list[ModuleType]] = Registry("low-precision format")
 FORMATS.register("mxfp8", [
     ModuleType(nn.Linear, MXFP8Linear, MXFP8Linear.from_float,
-               lambda m: dim_problems({"in_features": m.in_features, "out_features": m.out_features})),
+               lambda m: _dims(in_features=m.in_features, out_features=m.out_features)),
     ModuleType(GroupedExperts, MXFP8GroupedExperts, MXFP8GroupedExperts.from_float,
-               lambda m: dim_problems({"dim": m.dim, "hidden": m.hidden})),
+               lambda m: _dims(dim=m.dim, hidden=m.hidden)),
+    ModuleType(RoutedExperts, RoutedExperts, lambda m, mode: m.with_mx(mode),
+               lambda m: _dims(hidden=m.hidden, intermediate=m.intermediate), applied=lambda m: m.mx is not None),
 ])
 
 
@@ -182,7 +218,8 @@ def low_precision_rules(section: Mapping[str, Any] | None) -> list[Rule]:
     kinds = FORMATS.get(fmt)
     return [Rule(f"low_precision {fmt}", tuple(k.source for k in kinds),
                  lambda m: _kind_of(fmt, m).build(m, mode), include, exclude,
-                 check=lambda m: _kind_of(fmt, m).check(m), skip=tuple(k.target for k in kinds))]
+                 unfit=lambda m: _kind_of(fmt, m).check(m), skip=lambda m: any(k.done(m) for k in kinds),
+                 inside=(RoutedExperts,))]
 
 
 def apply_low_precision(model: nn.Module, section: Mapping[str, Any] | None) -> list[Replacement]:
@@ -200,8 +237,8 @@ def config_plans(model: nn.Module, cfg: dict, comm: Any = None) -> tuple[Replace
     if ep > 1 and getattr(comm, "world_size", 1) != ep:
         problems.append(f"parallel.ep_size: {ep} must equal the size of the expert-parallel group "
                         f"({getattr(comm, 'world_size', 1)} ranks) MegaMoE is given")
-    types = {type(m).__name__: type(m) for m in model.modules()}
-    rules = [_rule(i, r, types, comm if ep > 1 else None, problems) if isinstance(r, dict) else None
+    modules = {type(m).__name__: m for m in model.modules()}
+    rules = [_rule(i, r, modules, comm if ep > 1 else None, problems) if isinstance(r, dict) else None
              for i, r in enumerate(cfg["replace"]["rules"])]
     modules = ReplacementPlan([r for r in rules if r is not None])
     lp = {k: v for k, v in cfg["low_precision"].items() if k in ("format", "linear", "scale_mode", "include", "exclude")
@@ -211,9 +248,11 @@ def config_plans(model: nn.Module, cfg: dict, comm: Any = None) -> tuple[Replace
     except ConfigError as e:
         problems.append(str(e))
         low = ReplacementPlan([])
-    for plan in (modules, low):
+    stand_ins: dict[int, nn.Module] = {}
+    for plan in (modules, low):  # low precision is checked against the model as the module plan leaves it
         try:
-            plan.match(model)
+            selected = plan.match(model, stand_ins)
+            stand_ins = plan.stand_ins(selected) if plan is modules else stand_ins
         except ConfigError as e:
             problems += str(e).splitlines()[1:]
     if problems:
@@ -241,11 +280,21 @@ def _check_parity(err: float, rtol: float, log: Callable[[str], None], note: str
         raise ConfigError(problem.format(err=err, rtol=rtol, **fmt))
 
 
+def default_rtols(cfg: dict) -> tuple[float, float]:
+    """(replace.rtol, low_precision.rtol) of a config: as given, or the defaults of the model's dtype."""
+    dt = cfg["model"]["dtype"]
+    rep, low = cfg["replace"]["rtol"], cfg["low_precision"]["rtol"]
+    return (REPLACE_RTOL.get(dt, REPLACE_RTOL["float32"]) if rep is None else rep,
+            MXFP8_RTOL.get(dt, MXFP8_RTOL["float32"]) if low is None else low)
+
+
 def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = print,
                       comm: Any = None) -> list[Replacement]:
     """Check both plans, swap modules in, and check the logits against the original model's."""
     modules, low = config_plans(model, cfg, comm)
     check = cfg["replace"]["check_outputs"]
+    rtol, low_rtol = default_rtols(cfg)
+    dt = cfg["model"]["dtype"]
     probe = (lambda: probe_logits(model, int(model.config.vocab_size), cfg["data"]["seq_len"], cfg["run"]["seed"]))
     want = probe() if check else None
     done = modules.apply(model)
@@ -256,16 +305,20 @@ def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = 
         log(f"replaced {r.path} ({type(r.old).__name__}) with {type(r.new).__name__}: parameters kept by identity"
             + (" (expert weights passed as transposed views, no copy)" if isinstance(r.new, MegaMoEBlock) else ""))
     if check and done:
-        _check_parity(max_rel_err(probe(), want), cfg["replace"]["rtol"], log,
-                      "logits after replacing {n} module(s): max relative error {err:.2e} (bound {rtol:g})",
+        _check_parity(max_rel_err(probe(), want), rtol, log,
+                      "logits after replacing {n} module(s): max relative error {err:.2e} (bound {rtol:g} in {dt})",
                       "replace: the replaced model's logits differ from the original's by {err:.2e} "
-                      "(relative), more than replace.rtol={rtol:g}", n=len(done))
+                      "(relative), more than replace.rtol={rtol:g}", n=len(done), dt=dt)
     lowered = low.apply(model)
     if lowered:
-        log(f"low_precision: {len(lowered)} Linear layer(s) now MXFP8Linear (same Parameters)")
+        kinds = Counter(type(r.old).__name__ for r in lowered)
+        log(f"low_precision: {', '.join(f'{n} {k}' for k, n in kinds.items())} now MXFP8 (same Parameters)")
+    if low.skipped:
+        log(f"low_precision: {len(low.skipped)} module(s) kept in high precision: "
+            + "; ".join(f"{path} ({reason})" for path, _, reason in low.skipped))
     if check and lowered:
-        _check_parity(max_rel_err(probe(), want), cfg["low_precision"]["rtol"], log,
-                      "logits with MXFP8: max relative error {err:.2e} vs float32 (bound low_precision.rtol={rtol:g})",
-                      "low_precision: MXFP8 logits differ from float32 by {err:.2e} (relative), "
-                      "more than low_precision.rtol={rtol:g}")
+        _check_parity(max_rel_err(probe(), want), low_rtol, log,
+                      "logits with MXFP8: max relative error {err:.2e} vs {dt} (bound low_precision.rtol={rtol:g})",
+                      "low_precision: MXFP8 logits differ from {dt} by {err:.2e} (relative), "
+                      "more than low_precision.rtol={rtol:g}", dt=dt)
     return done + lowered

@@ -32,9 +32,14 @@ Check = Callable[[nn.Module], list[str]]
 class Rule:
     """Replace modules of a ``source`` type whose name matches ``include`` and not ``exclude``.
 
-    ``check`` returns the problems that stop a module from being replaced (e.g. dims);
-    ``skip`` types are left alone (typically the target type, so a plan applies once);
-    ``require_match``: every include glob must match at least one module of the type.
+    ``check`` returns the problems that stop the plan (errors naming the module);
+    ``unfit`` returns reasons to leave a module as it is (listed in :attr:`ReplacementPlan.skipped`,
+    not errors: e.g. dims a format cannot take); ``skip`` types (or a predicate) are left alone
+    (typically the target type, so a plan applies once); modules inside an ``inside`` type are
+    never selected (e.g. expert MLPs whose weights another module reads);
+    ``require_match``: every include glob must match at least one module of the type;
+    ``preview(module)``: what the replacement will make of the module's descendants, by id (stand-ins
+    another plan is checked against before this one is applied).
     """
 
     name: str
@@ -43,11 +48,15 @@ class Rule:
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     check: Check | None = None
-    skip: tuple[type, ...] = ()
+    skip: tuple[type, ...] | Callable[[nn.Module], bool] = ()
     require_match: bool = True
+    unfit: Check | None = None
+    inside: tuple[type, ...] = ()
+    preview: Callable[[nn.Module], dict[int, nn.Module]] | None = None
 
     def selects(self, path: str, module: nn.Module) -> bool:
-        return (isinstance(module, self.source) and not isinstance(module, self.skip)
+        skipped = self.skip(module) if callable(self.skip) else isinstance(module, self.skip)
+        return (isinstance(module, self.source) and not skipped
                 and any(fnmatchcase(path, g) for g in self.include)
                 and not any(fnmatchcase(path, g) for g in self.exclude))
 
@@ -97,14 +106,33 @@ def _param_problems(old: nn.Module, new: nn.Module) -> list[str]:
     return problems
 
 
+def _under(path: str, parents: set[str]) -> bool:
+    """True when a proper ancestor of ``path`` is in ``parents``."""
+    parts = path.split(".")
+    return any(".".join(parts[:k]) in parents for k in range(1, len(parts)))
+
+
 class ReplacementPlan:
     """An ordered list of rules; a module matched by two rules is an error, not a tie-break."""
 
     def __init__(self, rules: Sequence[Rule]):
         self.rules = list(rules)
+        self.skipped: list[tuple[str, str, str]] = []  # (module name, rule, reason) of unfit modules, set by match
 
-    def match(self, model: nn.Module) -> list[tuple[tuple[str, ...], Rule, nn.Module]]:
-        """(names, rule, module) of every module to replace; raises ConfigError listing every problem."""
+    @staticmethod
+    def stand_ins(selected: list[tuple[tuple[str, ...], Rule, nn.Module]]) -> dict[int, nn.Module]:
+        """What applying the ``selected`` matches will put in place of existing modules (by id), from
+        the rules' previews."""
+        out: dict[int, nn.Module] = {}
+        for _, rule, mod in selected:
+            if rule.preview is not None:
+                out |= rule.preview(mod)
+        return out
+
+    def match(self, model: nn.Module, stand_ins: dict[int, nn.Module] | None = None
+              ) -> list[tuple[tuple[str, ...], Rule, nn.Module]]:
+        """(names, rule, module) of every module to replace; raises ConfigError listing every problem.
+        ``stand_ins`` (by id) are matched in place of the model's modules (another plan's preview)."""
         problems: list[str] = []
         for rule in self.rules:
             for kind, globs in (("include", rule.include), ("exclude", rule.exclude)):
@@ -118,9 +146,11 @@ class ReplacementPlan:
         modules: dict[int, nn.Module] = {}
         for path, mod in model.named_modules(remove_duplicate=False):
             paths.setdefault(id(mod), []).append(path)
-            modules[id(mod)] = mod
+            modules[id(mod)] = (stand_ins or {}).get(id(mod), mod)
         chosen: dict[int, Rule] = {}
+        self.skipped = []
         for rule in self.rules:
+            hidden = {p for i, ps in paths.items() if isinstance(modules[i], rule.inside) for p in ps}
             typed = [(p, modules[i]) for i, ps in paths.items() for p in ps if isinstance(modules[i], rule.source)]
             for glob in rule.include if rule.require_match else ():
                 if not any(fnmatchcase(p, glob) for p, _ in typed):
@@ -128,7 +158,11 @@ class ReplacementPlan:
                     problems.append(f"rule {rule.name!r}: include glob {glob!r} matches no {kinds} module")
             for i, ps in paths.items():
                 mod = modules[i]
-                if not any(rule.selects(p, mod) for p in ps):
+                if not any(rule.selects(p, mod) and not _under(p, hidden) for p in ps):
+                    continue
+                reasons = rule.unfit(mod) if rule.unfit else []
+                if reasons:
+                    self.skipped.append((ps[0], rule.name, "; ".join(reasons)))
                     continue
                 if i in chosen:
                     problems.append(f"module {ps[0]!r} is matched by rules {chosen[i].name!r} and {rule.name!r}")

@@ -4,16 +4,17 @@ routers (MXFP8Linear for ``nn.Linear`` comes from :mod:`megaloom.models.plan`).
 Every swap keeps the model's own Parameters (by identity) under the original names, so
 state_dict keys, optimizer state and checkpoints are unchanged:
 
-- :class:`MegaMoEBlock` keeps the block's ``gate``, ``experts`` and ``shared_experts``
-  submodules and runs the routed experts through the MegaMoE graphs, passing the
-  transformers weights ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` as
-  transposed *views* (MegaMoE's layout is ``[E, H, 2I]`` / ``[E, I, H]``): no copy.
-  Under expert parallelism, :meth:`MegaMoEBlock.keep_local_experts` (run after the
-  swap) re-registers each rank's ``E / ep`` experts as Parameters of their own (a copy of
-  those rows), so the full tensor is freed once nothing else holds it.
+- :class:`MegaMoEBlock` keeps the block's children (router, experts, shared expert and its
+  gate) under their names and runs the routed experts through the MegaMoE graphs. The experts
+  become a :class:`FusedExperts` (the same ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
+  Parameters, passed to the graphs as transposed *views*: no copy) or a :class:`ListExperts`
+  (the same MLP modules; their weights are stacked each step). Under expert parallelism,
+  :meth:`MegaMoEBlock.keep_local_experts` (run after the swap) re-registers each rank's
+  ``E / ep`` fused experts as Parameters of their own (a copy of those
+  rows), so the full tensor is freed once nothing else holds it.
 - :class:`MegaGateRouter` is a MegaGate around the router's own ``weight`` Parameter
-  (and DeepSeek's ``e_score_correction_bias`` buffer), returning the transformers
-  router's ``(logits, weights, indices)``.
+  (and a ``e_score_correction_bias`` buffer), returning the router's ``(logits, weights,
+  indices)``, with the settings :func:`megaloom.models.routers.gate_settings` found.
 """
 from __future__ import annotations
 
@@ -23,37 +24,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import MoEBlockParts, block_parts
+from megaloom.models.hf_moe import MoEBlockParts, behaviour_problems, block_parts, expert_weights, is_silu, read_block
+from megaloom.models.routers import gate_settings
 from megaloom.runtime.errors import ConfigError
 
 
-GATE_SCORES = {"Qwen3MoeTopKRouter": "softmax", "DeepseekV3TopkRouter": "sigmoid"}  # router class -> MegaGate score
-
-
 def moe_problems(block: nn.Module, ep: int) -> list[str]:
-    """Why ``block`` cannot become a :class:`MegaMoEBlock` on ``ep`` ranks (empty: it can)."""
-    try:
-        parts = block_parts(block)
-    except ConfigError as e:
-        return [str(e)]
-    problems = []
-    if parts.act_name != "silu":
-        problems.append(f"MegaMoE runs SwiGLU experts; the block's activation is {parts.act_name!r}")
+    """Why ``block`` cannot become a :class:`MegaMoEBlock` on ``ep`` ranks (empty: it can), its
+    forward checked against the one rebuilt from its parts."""
+    parts, problems = read_block(block)
+    if parts is None:
+        return problems
+    if not is_silu(parts.act):
+        problems.append(f"MegaMoE runs SwiGLU experts; the experts' activation {parts.act!r} is not SiLU")
     if parts.num_experts % ep:
         problems.append(f"{parts.num_experts} experts do not split over parallel.ep_size={ep} ranks")
-    return problems
+    if ep > 1 and not parts.fused:
+        problems.append("expert parallelism needs fused 3-D expert weights; this block's experts are a ModuleList")
+    return problems + behaviour_problems(block, parts)
 
 
 def gate_problems(router: nn.Module) -> list[str]:
     """Why ``router`` cannot become a :class:`MegaGateRouter` (empty: it can)."""
-    name = type(router).__name__
-    if name not in GATE_SCORES:
-        return [f"{name} is not a supported router; supported: {', '.join(GATE_SCORES)}"]
-    groups, top_groups = getattr(router, "num_group", 1), getattr(router, "topk_group", 1)
-    if groups > 1 and top_groups < groups:
-        return [f"{name} limits selection to {top_groups} of {groups} expert groups; MegaGate has no group limit "
-                "(set n_group=1 or topk_group=n_group)"]
-    return []
+    return gate_settings(router)[1]
 
 
 @functools.cache
@@ -79,15 +72,13 @@ def make_gate(router: nn.Module, **options: Any) -> nn.Module:
     from megaloom.runtime.executors import ThreadExecutor
     from megaloom.train.step_trace import GraphTraces
 
-    problems = gate_problems(router)
+    settings, problems = gate_settings(router)
     if problems:
         raise ConfigError("; ".join(problems))
     experts, hidden = router.weight.shape
     traces = GraphTraces()
-    gate = _megagate_cls()(hidden, experts, int(router.top_k), score=GATE_SCORES[type(router).__name__],
-                           scale=float(getattr(router, "routed_scaling_factor", 1.0)),
-                           renorm=bool(router.norm_topk_prob), dtype=router.weight.dtype,
-                           executor=ThreadExecutor(observers=[traces]), **options)
+    gate = _megagate_cls()(hidden, experts, int(router.top_k), dtype=router.weight.dtype,
+                           executor=ThreadExecutor(observers=[traces]), **settings, **options)
     gate.graph_traces = traces
     gate.weight = router.weight  # the model's own Parameter
     bias = getattr(router, "e_score_correction_bias", None)
@@ -98,13 +89,72 @@ def make_gate(router: nn.Module, **options: Any) -> nn.Module:
     return gate
 
 
+class RoutedExperts(nn.Module):
+    """The routed experts of a :class:`MegaMoEBlock`: ``weights()`` in MegaMoE's layout, and
+    ``mx`` (None, or the MXFP8 scale mode when ``low_precision`` selected them)."""
+
+    mx: str | None = None
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return expert_weights(self)
+
+    def with_mx(self, scale_mode: str) -> RoutedExperts:
+        """The same experts (same Parameters and modules) with their GEMMs in MXFP8."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        for key in ("_parameters", "_buffers", "_modules"):
+            new.__dict__[key] = dict(self.__dict__[key])
+        new.mx = scale_mode
+        return new
+
+    def extra_repr(self) -> str:
+        return f"mxfp8={self.mx}" if self.mx else ""
+
+
+class FusedExperts(RoutedExperts):
+    """Fused experts: the block's own ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` Parameters."""
+
+    def __init__(self, experts: nn.Module):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_up_proj.shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.down_proj.shape[2]
+
+
+class ListExperts(RoutedExperts, nn.ModuleList):
+    """Experts as the block's own ModuleList of gated MLPs (same modules, same state_dict keys)."""
+
+    def __init__(self, experts: nn.ModuleList):
+        nn.ModuleList.__init__(self, list(experts))
+
+    @property
+    def hidden(self) -> int:
+        return self.weights()[1].shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.weights()[1].shape[1]
+
+
+def routed_experts(experts: nn.Module) -> RoutedExperts:
+    """The routed experts a :class:`MegaMoEBlock` holds for a block's ``experts`` (same Parameters)."""
+    return ListExperts(experts) if isinstance(experts, nn.ModuleList) else FusedExperts(experts)
+
+
 class MegaMoEBlock(nn.Module):
-    """A transformers MoE block whose routed experts run as the MegaMoE task graphs.
+    """An MoE block whose routed experts run as the MegaMoE task graphs.
 
     ``comm`` (a megaloom Communicator) with ``world_size > 1`` enables expert
     parallelism: this rank owns experts ``[rank * E/ep, (rank + 1) * E/ep)``.
-    ``options`` go to :class:`megaloom.graphs.moe.module.MegaMoERunner`
-    (``executor``, ``units``, ``policy``) or to the spec (``tile_m``, ``schedule``, ...).
+    ``gate`` replaces the router (a :func:`make_gate` MegaGate). ``options`` go to
+    :class:`megaloom.graphs.moe.module.MegaMoERunner` (``executor``, ``units``, ``policy``,
+    ``cache_size``) or to the spec (``tile_m``, ``schedule``, ...).
     """
 
     def __init__(self, block: nn.Module, comm: Any = None, gate: nn.Module | None = None, **options: Any):
@@ -114,16 +164,20 @@ class MegaMoEBlock(nn.Module):
 
         parts: MoEBlockParts = block_parts(block)
         ep = getattr(comm, "world_size", 1)
-        problems = moe_problems(block, ep)
-        if problems:
-            raise ConfigError(f"{type(block).__name__}: {'; '.join(problems)}")
+        if parts.num_experts % ep or (ep > 1 and not parts.fused):
+            raise ConfigError(f"{type(block).__name__}: cannot split its experts over {ep} ranks")
+        experts = routed_experts(parts.experts)
         for name, child in block.named_children():  # same names, same order: same state_dict keys
-            setattr(self, name, gate if name == "gate" and gate is not None else child)
-        # self.experts holds gate_up_proj / down_proj: the model's own Parameters
+            if child is parts.router and gate is not None:
+                child = gate
+            setattr(self, name, experts if child is parts.experts else child)
+        self.router_name, self.shared_name = parts.router_name, parts.shared_name
+        self.shared_gated = parts.shared_gate is not None
         self.num_experts, self.top_k = parts.num_experts, parts.top_k
         runner_keys = {"executor", "units", "policy", "cache_size"}
+        gate_up = next(experts.parameters())
         spec = MegaMoESpec(tokens=1, hidden=parts.hidden, intermediate=parts.inter, experts=parts.num_experts,
-                           top_k=parts.top_k, ep=ep, dtype=str(parts.gate_up.dtype).removeprefix("torch."),
+                           top_k=parts.top_k, ep=ep, dtype=str(gate_up.dtype).removeprefix("torch."),
                            **{k: v for k, v in options.items() if k not in runner_keys})
         self.runner = MegaMoERunner(spec, comm, **{k: v for k, v in options.items() if k in runner_keys})
         self.local_experts = ep == 1  # under EP, true once keep_local_experts() ran
@@ -141,18 +195,20 @@ class MegaMoEBlock(nn.Module):
         self.local_experts = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from megaloom.graphs.moe.module import MegaMoEFunction
+        from megaloom.graphs.moe.module import megamoe
 
         if not self.local_experts:
             raise ConfigError("MegaMoEBlock under expert parallelism: call keep_local_experts() before forward")
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
-        _, weights, indices = self.gate(x)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        y = MegaMoEFunction.apply(self.runner, x, indices, weights.to(gate_up.dtype),
-                                  gate_up.transpose(1, 2), down.transpose(1, 2)).view(shape)
-        if hasattr(self, "shared_experts"):
-            y = y + self.shared_experts(hidden_states)
+        _, weights, indices = getattr(self, self.router_name)(x)
+        gate_up, down = self.experts.weights()
+        y = megamoe(self.runner, x, indices, weights, gate_up, down, self.experts.mx).view(shape)
+        if self.shared_name is not None:
+            s = getattr(self, self.shared_name)(hidden_states)
+            if self.shared_gated:
+                s = torch.sigmoid(self.shared_expert_gate(hidden_states)) * s
+            y = y + s
         return y
 
     def extra_repr(self) -> str:

@@ -103,8 +103,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
                                               "(auto: cpu, or the profile named in the GPU's name; null: no MFU)"),
     },
     "model": {
-        "kind": Key("qwen3_moe", (str,), choices=("qwen3_moe", "deepseek_v3", "path"),
-                    doc="transformers model family built with random weights, or 'path' for a local checkpoint"),
+        "kind": Key("qwen3_moe", (str,), doc="a transformers model type (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, "
+                    "olmoe, ...) built with random weights, or 'path' for a local checkpoint"),
         "config": Key({}, (dict,), check=_finite_numbers,
                       doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
         "path": Key(None, _OPT_STR, doc="local directory with config.json (+ weights) when kind is 'path'"),
@@ -155,17 +155,20 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "timeout_s": Key(60, _NUM, check=_positive, doc="collective timeout"),
     },
     "low_precision": {
-        "format": Key("none", (str,), choices=("none", "mxfp8"), doc="swap nn.Linear for MXFP8Linear when 'mxfp8'"),
+        "format": Key("none", (str,), choices=("none", "mxfp8"),
+                      doc="'mxfp8': nn.Linear -> MXFP8Linear and MegaMoE experts' GEMMs in MXFP8"),
         "linear": Key(None, (str, type(None)), choices=(None, "none", "mxfp8"), doc="another name for format"),
         "scale_mode": Key("floor", (str,), choices=("floor", "rceil"), doc="MX block scale rounding"),
-        "include": Key(["*"], (list,), check=_str_list, doc="module-name globs of the Linear layers to swap"),
+        "include": Key(["*"], (list,), check=_str_list, doc="module-name globs of the Linear layers / experts to swap"),
         "exclude": Key(["lm_head"], (list,), check=_str_list, doc="globs kept in high precision"),
-        "rtol": Key(0.1, _NUM, check=_positive, doc="bound on the MXFP8 model's logits error vs float32 before training"),
+        "rtol": Key(None, _NUM + (type(None),), check=_positive,
+                    doc="bound on the MXFP8 model's logits error before training (null: 0.1 float32, 0.15 bfloat16)"),
     },
     "replace": {
         "rules": Key([], (list,), check=_rules, doc="the replacement plan: list of {match, type, with, options}"),
         "check_outputs": Key(True, (bool,), doc="compare the replaced model's logits with the original's before training"),
-        "rtol": Key(1e-5, _NUM, check=_positive, doc="relative tolerance of that check"),
+        "rtol": Key(None, _NUM + (type(None),), check=_positive,
+                    doc="relative tolerance of that check (null: 1e-5 float32, 2e-2 bfloat16)"),
     },
     "checkpoint": {
         "interval": Key(0, (int,), check=_non_negative, doc="steps between checkpoints; 0 saves only at the end"),

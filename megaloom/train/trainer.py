@@ -248,7 +248,12 @@ class Trainer:
         return path
 
     def _load(self, path: str) -> None:
-        self.step = ckpt.load(path, self.parallel, self.optimizer)
+        from megaloom.train import interop
+
+        if interop.is_torch_checkpoint(path):
+            self.step = interop.load_torch(path, self.comm, self.parallel.checkpoint_params(), self.optimizer)
+        else:
+            self.step = ckpt.load(path, self.parallel, self.optimizer)
         self.log(f"resumed from {path} at step {self.step}")
 
     def _write_trace(self) -> None:

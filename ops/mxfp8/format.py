@@ -179,7 +179,7 @@ def dequantize(data: torch.Tensor, scales: torch.Tensor, axis: str = "rows", dty
     want = scale_shape(tuple(data.shape), axis)
     if tuple(scales.shape) != want:
         raise GraphError(f"MXFP8 scales are {tuple(scales.shape)}, data {tuple(data.shape)} blocked by {axis} needs {want}")
-    if dtype in kernels.QUANT_DTYPES and kernels.usable(data, scales):
+    if dtype in kernels.QUANT_DTYPES and data.numel() and kernels.usable(data, scales):  # (kernels need rows)
         y = torch.empty(data.shape, dtype=dtype)
         if kernels.dequantize_into(data, scales, axis, y):
             return y

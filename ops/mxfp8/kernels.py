@@ -101,8 +101,8 @@ def dequantize_into(data: torch.Tensor, scales: torch.Tensor, axis: str, out: to
         raise GraphError(f"MXFP8 dequantize: data {tuple(data.shape)}, scales {tuple(scales.shape)} and out "
                          f"{tuple(out.shape)} do not fit together (axis {axis})")
     d, s, y = _rows2d(_u8(data)), _rows2d(_u8(scales)), _rows2d(out)
-    if d is None or s is None or y is None or out.dtype not in QUANT_DTYPES:
-        return False
+    if d is None or s is None or y is None or out.dtype not in QUANT_DTYPES or d.shape[1] % 32:
+        return False  # (the kernel walks 32 columns at a time, also when blocks run down the columns)
     native.ext.mx_dequantize(d.data_ptr(), d.stride(0), s.data_ptr(), s.stride(0), d.shape[0], d.shape[1],
                              int(axis == "cols"), y.data_ptr(), y.stride(0), native.DTYPE_CODES[out.dtype],
                              native.threads())

@@ -129,7 +129,7 @@ def test_optimizer_state_larger_than_its_parameter_is_refused(tmp_path):
         t.requires_grad_(True).grad = torch.ones_like(t)
     opt.step()
     save_params(ck, LocalCommunicator(), params, opt)
-    _rewrite_manifest(ck, lambda m: m["tensors"]["optim.w.momentum_buffer"].update(shape=[10**6, 10**6]))
+    _rewrite_manifest(ck, lambda m: m["tensors"]["optim.state.w.momentum_buffer"].update(shape=[10**6, 10**6]))
     fresh = _params(0.0)
     with pytest.raises(CheckpointError):
         load_params(ck, LocalCommunicator(), fresh, torch.optim.SGD([t for t, _ in fresh.values()], lr=0.1))

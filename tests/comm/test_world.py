@@ -177,7 +177,7 @@ def _full_state(comm, params, opt) -> dict[str, list]:
                 full = torch.empty(lay.shape, dtype=v.dtype)
                 gather_uneven(comm, v.contiguous(), list(lay.sizes), full)
                 v = full
-            out[f"optim.{fqn}.{key}" if key else f"model.{fqn}"] = v.tolist()
+            out[f"optim.state.{fqn}.{key}" if key else f"model.{fqn}"] = v.tolist()
     return out
 
 
@@ -286,7 +286,7 @@ def test_checkpoint_is_readable_by_dcp_to_torch_save(saved, tmp_path):
     dcp_to_torch_save(ckpt, out)
     full = torch.load(out, weights_only=True)
     assert set(full) == set(results[0]["state"])
-    assert full["model.0.weight"].shape == (9, 6) and full["optim.2.bias.exp_avg_sq"].shape == (5,)
+    assert full["model.0.weight"].shape == (9, 6) and full["optim.state.2.bias.exp_avg_sq"].shape == (5,)
     for k, v in results[0]["state"].items():
         assert torch.equal(full[k], _tensor(v)), k
     man = verify(ckpt)

@@ -4,7 +4,7 @@ import torch
 
 from megaloom.comm.spawn import run_world
 from megaloom.graphs import MegaMoE, moe_reference
-from megaloom.graphs.moe import MegaMoEFunction
+from megaloom.graphs.moe import megamoe
 from megaloom.graphs.moe.ep import ep_check, problem
 from megaloom.runtime.testing import rel_l2
 from megaloom.runtime.errors import ConfigError
@@ -48,7 +48,7 @@ def test_gradcheck_float64():
     ids = torch.tensor([[0, 1], [1, 0], [3, 1], [1, 3], [0, 1]])  # expert 2 idle
     w = torch.rand(5, 2, dtype=torch.float64, requires_grad=True)
     gu, dn = (p.detach().clone().requires_grad_() for p in (moe.gate_up, moe.down))
-    assert torch.autograd.gradcheck(lambda *a: MegaMoEFunction.apply(moe.runner, a[0], ids, *a[1:]),
+    assert torch.autograd.gradcheck(lambda *a: megamoe(moe.runner, a[0], ids, *a[1:]),
                                     (x, w, gu, dn), eps=1e-6, atol=1e-6)
 
 

@@ -1,4 +1,4 @@
-"""Tiny model configs shared by the trainer tests (hidden 64, 2 layers, 8 experts, seq 16)."""
+"""Tiny model configs shared by the trainer tests (hidden 64, 2 layers, 8 experts, seq 16), one per MoE family."""
 from __future__ import annotations
 
 from typing import Any
@@ -16,12 +16,28 @@ DEEPSEEK_V3 = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_in
                    kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
                    max_position_embeddings=64)
 
+QWEN2_MOE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+
+MIXTRAL = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+
+OLMOE = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, max_position_embeddings=64)
+
+# group-limited routing as DeepSeek-V3 has it (8 groups, 4 picked), scaled down: 4 groups of 2, 2 picked
+DEEPSEEK_V3_GROUPED = {**DEEPSEEK_V3, "n_group": 4, "topk_group": 2}
+
+FAMILIES = {"qwen3_moe": QWEN3_MOE, "qwen2_moe": QWEN2_MOE, "deepseek_v3": DEEPSEEK_V3_GROUPED, "mixtral": MIXTRAL,
+            "olmoe": OLMOE}
+
 
 def tiny_raw(out_dir: str, kind: str = "qwen3_moe", steps: int = 6, **sections: dict[str, Any]) -> dict[str, Any]:
     """A raw (unvalidated) config of a tiny run writing under ``out_dir``."""
     raw = {
         "run": {"seed": 0, "out_dir": str(out_dir), "progress": False},
-        "model": {"kind": kind, "config": QWEN3_MOE if kind == "qwen3_moe" else DEEPSEEK_V3},
+        "model": {"kind": kind, "config": DEEPSEEK_V3 if kind == "deepseek_v3" else FAMILIES[kind]},
         "data": {"seq_len": 16, "batch_size": 4},
         "optimizer": {"lr": 3e-3},
         "schedule": {"steps": steps, "warmup_steps": 2, "decay": "cosine"},

@@ -25,10 +25,10 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
             continue
         if is_moe_block(mod):
             parts = block_parts(mod)
-            experts = parts.gate_up.numel() + parts.down.numel()
-            weights += experts * parts.top_k / parts.num_experts + parts.router.weight.numel()
-            if parts.shared is not None:
-                weights += sum(m.weight.numel() for m in parts.shared.modules() if isinstance(m, nn.Linear))
+            weights += 3 * parts.hidden * parts.inter * parts.top_k + parts.router.weight.numel()
+            for extra in (parts.shared, parts.shared_gate):
+                if extra is not None:
+                    weights += sum(m.weight.numel() for m in extra.modules() if isinstance(m, nn.Linear))
             inside.add(name)
         elif isinstance(mod, nn.Linear):
             weights += mod.weight.numel()

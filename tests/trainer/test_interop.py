@@ -13,7 +13,8 @@ from megaloom.comm.checkpoint import CheckpointError
 from megaloom.models.hf_moe import build_model
 from megaloom.train.data import make_stream
 from megaloom.train.interop import load_model, read_metadata
-from megaloom.train.trainer import Trainer, causal_lm_loss, make_optimizer
+from megaloom.train.optim import make_optimizer
+from megaloom.train.trainer import Trainer, causal_lm_loss
 
 from .tiny import max_rel_err, tiny_config, tiny_raw
 
@@ -23,7 +24,7 @@ MOE_GATE = {"rules": [{"match": "model.layers.*.mlp", "with": "mega_moe", "optio
 def _torch_side(cfg):
     """The plain transformers model and optimizer a torch user would build for ``cfg``."""
     model = build_model(cfg["model"], cfg["run"]["seed"])
-    return model, make_optimizer(list(model.parameters()), cfg["optimizer"])
+    return model, make_optimizer(model, cfg["optimizer"])
 
 
 def test_torch_loads_a_megaloom_checkpoint(tmp_path):

@@ -47,10 +47,12 @@ from megaloom.graphs.common.spec import load_options, parse_spec
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import split, tile_ranges
 from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
+from megaloom.graphs.moe.layout import Layout, make_plan
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
+from megaloom.runtime.registry import get_op
 
 FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
 BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
@@ -73,8 +75,8 @@ def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
 class _Builder:
     """Adds the tasks of one direction: tags, stage barriers, the collective chain."""
 
-    def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str):
-        self.g, self.spec, self.c, self.direction = g, spec, counts, direction
+    def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str, layout: Layout | None = None):
+        self.g, self.spec, self.c, self.direction, self.lay = g, spec, counts, direction, layout
         self.rank, self.W, self.El = counts.rank, spec.ep, spec.experts_local
         self.sequential = spec.schedule == "sequential"
         self._stage_tasks: list[Task] = []
@@ -85,6 +87,10 @@ class _Builder:
             lo, hi = counts.expert_rows(e)
             self.padded.append((at, at + -(-(hi - lo) // BLOCK) * BLOCK))
             at = self.padded[-1][1]
+        if layout is not None:  # the plan of the build's counts sets the simulated sizes and tags
+            self.plan = make_plan(layout, counts)
+            self.meta = g.input("meta", (layout.tiles + self.El, 3), "int64")
+            self.comm_meta = None if layout.pooled else g.input("comm", (2, self.El, self.W, 5), "int64")
 
     # -- bookkeeping ---------------------------------------------------------------
     def stage(self, name: str) -> None:
@@ -109,10 +115,56 @@ class _Builder:
         self._stage_tasks.append(t)
         return t
 
+    def tiles(self) -> list[tuple[int, int, int, int | None]]:
+        """(expert, first row, end row, tile index: dynamic graphs only) of every row tile of the recv layout."""
+        tm, lay = self.spec.tile_m, self.lay
+        if lay is None:
+            return [(e, a, b, None) for e in range(self.El) for a, b in tile_ranges(self.c.expert_rows(e)[1], tm,
+                                                                                      self.c.expert_rows(e)[0])]
+        return [(self.plan.tile[j][0] if lay.pooled else lay.tile_expert(j), j * tm, (j + 1) * tm, j)
+                for j in range(lay.tiles)]
+
+    def experts(self, e: int) -> slice:
+        """The experts of a per-expert stack that a tile of expert ``e`` reads (all when picked at run time)."""
+        return slice(None) if self.lay is not None and self.lay.pooled else slice(e, e + 1)
+
+    def rows_of(self, e: int) -> tuple[int, int]:
+        """Rows of expert ``e``'s tasks: its rows (counts-built graphs) or the region they may occupy."""
+        return self.c.expert_rows(e) if self.lay is None else self.lay.region(e)
+
+    def tile_task(self, op: str, ins: list, outs: list, codes: str, name: str, expert: int, j: int | None,
+                  attrs: dict | None = None, block: int | None = None) -> Task:
+        """Task ``op``; in a dynamic graph ``moe_dyn`` over the live rows of tile ``j`` (or, with ``block``,
+        of expert ``block``'s rows from the region's first row) read from the plan at run time.
+        ``codes``: how each input then output is cut (see :mod:`.ops`)."""
+        engine = get_op(op).engine
+        if self.lay is None:
+            return self.task(op, ins, outs, name, expert=expert, engine=engine, attrs=attrs)
+        if block is None:
+            row, sim, more = self.meta[j:j + 1], self.plan.tile[j][1], {}
+        else:
+            k = self.lay.tiles + block
+            row, sim = self.meta[k:k + 1], self.plan.n[block]
+            more = {"base": self.lay.region(block)[0], "rmw": any(c != "-" for c in codes[len(ins):])}
+        codes = codes[:len(ins)] + "|" + codes[len(ins):]
+        attrs = {"op": op, "codes": ("b" if block is not None else "t") + codes, "sim": sim, **more, **(attrs or {})}
+        return self.task("moe_dyn", [row, *ins, *(outs if more.get("rmw") else [])], outs, name, expert=expert,
+                         engine=engine, attrs=attrs)
+
     # -- shared pieces ---------------------------------------------------------------
     def pack(self, src: Buffer, tok: Buffer, send: Buffer, recv: Buffer, scale: Buffer | None = None) -> None:
         """Gather routed rows of ``src`` into the send layout (own rows: into ``recv``)."""
         c, tm = self.c, self.spec.tile_m
+        if self.lay is not None:
+            if self.lay.pooled:  # straight into each tile of the recv layout
+                for e, a, b, j in self.tiles():
+                    ins = [src, tok[a:b]] + ([scale[a:b]] if scale is not None else [])
+                    self.tile_task("moe_gather", ins, [recv[a:b]], "-rr"[:len(ins)] + "r", f"gather.{a}", e, j)
+            else:  # the send layout, expert-sorted; own rows reach recv in round 0 of the exchange
+                for a, b in tile_ranges(self.spec.rows, tm):
+                    ins = [src, tok[a:b]] + ([scale[a:b]] if scale is not None else [])
+                    self.task("moe_gather", ins, [send[a:b]], f"gather.{a}")
+            return
         for p in range(self.W):
             for e in range(self.El):
                 lo, hi = c.send_block(p, e)
@@ -128,6 +180,10 @@ class _Builder:
     def exchange(self, send: Buffer, recv: Buffer, expert: int, combine: bool) -> None:
         """One expert's all-to-all rounds, each in chunks of at most ``comm_tile`` rows;
         ``combine`` runs them from recv layout back to send layout."""
+        if self.lay is not None:
+            if not self.lay.pooled:  # pooled: one layout, nothing to move
+                self.exchange_dyn(send, recv, expert, combine)
+            return
         c, r, W, e = self.c, self.rank, self.W, expert
         for j in range(1, W):
             to, frm = (r + j) % W, (r - j) % W
@@ -155,6 +211,27 @@ class _Builder:
                 self.task("copy", [recv[lo:hi]], [send[s0:s0 + hi - lo]], f"{self._stage}.e{e}.self",
                           expert=e, peer=r, engine="vector")
 
+    def exchange_dyn(self, send: Buffer, recv: Buffer, e: int, combine: bool) -> None:
+        """:meth:`exchange` of a dynamic graph: every round in a static number of chunks, rows from the plan."""
+        W, tile, d = self.W, self.spec.comm_tile, int(combine)
+        lo, hi = self.lay.region(e)
+        for j in range(W):
+            to, frm = (self.rank + j) % W, (self.rank - j) % W
+            src, dst = (recv[lo:hi], send) if combine else (send, recv[lo:hi])
+            row = self.comm_meta[d:d + 1, e:e + 1, j:j + 1]
+            s0, sn, d0, dn, most = self.plan.comm[d][e][j]
+            for i in range(-(-self.spec.tokens // tile) if tile else 1):
+                a, b = (i * tile, (i + 1) * tile) if tile else (0, most)
+                attrs = {"to": to if j else -1, "frm": frm if j else -1, "world": W, "chunk": i, "tile": tile,
+                         "sim": max(min(b, sn) - min(a, sn), min(b, dn) - min(a, dn))}
+                if not j:  # own rows: a local copy
+                    self.task("moe_exchange", [row, src, dst], [dst], f"{self._stage}.e{e}.self.{i}", expert=e,
+                              peer=self.rank, engine="vector", attrs=attrs)
+                    continue
+                t = self.task("moe_exchange", [row, src, dst], [dst], f"{self._stage}.e{e}.j{j}.{i}", expert=e,
+                              peer=to, engine="comm", round=j, link="intra", attrs=attrs)
+                self._comm.append((self._chain_slot(e, combine), t))
+
     def _chain_slot(self, e: int, combine: bool) -> tuple[int, int, int]:
         grp = self.spec.group_of(e)
         if self.sequential:
@@ -171,31 +248,28 @@ class _Builder:
 
     def gemm_tiles(self, stage: str, op_in: Buffer, weight: Buffer, out: Buffer, n: int, trans: bool) -> None:
         """Row tiles x column blocks of ``out[rows_e] = op_in[rows_e] @ weight[e]`` for every expert."""
-        for e in range(self.El):
-            lo, hi = self.c.expert_rows(e)
-            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
-                for c0, c1 in split(n, self.spec.cube_split):
-                    # column block c of op_in @ W[e] is op_in @ W[e][:, c]; of op_in @ W[e]^T, op_in @ W[e][c, :]^T
-                    w = weight[e:e + 1, c0:c1, :] if trans else weight[e:e + 1, :, c0:c1]
-                    self.task("moe_gmm", [op_in[a:b], w], [out[a:b, c0:c1]], f"{stage}.e{e}.{a}.c{c0}",
-                              expert=e, engine="cube", attrs={"trans_w": True} if trans else None)
+        for e, a, b, j in self.tiles():
+            x = self.experts(e)
+            for c0, c1 in split(n, self.spec.cube_split):
+                # column block c of op_in @ W[e] is op_in @ W[e][:, c]; of op_in @ W[e]^T, op_in @ W[e][c, :]^T
+                w = weight[x, c0:c1, :] if trans else weight[x, :, c0:c1]
+                self.tile_task("moe_gmm", [op_in[a:b], w], [out[a:b, c0:c1]], "rer", f"{stage}.e{e}.{a}.c{c0}",
+                               e, j, attrs={"trans_w": True} if trans else None)
 
     def row_tiles(self, op: str, ins: list[Buffer], out: Buffer, stage: str) -> None:
         """A vector op applied to each row tile of every expert."""
-        for e in range(self.El):
-            lo, hi = self.c.expert_rows(e)
-            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
-                self.task(op, [x[a:b] for x in ins], [out[a:b]], f"{stage}.e{e}.{a}", expert=e)
+        for e, a, b, j in self.tiles():
+            self.tile_task(op, [x[a:b] for x in ins], [out[a:b]], "r" * (len(ins) + 1), f"{stage}.e{e}.{a}", e, j)
 
     def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
         blocks (zeros for an idle expert); the weight gradient stays on this rank."""
         for e in range(self.El):
-            lo, hi = self.c.expert_rows(e)
+            lo, hi = self.rows_of(e)
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    self.task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
-                              f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube")
+                    self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
+                                   "rr-", f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e)
 
     # -- MXFP8 ------------------------------------------------------------------------
     def mx_attrs(self, **attrs: Any) -> dict:
@@ -207,27 +281,25 @@ class _Builder:
 
     def quant_rows(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
         """Row-wise (along the last dim) quantisation of every row tile of every expert, in column chunks."""
-        for e in range(self.El):
-            lo, hi = self.c.expert_rows(e)
-            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
-                for c0, c1 in self.chunks(src.shape[1]):
-                    self.task("mx_quantize", [src[a:b, c0:c1]], [q[0][a:b, c0:c1], q[1][a:b, c0 // BLOCK:c1 // BLOCK]],
-                              f"{stage}.e{e}.{a}.c{c0}", expert=e, attrs=self.mx_attrs(axis="rows"))
+        for e, a, b, j in self.tiles():
+            for c0, c1 in self.chunks(src.shape[1]):
+                self.tile_task("mx_quantize", [src[a:b, c0:c1]], [q[0][a:b, c0:c1], q[1][a:b, c0 // BLOCK:c1 // BLOCK]],
+                               "rrr", f"{stage}.e{e}.{a}.c{c0}", e, j, attrs=self.mx_attrs(axis="rows"))
 
     def quant_tokens(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
         """Token-axis quantisation of each expert's rows into its padded block of ``q``, in column chunks."""
         for e in range(self.El):
-            (lo, hi), (p0, p1) = self.c.expert_rows(e), self.padded[e]
+            (lo, hi), (p0, p1) = self.rows_of(e), self.padded_block(e)
             for c0, c1 in self.chunks(src.shape[1]) if hi > lo else ():
-                self.task("mx_quantize_grouped", [src[lo:hi, c0:c1]],
-                          [q[0][p0:p1, c0:c1], q[1][p0 // BLOCK:p1 // BLOCK, c0:c1]], f"{stage}.e{e}.c{c0}", expert=e,
-                          attrs=self.mx_attrs(group_offsets=[hi - lo], axis="cols"))
+                self.tile_task("mx_quantize_grouped", [src[lo:hi, c0:c1]],
+                               [q[0][p0:p1, c0:c1], q[1][p0 // BLOCK:p1 // BLOCK, c0:c1]], "rps", f"{stage}.e{e}.c{c0}",
+                               e, None, attrs=self.mx_attrs(group_offsets=[hi - lo], axis="cols"), block=e)
 
     def quant_weights(self, stage: str, w: Buffer, q: tuple[Buffer, Buffer], axis: str) -> None:
         """Each expert's weight ``[K, N]`` quantised along ``axis`` (``cols``: along K, chunks of the N
         columns; ``rows``: along N, chunks of the K rows); experts without rows are not needed."""
         for e in range(self.El):
-            lo, hi = self.c.expert_rows(e)
+            lo, hi = self.rows_of(e)
             for c0, c1 in self.chunks(w.shape[2 if axis == "cols" else 1]) if hi > lo else ():
                 at = (slice(e, e + 1), slice(None), slice(c0, c1)) if axis == "cols" else (
                     slice(e, e + 1), slice(c0, c1), slice(None))
@@ -237,27 +309,26 @@ class _Builder:
     def mx_gemm_tiles(self, stage: str, a: tuple[Buffer, Buffer], w: tuple[Buffer, Buffer], out: Buffer, n: int,
                       layout: str) -> None:
         """:meth:`gemm_tiles` on MXFP8 operands: NN (``a @ W[e]``) or NT (``a @ W[e]^T``)."""
-        for e in range(self.El):
-            lo, hi = self.c.expert_rows(e)
-            for r0, r1 in tile_ranges(hi, self.spec.tile_m, lo):
-                for c0, c1 in split(n, self.spec.cube_split):
-                    cols = (slice(e, e + 1), slice(None), slice(c0, c1)) if layout == "NN" else (
-                        slice(e, e + 1), slice(c0, c1), slice(None))
-                    self.task("mx_grouped_matmul", [a[0][r0:r1], a[1][r0:r1], w[0][cols], w[1][cols]],
-                              [out[r0:r1, c0:c1]], f"{stage}.e{e}.{r0}.c{c0}", expert=e, engine="cube",
-                              attrs={"group_offsets": [r1 - r0], "layout": layout, "out_dtype": self.spec.dtype})
+        for e, r0, r1, j in self.tiles():
+            x = self.experts(e)
+            for c0, c1 in split(n, self.spec.cube_split):
+                cols = (x, slice(None), slice(c0, c1)) if layout == "NN" else (x, slice(c0, c1), slice(None))
+                self.tile_task("mx_grouped_matmul", [a[0][r0:r1], a[1][r0:r1], w[0][cols], w[1][cols]],
+                               [out[r0:r1, c0:c1]], "rreer", f"{stage}.e{e}.{r0}.c{c0}", e, j,
+                               attrs={"group_offsets": [r1 - r0], "layout": layout, "out_dtype": self.spec.dtype})
 
     def mx_wgrad(self, stage: str, a: tuple[Buffer, Buffer], b: tuple[Buffer, Buffer], out: Buffer) -> None:
         """:meth:`wgrad` on token-axis MXFP8 operands (layout TN; zeros for an idle expert)."""
         for e in range(self.El):
-            (lo, hi), (p0, p1) = self.c.expert_rows(e), self.padded[e]
+            (lo, hi), (p0, p1) = self.rows_of(e), self.padded_block(e)
             rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    self.task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
-                                                    b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
-                              f"{stage}.e{e}.k{k0}.c{c0}", expert=e, engine="cube",
-                              attrs={"group_offsets": [hi - lo], "layout": "TN", "out_dtype": self.spec.dtype})
+                    self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
+                                                         b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]], "psps-",
+                                   f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e,
+                                   attrs={"group_offsets": [p1 - p0 if self.lay else hi - lo], "layout": "TN",
+                                          "out_dtype": self.spec.dtype})
 
     def forward_gemm(self, stage: str, x: Buffer, w: Buffer, out: Buffer, save: bool) -> None:
         """``out[e] = x[e] @ w[e]`` per expert, in the spec's precision; under MXFP8 with ``save``, ``x`` is
@@ -293,8 +364,15 @@ class _Builder:
 
     @property
     def padded_rows(self) -> int:
-        """Rows of the token-axis MXFP8 layout (every local expert's rows padded to 32)."""
+        """Rows of the token-axis MXFP8 layout (every local expert's rows padded to 32; in a dynamic graph
+        the recv layout's, whose expert blocks start on multiples of 32)."""
+        if self.lay is not None:
+            return self.lay.rows
         return self.padded[-1][1] if self.padded else 0
+
+    def padded_block(self, e: int) -> tuple[int, int]:
+        """Rows of expert ``e``'s block in the token-axis MXFP8 layout (a dynamic graph: its region)."""
+        return self.padded[e] if self.lay is None else self.lay.region(e)
 
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
@@ -313,34 +391,49 @@ def _mx_buffers(g: TaskGraph, name: str, shape: tuple[int, ...], axis: str, out:
     return make(name, shape, FP8), make(f"{name}_scales", tuple(scales), E8M0)
 
 
-def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, c: Counts, names: tuple[str, str], keep: tuple[bool, bool]):
-    """The send-layout and recv-layout buffers of one row stream (one buffer when W == 1)."""
-    def make(name: str, rows: int, out: bool) -> Buffer:
-        return (g.output if out else g.buffer)(name, (rows, spec.hidden), spec.dtype)
+def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, rows: tuple[int, int], names: tuple[str, str],
+                    keep: tuple[bool, bool]):
+    """The send-layout and recv-layout buffers of one row stream, of ``rows`` (one buffer when W == 1)."""
+    def make(name: str, n: int, out: bool) -> Buffer:
+        return (g.output if out else g.buffer)(name, (n, spec.hidden), spec.dtype)
     if spec.ep == 1:  # the layouts coincide
-        one = make(names[0] if keep[0] else names[1], c.recv_rows, any(keep))
+        one = make(names[0] if keep[0] else names[1], rows[1], any(keep))
         return one, one
-    return make(names[0], c.send_rows, keep[0]), make(names[1], c.recv_rows, keep[1])
+    return make(names[0], rows[0], keep[0]), make(names[1], rows[1], keep[1])
 
 
-def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> TaskGraph:
+def _rows(spec: MegaMoESpec, counts: Counts, dynamic: bool) -> tuple[Layout | None, int, int, int]:
+    """(layout, recv-layout rows, send-layout rows, rows of tok and ws) of a graph: from the counts, or
+    the static capacity of a dynamic graph (whose pooled layout at W == 1 takes tok and ws padded too)."""
+    if not dynamic:
+        return None, counts.recv_rows, counts.send_rows, counts.send_rows
+    lay = Layout(spec, counts.rank)
+    return lay, lay.rows, spec.rows, lay.rows if lay.pooled else spec.rows
+
+
+def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynamic: bool = False) -> TaskGraph:
     """Forward graph of rank ``counts.rank``. Inputs ``x [T, H]``, ``tok [S]``, ``pos [T, k]``,
     ``w [T, k]``, ``gate_up [E_l, H, 2I]``, ``down [E_l, I, H]``; output ``out [T, H]`` and,
-    with ``save``, the activations the backward graph needs (:func:`saved_names`)."""
+    with ``save``, the activations the backward graph needs (:func:`saved_names`).
+
+    ``dynamic``: the graph of every routing (:mod:`.layout`): buffers of static capacity, plan inputs
+    ``meta`` (and ``comm`` under EP) read at run time; ``counts`` then only set simulated sizes and tags.
+    At W == 1 ``tok`` and ``pos`` index the pooled layout (:func:`.layout.pooled_routing`)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    dt, R, S = spec.dtype, counts.recv_rows, counts.send_rows
+    lay, R, S, St = _rows(spec, counts, dynamic)
+    dt = spec.dtype
     g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
-    x, tok = g.input("x", (T, H), dt), g.input("tok", (S,), "int64")
+    x, tok = g.input("x", (T, H), dt), g.input("tok", (St,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
     mx = spec.mxfp8
     keep = g.output if save else g.buffer
-    xs, xr = _layout_buffers(g, spec, counts, ("xs", "xr"), (False, save and not mx))
+    xs, xr = _layout_buffers(g, spec, (S, R), ("xs", "xr"), (False, save and not mx))
     gu, a = keep("gu", (R, 2 * I), dt), (keep if not mx else g.buffer)("a", (R, I), dt)
-    yc, y = _layout_buffers(g, spec, counts, ("yc", "y"), (save, False))
+    yc, y = _layout_buffers(g, spec, (S, R), ("yc", "y"), (save, False))
     out = g.output("out", (T, H), dt)
 
-    b = _Builder(g, spec, counts, "fwd")
+    b = _Builder(g, spec, counts, "fwd", lay)
     b.stage("dispatch")
     b.pack(x, tok, xs, xr)
     for e in range(El):
@@ -360,16 +453,18 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> Ta
     return g
 
 
-def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
+def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) -> TaskGraph:
     """Backward graph of rank ``counts.rank``. Inputs ``dout [T, H]``, ``tok``, ``pos``,
     ``ws [S, 1]`` (top-k weights in send layout), the saved activations (:func:`saved_names`) and
-    the weights; outputs ``dx [T, H]``, ``dw [T, k]``, ``d_gate_up``, ``d_down``."""
+    the weights; outputs ``dx [T, H]``, ``dw [T, k]``, ``d_gate_up``, ``d_down``. ``dynamic``: as
+    for :func:`build_forward` (``ws`` in the layout of ``tok``)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    dt, R, S, mx = spec.dtype, counts.recv_rows, counts.send_rows, spec.mxfp8
+    lay, R, S, St = _rows(spec, counts, dynamic)
+    dt, mx = spec.dtype, spec.mxfp8
     g = TaskGraph(f"megamoe.bwd.r{counts.rank}")
-    dout, tok = g.input("dout", (T, H), dt), g.input("tok", (S,), "int64")
-    pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (S, 1), dt)
-    b = _Builder(g, spec, counts, "bwd")
+    dout, tok = g.input("dout", (T, H), dt), g.input("tok", (St,), "int64")
+    pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (St, 1), dt)
+    b = _Builder(g, spec, counts, "bwd", lay)
     padded = b.padded_rows
 
     def saved_mx(name: str, cols: int) -> tuple[Buffer, Buffer]:
@@ -378,13 +473,13 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     xr = saved_mx("xr_mx", H) if mx else g.input("xr", (R, H), dt)
     gu = g.input("gu", (R, 2 * I), dt)
     a = saved_mx("a_mx", I) if mx else g.input("a", (R, I), dt)
-    yc = g.input("yc", (S, H), dt)
+    yc = g.input("yc", (S if spec.ep > 1 else R, H), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
     dx, dw = g.output("dx", (T, H), dt), g.output("dw", (T, k), dt)
     dw1, dw2 = g.output("d_gate_up", (El, H, 2 * I), dt), g.output("d_down", (El, I, H), dt)
-    dys, dyr = _layout_buffers(g, spec, counts, ("dys", "dyr"), (False, False))
+    dys, dyr = _layout_buffers(g, spec, (S, R), ("dys", "dyr"), (False, False))
     da, dgu = g.buffer("da", (R, I), dt), g.buffer("dgu", (R, 2 * I), dt)
-    dxs, dxr = _layout_buffers(g, spec, counts, ("dxs", "dxr"), (False, False))
+    dxs, dxr = _layout_buffers(g, spec, (S, R), ("dxs", "dxr"), (False, False))
 
     b.stage("dispatch")
     if not b.sequential:  # off the expert path: fills vector gaps while dY travels

@@ -18,9 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megaloom.comm.ops import communicator
+
 from megaloom.ops.basic import precision
+from megaloom.ops.mxfp8.format import BLOCK
+from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
+from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
 
 
 def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
@@ -230,3 +234,157 @@ register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
                _topk_grad_kernel, doc="gradient of the top-k weights",
                grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
 
+
+
+# -- dynamic tiles (graphs built once per spec: the routing arrives as int64 plan rows) -----------
+# ``moe_dyn`` runs op ``op`` on the live rows of its regions. Its inputs: the plan row, the inner op's
+# inputs, then (``rmw``) the old contents of its outputs, which it writes only in part. ``codes``:
+# ``t`` (a tile: plan row (expert, rows, 0)) or ``b`` (an expert's block: (first row, rows, end), rows
+# relative to ``base``), then one code per inner input, ``|``, one per output (see :func:`_narrow`).
+def _codes(attrs: dict) -> tuple[str, str, str]:
+    kind, rest = attrs["codes"][0], attrs["codes"][1:]
+    cin, cout = rest.split("|")
+    return kind, cin, cout
+
+
+def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
+    """(first row, rows, expert) of a task from its plan row."""
+    a, b, _ = meta.reshape(-1).tolist()
+    return (0, b, a) if kind == "t" else (a - base, b, 0)
+
+
+def _narrow(x, code: str, s: int, n: int, e: int):
+    """Operand ``x`` (a tensor or TensorSpec) for ``n`` live rows from row ``s`` of expert ``e``: code ``r``
+    rows, ``p`` rows padded to 32, ``s`` the 32-row scale blocks of those, ``e`` expert ``e`` of a
+    per-expert stack, ``-`` as is."""
+    p = -(-n // BLOCK) * BLOCK
+    lo, hi = {"r": (s, s + n), "p": (s, s + p), "s": (s // BLOCK, (s + p) // BLOCK)}.get(code, (None, None))
+    if code == "e":
+        lo, hi = (e, e + 1) if x.shape[0] > 1 else (0, 1)
+    if lo is None:
+        return x
+    if isinstance(x, TensorSpec):
+        return TensorSpec((hi - lo, *x.shape[1:]), x.dtype)
+    return x[lo:hi]
+
+
+def _dyn_parts(ins, outs, attrs: dict, n: int, s: int = 0, e: int = 0):
+    """The inner op's inputs, outputs and attrs for ``n`` live rows (``ins``: the task's)."""
+    _, cin, cout = _codes(attrs)
+    inner = {k: v for k, v in attrs.items() if k not in ("op", "codes", "base", "sim", "rmw")}
+    if "group_offsets" in inner:
+        inner["group_offsets"] = [n]
+    return ([_narrow(x, c, s, n, e) for x, c in zip(ins[1:1 + len(cin)], cin)],
+            [_narrow(o, c, s, n, e) for o, c in zip(outs, cout)], inner)
+
+
+def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _, cin, cout = _codes(attrs)
+    rmw = attrs.get("rmw", False)
+    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
+            f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
+            + (" and its outputs" if rmw else ""), ins)
+    _, _, inner = _dyn_parts(ins, [], attrs, 0)
+    inner.pop("group_offsets", None)
+    if "group_offsets" in attrs:
+        inner["group_offsets"] = attrs["group_offsets"]
+    outs = get_op(attrs["op"]).shape([_narrow(x, "e", 0, 0, 0) if c == "e" else x
+                                      for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
+    _expect(len(outs) == len(cout) and (not rmw or list(ins[1 + len(cin):]) == outs), "moe_dyn",
+            f"codes {attrs['codes']!r} do not fit op {attrs['op']!r}", ins)
+    return outs
+
+
+def _dyn_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    n = attrs.get("sim", 0)
+    if not n:
+        return Cost(precision=precision(outs[0].dtype))
+    i, o, a = _dyn_parts(ins, outs, attrs, n)
+    return get_op(attrs["op"]).cost(i, o, a)
+
+
+def _dyn_kernel(ins, outs, **attrs) -> None:
+    kind, _, cout = _codes(attrs)
+    s, n, e = _live(ins[0], kind, attrs.get("base", 0))
+    if n == 0:
+        for o, c in zip(outs, cout):
+            if c == "-":  # a whole result of an expert without rows (its weight gradient): zeros
+                o.zero_()
+        return
+    i, o, a = _dyn_parts(ins, outs, attrs, n, s, e)
+    d = get_op(attrs["op"])
+    if d.kernel is not None:
+        d.kernel(i, o, **a)
+    else:
+        for out, r in zip(o, run_reference(d, i, a)):
+            out.copy_(r)
+
+
+def _dyn_ref(*ins, **attrs):
+    """The task's outputs: live rows by the inner op's reference, other rows as they were (``rmw``) or zeros."""
+    kind, cin, cout = _codes(attrs)
+    specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
+    old = ins[1 + len(cin):]
+    full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
+    s, n, e = _live(ins[0], kind, attrs.get("base", 0))
+    if n:
+        i, o, a = _dyn_parts(ins, full, attrs, n, s, e)
+        for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
+            out.copy_(r)
+    return tuple(full)
+
+
+# -- moe_exchange: one all-to-all round (round 0: the own rows, a local copy) of a dynamic graph ---
+def _exchange_rows(row: torch.Tensor, chunk: int, tile: int) -> tuple[int, int, int, int] | None:
+    """(src from, src to, dst from, dst to) of chunk ``chunk`` (``tile`` rows; 0: all) of a plan row, or
+    None when no rank moves rows in it (every rank skips it alike)."""
+    s0, sn, d0, dn, most = row.reshape(-1).tolist()
+    lo = chunk * tile
+    hi = lo + tile if tile else most
+    if lo >= most:
+        return None
+    return s0 + min(lo, sn), s0 + min(hi, sn), d0 + min(lo, dn), d0 + min(hi, dn)
+
+
+def _exchange_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    _expect(len(ins) == 3 and ins[0].dtype == "int64" and ins[0].numel == 5 and ins[1].dtype == ins[2].dtype
+            and ins[1].shape[1:] == ins[2].shape[1:], "moe_exchange",
+            "takes a plan row (5 int64), the source rows and the old destination rows", ins)
+    return [ins[2]]
+
+
+def _exchange_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    row = outs[0].nbytes / max(1, outs[0].shape[0])
+    moved = row * attrs.get("sim", 0)
+    return Cost(bytes=2.0 * moved, comm_bytes=0.0 if attrs["to"] < 0 else moved,
+                precision=precision(outs[0].dtype))
+
+
+def _exchange_into(src: torch.Tensor, dst: torch.Tensor, row: torch.Tensor, attrs: dict, ctx) -> None:
+    at = _exchange_rows(row, attrs.get("chunk", 0), attrs.get("tile", 0))
+    if at is None:
+        return
+    a, b, c, d = at
+    if attrs["to"] < 0:  # the own rows
+        dst[c:d].copy_(src[a:b])
+        return
+    send, recv = [0] * attrs["world"], [0] * attrs["world"]
+    send[attrs["to"]], recv[attrs["frm"]] = b - a, d - c
+    communicator(ctx).all_to_all(dst[c:d], src[a:b], send, recv)
+
+
+def _exchange_kernel(ins, outs, ctx=None, **attrs) -> None:
+    _exchange_into(ins[1], outs[0], ins[0], attrs, ctx)
+
+
+def _exchange_ref(row, src, old, ctx=None, **attrs):
+    out = old.clone()
+    _exchange_into(src, out, row, attrs, ctx)
+    return out
+
+
+register(OpDef("moe_dyn", ("cube", "vector"), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel, extra={"in_place": True},
+               doc="op attrs['op'] on the live rows of a tile or expert block, read from a plan row"))
+register(OpDef("moe_exchange", ("comm", "vector"), _exchange_ref, _exchange_shape, _exchange_cost,
+               _exchange_kernel, context=True, extra={"in_place": True},
+               doc="one all-to-all round (chunk) of an expert with run-time split sizes; own rows: a copy"))

@@ -1,0 +1,141 @@
+"""Static row layouts of MegaMoE's dynamic graphs and the per-step plan that fills them.
+
+A dynamic graph (``build_forward(..., dynamic=True)``) is built once per spec: its buffers
+have a static capacity and its tiles static row regions; the routing of a step arrives as
+small int64 inputs that the tile kernels read to size their rows and pick their expert.
+
+- *pooled* (``ep == 1``): each expert's rows start on a multiple of ``align`` (``tile_m``, or
+  ``lcm(tile_m, 32)`` under MXFP8), so tile ``j`` (rows ``[j tm, (j + 1) tm)``) holds rows of one
+  expert, chosen at run time; the capacity covers any routing of ``T k`` rows.
+- *slotted* (``ep > 1``): local expert ``e`` owns the static slot ``[e C, (e + 1) C)`` of the recv
+  layout (``C``: ``W T`` rows, rounded up to ``align``), so comm and tiles of one expert depend
+  on that expert only (per-expert interleaving across ranks).
+
+The plan of a step: ``meta [N + E_l, 3]``, one row per tile (expert, live rows, 0) then one per
+local expert (first row, rows, end of its padded block); under EP ``comm [2, E_l, W, 5]``: per
+direction (dispatch, combine), expert and round ``j`` (peer ``(rank + j) % W``), the source
+offset and rows, destination offset and rows (relative to the task's regions) and the most
+rows any rank moves in that round (0: every rank skips it).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing
+from megaloom.ops.mxfp8.format import BLOCK
+from megaloom.runtime.errors import ConfigError
+
+
+class Layout:
+    """The static capacity of one spec's dynamic graphs on one rank."""
+
+    def __init__(self, spec: MegaMoESpec, rank: int = 0):
+        self.spec, self.rank = spec, rank
+        self.tm, self.W, self.El = spec.tile_m, spec.ep, spec.experts_local
+        self.align = math.lcm(self.tm, BLOCK) if spec.mxfp8 else self.tm
+        self.pooled = self.W == 1
+        S, a = spec.rows, self.align
+        if self.pooled:  # sum_e ceil(n_e / a) a <= S + (non-empty experts) (a - 1)
+            self.slot = 0
+            self.rows = (S + min(self.El, S) * (a - 1)) // a * a
+        else:
+            self.slot = -(-self.W * spec.tokens // a) * a
+            self.rows = self.El * self.slot
+        self.tiles = self.rows // self.tm
+
+    def region(self, e: int) -> tuple[int, int]:
+        """Rows of the recv layout that local expert ``e``'s rows may occupy."""
+        return (0, self.rows) if self.pooled else (e * self.slot, (e + 1) * self.slot)
+
+    def tile_expert(self, j: int) -> int | None:
+        """The expert of tile ``j`` when static (slotted), else None."""
+        return None if self.pooled else j * self.tm // self.slot
+
+
+@dataclass(slots=True)
+class Plan:
+    """One step's plan (see the module doc); ``start``/``n``: each local expert's first row and rows;
+    ``tile``: (expert, rows) per tile; ``shift``: pooled row minus send-layout row per global expert."""
+
+    start: list[int]
+    n: list[int]
+    tile: list[tuple[int, int]]
+    comm: list  # [2][E_l][W] of (src off, src rows, dst off, dst rows, most rows)
+    shift: list[int]
+
+    def meta(self, layout: Layout) -> torch.Tensor:
+        ends = [s + -(-n // layout.align) * layout.align for s, n in zip(self.start, self.n)]
+        rows = [(e, n, 0) for e, n in self.tile] + list(zip(self.start, self.n, ends))
+        return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+
+    def comm_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.comm, dtype=torch.int64)
+
+
+def make_plan(layout: Layout, c: Counts) -> Plan:
+    """The plan of counts ``c`` in ``layout``; raises ConfigError when they exceed its capacity."""
+    tm, a, W, El, r = layout.tm, layout.align, layout.W, layout.El, c.rank
+    n = [hi - lo for lo, hi in (c.expert_rows(e) for e in range(El))]
+    if layout.pooled:
+        start, at = [], 0
+        for k in n:
+            start.append(at)
+            at += -(-k // a) * a
+    else:
+        start = [e * layout.slot for e in range(El)]
+    if not layout.pooled and (sum(map(sum, c.counts)) != W * layout.spec.rows
+                              or max(map(max, c.counts)) > layout.spec.tokens):
+        raise ConfigError(f"MegaMoE over {W} ranks: every rank needs {layout.spec.tokens} tokens and a token lists "
+                          f"an expert at most once (per-rank counts {[sum(row) for row in c.counts]}, most rows "
+                          f"of one rank for one expert {max(map(max, c.counts))})")
+    tile = [(0, 0)] * layout.tiles
+    for e in range(El):
+        for j in range(start[e] // tm, -(-(start[e] + n[e]) // tm)):
+            tile[j] = (e, min(tm, start[e] + n[e] - j * tm))
+    comm = []
+    if not layout.pooled:
+        for combine in (False, True):
+            per_e = []
+            for e in range(El):
+                rounds = []
+                for j in range(W):
+                    to, frm = (r + j) % W, (r - j) % W
+                    base = c.expert_rows(e)[0]
+                    if combine:
+                        most = max(c.pair((s + j) % W, s, e) for s in range(W))
+                        (s0, s1), (d0, d1) = c.recv_block(e, to), c.send_block(frm, e)
+                        s0, s1 = s0 - base, s1 - base
+                    else:
+                        most = max(c.pair(s, (s + j) % W, e) for s in range(W))
+                        (s0, s1), (d0, d1) = c.send_block(to, e), c.recv_block(e, frm)
+                        d0, d1 = d0 - base, d1 - base
+                    rounds.append((s0, s1 - s0, d0, d1 - d0, most))
+                per_e.append(rounds)
+            comm.append(per_e)
+    shift = [start[g] - c.send_off[g] for g in range(El)] if layout.pooled else []
+    return Plan(start, n, tile, comm, shift)
+
+
+def step_inputs(layout: Layout, routing: Routing) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """A dynamic graph's routing inputs for ``routing``: the plan (``meta``, and ``comm`` under EP) and
+    ``tok`` / ``pos`` in its layout; plus, pooled, the row each send-layout row lands on (to place ``ws``)."""
+    plan = make_plan(layout, routing.counts)
+    ins = {"meta": plan.meta(layout)}
+    if not layout.pooled:
+        return {**ins, "comm": plan.comm_tensor(), "tok": routing.tok, "pos": routing.pos}, None
+    counts = torch.tensor(routing.counts.counts[0], dtype=torch.int64)
+    rows = torch.arange(layout.spec.rows) + torch.repeat_interleave(torch.tensor(plan.shift), counts)
+    tok = torch.zeros(layout.rows, dtype=torch.int64)
+    tok[rows] = routing.tok
+    return {**ins, "tok": tok, "pos": rows[routing.pos]}, rows
+
+
+def place(rows: torch.Tensor | None, x: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """Send-layout rows ``x`` in the pooled layout (zeros between experts); as they are under EP."""
+    if rows is None:
+        return x
+    out = x.new_zeros((layout.rows, *x.shape[1:]))
+    return out.index_copy_(0, rows, x)

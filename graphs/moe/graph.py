@@ -145,7 +145,9 @@ class _Builder:
         else:
             k = self.lay.tiles + block
             row, sim = self.meta[k:k + 1], self.plan.n[block]
-            more = {"base": self.lay.region(block)[0], "rmw": any(c != "-" for c in codes[len(ins):])}
+            # a block written in part into a region other experts' blocks share (pooled) keeps their rows
+            rmw = self.lay.pooled and block > 0 and any(c != "-" for c in codes[len(ins):])
+            more = {"base": self.lay.region(block)[0], "rmw": rmw}
         codes = codes[:len(ins)] + "|" + codes[len(ins):]
         attrs = {"op": op, "codes": ("b" if block is not None else "t") + codes, "sim": sim, **more, **(attrs or {})}
         return self.task("moe_dyn", [row, *ins, *(outs if more.get("rmw") else [])], outs, name, expert=expert,

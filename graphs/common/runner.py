@@ -48,6 +48,7 @@ class GraphRunner:
         self.cache_size = cache_size
         self._graphs: OrderedDict[tuple, TaskGraph] = OrderedDict()
         self.last_trace: dict[str, Trace] = {}
+        self.builds = 0  # graphs built (and validated) so far
         self.key = next(_KEYS)
         _RUNNERS[self.key] = self
 
@@ -57,6 +58,7 @@ class GraphRunner:
         g = self._graphs.get(key)
         if g is None:
             g = family.build(spec, direction, *args, **kw).validate()
+            self.builds += 1
             self._graphs[key] = g
             while len(self._graphs) > self.cache_size:
                 self._graphs.popitem(last=False)

@@ -226,11 +226,14 @@ class _Builder:
                 a, b = (i * tile, (i + 1) * tile) if tile else (0, most)
                 attrs = {"to": to if j else -1, "frm": frm if j else -1, "world": W, "chunk": i, "tile": tile,
                          "sim": max(min(b, sn) - min(a, sn), min(b, dn) - min(a, dn))}
+                ins = [row, src, dst]
+                if not (i or j or (combine and e)):  # the first task writing dst: rows of no other task kept
+                    ins, attrs["rows"] = ins[:2], dst.shape[0]
                 if not j:  # own rows: a local copy
-                    self.task("moe_exchange", [row, src, dst], [dst], f"{self._stage}.e{e}.self.{i}", expert=e,
+                    self.task("moe_exchange", ins, [dst], f"{self._stage}.e{e}.self.{i}", expert=e,
                               peer=self.rank, engine="vector", attrs=attrs)
                     continue
-                t = self.task("moe_exchange", [row, src, dst], [dst], f"{self._stage}.e{e}.j{j}.{i}", expert=e,
+                t = self.task("moe_exchange", ins, [dst], f"{self._stage}.e{e}.j{j}.{i}", expert=e,
                               peer=to, engine="comm", round=j, link="intra", attrs=attrs)
                 self._comm.append((self._chain_slot(e, combine), t))
 

@@ -29,21 +29,31 @@ from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
 
 
+def align(spec: MegaMoESpec) -> int:
+    """Row multiple of every expert block: ``tile_m``, or ``lcm(tile_m, 32)`` under MXFP8."""
+    return math.lcm(spec.tile_m, BLOCK) if spec.mxfp8 else spec.tile_m
+
+
+def capacity(spec: MegaMoESpec, tokens):
+    """(slot rows of one local expert (0: pooled), rows of the recv layout) for ``tokens`` per rank
+    (an int, or a symbolic size under ``torch.compile``)."""
+    a, El = align(spec), spec.experts_local
+    if spec.ep == 1:  # sum_e ceil(n_e / a) a <= S + (non-empty experts) (a - 1)
+        S = tokens * spec.top_k
+        return 0, (S + torch.sym_min(El, S) * (a - 1)) // a * a
+    slot = (spec.ep * tokens + a - 1) // a * a
+    return slot, El * slot
+
+
 class Layout:
     """The static capacity of one spec's dynamic graphs on one rank."""
 
     def __init__(self, spec: MegaMoESpec, rank: int = 0):
         self.spec, self.rank = spec, rank
         self.tm, self.W, self.El = spec.tile_m, spec.ep, spec.experts_local
-        self.align = math.lcm(self.tm, BLOCK) if spec.mxfp8 else self.tm
+        self.align = align(spec)
         self.pooled = self.W == 1
-        S, a = spec.rows, self.align
-        if self.pooled:  # sum_e ceil(n_e / a) a <= S + (non-empty experts) (a - 1)
-            self.slot = 0
-            self.rows = (S + min(self.El, S) * (a - 1)) // a * a
-        else:
-            self.slot = -(-self.W * spec.tokens // a) * a
-            self.rows = self.El * self.slot
+        self.slot, self.rows = capacity(spec, spec.tokens)
         self.tiles = self.rows // self.tm
 
     def region(self, e: int) -> tuple[int, int]:

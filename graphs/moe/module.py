@@ -26,18 +26,22 @@ from torch import Tensor, nn
 
 from megaloom.graphs.common.runner import GraphRunner, runner_for
 from megaloom.graphs.moe.graph import MEGAMOE, saved_names
-from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing
+from megaloom.graphs.moe.layout import Layout, capacity, place, step_inputs
+from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing, synthetic_counts
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
+from megaloom.runtime.graph import TaskGraph
 
 ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
 
 
 class MegaMoERunner(GraphRunner):
     """A :class:`GraphRunner` of one MegaMoE spec: host routing, then the forward and backward
-    graphs, built once per (spec, counts). ``executor``, ``units``, ``policy``: as for GraphRunner."""
+    graphs, built and validated once per call spec (tokens, dtype, precision): they are dynamic graphs
+    (:mod:`.layout`) that take each step's routing as run-time inputs. ``executor``, ``units``,
+    ``policy``: as for GraphRunner."""
 
     def __init__(self, spec: MegaMoESpec, comm: Any = None, *, executor: str | Executor = "thread",
                  units: Mapping[str, int] | None = None, policy: Any = None, cache_size: int = 64):
@@ -66,18 +70,27 @@ class MegaMoERunner(GraphRunner):
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
         return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
+    def layout(self, spec: MegaMoESpec) -> Layout:
+        return Layout(spec, self.rank)
+
+    def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
+        """The cached dynamic graph of ``spec``; balanced synthetic counts set its simulated sizes."""
+        return self.graph(MEGAMOE, spec, direction, synthetic_counts(spec, rank=self.rank), dynamic=True, **kw)
+
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
-        g = self.graph(MEGAMOE, spec, "fwd", routing.counts, save=save)
-        return self.run(g, {"x": x, "tok": routing.tok, "pos": routing.pos, "w": w, "gate_up": gate_up,
-                            "down": down}, "fwd", contiguous=False)
+        g = self.dynamic_graph(spec, "fwd", save=save)
+        plan, _ = step_inputs(self.layout(spec), routing)
+        return self.run(g, {"x": x, **plan, "w": w, "gate_up": gate_up, "down": down}, "fwd", contiguous=False)
 
     def backward(self, spec: MegaMoESpec, routing: Routing, dout: torch.Tensor, w: torch.Tensor,
                  saved: Mapping[str, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> RunResult:
-        g = self.graph(MEGAMOE, spec, "bwd", routing.counts)
-        ws = w.reshape(-1).index_select(0, routing.flat).unsqueeze(1)
-        return self.run(g, {"dout": dout, "tok": routing.tok, "pos": routing.pos, "ws": ws, **saved,
-                            "gate_up": gate_up, "down": down}, "bwd", contiguous=False)
+        g = self.dynamic_graph(spec, "bwd")
+        lay = self.layout(spec)
+        plan, rows = step_inputs(lay, routing)
+        ws = place(rows, w.reshape(-1).index_select(0, routing.flat).unsqueeze(1), lay)
+        return self.run(g, {"dout": dout, **plan, "ws": ws, **saved, "gate_up": gate_up, "down": down}, "bwd",
+                        contiguous=False)
 
 
 @torch.library.custom_op("megaloom::moe_forward", mutates_args=())
@@ -101,20 +114,18 @@ def _(x, topk_ids, topk_weights, gate_up, down, runner, mx, save):
     out = x.new_empty(t, h)
     if not save:
         return [out]
-    spec = runner_for(runner).spec
-    ctx = torch.library.get_ctx()
-    rows = t * k if spec.ep == 1 else ctx.new_dynamic_size()  # received rows
+    spec = runner_for(runner).spec_for(1, x.dtype, mx)
+    rows = capacity(spec, t)[1]  # the static capacity of the recv layout
     i = down.shape[1]
-    if mx:  # token-axis FP8 copies of xr and a: each expert's rows padded to 32
-        blocks = ctx.new_dynamic_size()
-        acts = [x.new_empty(blocks * 32, h, dtype=torch.float8_e4m3fn), x.new_empty(blocks, h, dtype=torch.float8_e8m0fnu),
-                x.new_empty(rows, 2 * i), x.new_empty(blocks * 32, i, dtype=torch.float8_e4m3fn),
-                x.new_empty(blocks, i, dtype=torch.float8_e8m0fnu)]
+    if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
+        acts = [x.new_empty(rows, h, dtype=torch.float8_e4m3fn), x.new_empty(rows // 32, h, dtype=torch.float8_e8m0fnu),
+                x.new_empty(rows, 2 * i), x.new_empty(rows, i, dtype=torch.float8_e4m3fn),
+                x.new_empty(rows // 32, i, dtype=torch.float8_e8m0fnu)]
     else:
         acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
     ids = topk_ids.new_empty(t * k, dtype=torch.int64)
-    return [out, *acts, x.new_empty(t * k, h), ids, torch.empty_like(ids), topk_ids.new_empty(t, k, dtype=torch.int64),
-            topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
+    return [out, *acts, x.new_empty(t * k if spec.ep > 1 else rows, h), ids, torch.empty_like(ids),
+            topk_ids.new_empty(t, k, dtype=torch.int64), topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
 
 
 @torch.library.custom_op("megaloom::moe_backward", mutates_args=())

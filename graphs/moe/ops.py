@@ -347,10 +347,11 @@ def _exchange_rows(row: torch.Tensor, chunk: int, tile: int) -> tuple[int, int, 
 
 
 def _exchange_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    _expect(len(ins) == 3 and ins[0].dtype == "int64" and ins[0].numel == 5 and ins[1].dtype == ins[2].dtype
-            and ins[1].shape[1:] == ins[2].shape[1:], "moe_exchange",
-            "takes a plan row (5 int64), the source rows and the old destination rows", ins)
-    return [ins[2]]
+    """The destination: the old rows (3rd input) or, for the first task writing it, ``rows`` rows."""
+    _expect(len(ins) in (2, 3) and ins[0].dtype == "int64" and ins[0].numel == 5 and ins[1].dtype == ins[-1].dtype
+            and ins[1].shape[1:] == ins[-1].shape[1:] and (len(ins) == 3 or "rows" in attrs), "moe_exchange",
+            "takes a plan row (5 int64), the source rows and the old destination rows (or attr rows)", ins)
+    return [ins[2] if len(ins) == 3 else TensorSpec((attrs["rows"], *ins[1].shape[1:]), ins[1].dtype)]
 
 
 def _exchange_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
@@ -377,8 +378,8 @@ def _exchange_kernel(ins, outs, ctx=None, **attrs) -> None:
     _exchange_into(ins[1], outs[0], ins[0], attrs, ctx)
 
 
-def _exchange_ref(row, src, old, ctx=None, **attrs):
-    out = old.clone()
+def _exchange_ref(row, src, old=None, ctx=None, **attrs):
+    out = old.clone() if old is not None else src.new_zeros((attrs["rows"], *src.shape[1:]))
     _exchange_into(src, out, row, attrs, ctx)
     return out
 

@@ -20,6 +20,7 @@ TAGS = {
     "peer": "the other rank of a transfer or of its rows (MegaMoE); the rotated policy",
     "round": "all-to-all round: rank r sends to rank r + round (MegaMoE)",
     "link": "link of a transfer, intra or inter (MegaMoE); the cost model's comm rates",
+    "kernel": "the op a dynamic MegaMoE task (moe_dyn) runs on the live rows of its tile; trace summaries",
 }
 
 

@@ -151,7 +151,7 @@ class _Builder:
         codes = codes[:len(ins)] + "|" + codes[len(ins):]
         attrs = {"op": op, "codes": ("b" if block is not None else "t") + codes, "sim": sim, **more, **(attrs or {})}
         return self.task("moe_dyn", [row, *ins, *(outs if more.get("rmw") else [])], outs, name, expert=expert,
-                         engine=engine, attrs=attrs)
+                         engine=engine, attrs=attrs, kernel=op)
 
     # -- shared pieces ---------------------------------------------------------------
     def pack(self, src: Buffer, tok: Buffer, send: Buffer, recv: Buffer, scale: Buffer | None = None) -> None:

@@ -53,6 +53,7 @@ from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
 from megaloom.runtime.registry import get_op
+from megaloom.scheduler.cost import DURATION_ATTR
 
 FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
 BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
@@ -150,6 +151,8 @@ class _Builder:
             more = {"base": self.lay.region(block)[0], "rmw": rmw}
         codes = codes[:len(ins)] + "|" + codes[len(ins):]
         attrs = {"op": op, "codes": ("b" if block is not None else "t") + codes, "sim": sim, **more, **(attrs or {})}
+        if not sim:  # empty at the build's counts: simulated as skipped
+            attrs[DURATION_ATTR] = 0.0
         return self.task("moe_dyn", [row, *ins, *(outs if more.get("rmw") else [])], outs, name, expert=expert,
                          engine=engine, attrs=attrs, kernel=op)
 
@@ -226,6 +229,8 @@ class _Builder:
                 a, b = (i * tile, (i + 1) * tile) if tile else (0, most)
                 attrs = {"to": to if j else -1, "frm": frm if j else -1, "world": W, "chunk": i, "tile": tile,
                          "sim": max(min(b, sn) - min(a, sn), min(b, dn) - min(a, dn))}
+                if a >= most:  # no rank moves rows in this chunk at the build's counts: simulated as skipped
+                    attrs[DURATION_ATTR] = 0.0
                 ins = [row, src, dst]
                 if not (i or j or (combine and e)):  # the first task writing dst: rows of no other task kept
                     ins, attrs["rows"] = ins[:2], dst.shape[0]
@@ -516,12 +521,20 @@ def _topk_grad(b: _Builder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -
 
 class MoEGraphBuilder(GraphBuilder):
     """MegaMoE's graphs: the builders take the per-expert counts after the spec; from plain options
-    they come from ``routing`` (see :func:`synthetic_counts`), ``seed`` and ``rank``."""
+    they come from ``routing`` (see :func:`synthetic_counts`), ``seed`` and ``rank``; ``dynamic=true``
+    builds the graph of every routing (static capacity, sizes read from the plan at run time), the
+    counts then setting its simulated tile sizes."""
 
-    extras = {"direction": "fwd", "routing": "balanced", "seed": 0, "rank": 0}
+    extras = {"direction": "fwd", "routing": "balanced", "seed": 0, "rank": 0, "dynamic": False}
 
     def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple:
         return (synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"])),)
+
+    def kwargs(self, extras: dict[str, Any]) -> dict[str, Any]:
+        dyn = extras["dynamic"]
+        if not isinstance(dyn, bool):
+            raise ConfigError(f"option dynamic must be true or false, got {dyn!r}")
+        return {"dynamic": True} if dyn else {}
 
     def world(self, spec: str | None = None, **options: Any) -> list[TaskGraph]:
         """``megaloom simulate --graph megamoe:... --world``: every EP rank's graph (``rank = 0 .. ep - 1``,

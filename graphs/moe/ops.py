@@ -24,6 +24,7 @@ from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
+from megaloom.scheduler.cost import DURATION_ATTR
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
 
 
@@ -241,6 +242,9 @@ register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
 # inputs, then (``rmw``) the old contents of its outputs, which it writes only in part. ``codes``:
 # ``t`` (a tile: plan row (expert, rows, 0)) or ``b`` (an expert's block: (first row, rows, end), rows
 # relative to ``base``), then one code per inner input, ``|``, one per output (see :func:`_narrow`).
+_OWN = ("op", "codes", "base", "sim", "rmw", DURATION_ATTR)  # moe_dyn's own attrs; the rest are the op's
+
+
 def _codes(attrs: dict) -> tuple[str, str, str]:
     kind, rest = attrs["codes"][0], attrs["codes"][1:]
     cin, cout = rest.split("|")
@@ -271,7 +275,7 @@ def _narrow(x, code: str, s: int, n: int, e: int):
 def _dyn_parts(ins, outs, attrs: dict, n: int, s: int = 0, e: int = 0):
     """The inner op's inputs, outputs and attrs for ``n`` live rows (``ins``: the task's)."""
     _, cin, cout = _codes(attrs)
-    inner = {k: v for k, v in attrs.items() if k not in ("op", "codes", "base", "sim", "rmw")}
+    inner = {k: v for k, v in attrs.items() if k not in _OWN}
     if "group_offsets" in inner:
         inner["group_offsets"] = [n]
     return ([_narrow(x, c, s, n, e) for x, c in zip(ins[1:1 + len(cin)], cin)],

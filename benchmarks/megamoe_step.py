@@ -5,8 +5,11 @@ from a one-layer ``Qwen3MoeForCausalLM`` built from its config (the experts impl
 the one transformers picks for a user: ``grouped_mm`` where torch has it), and its router feeding
 :class:`~megaloom.graphs.MegaMoE` with the same expert weights. Every step draws new hidden states
 (so a new routing), runs forward and backward, and times it; figures are medians over the steps,
-the sides taking turns in each step. ``megamoe_rebuild`` is the same module with its graphs built
-for the step's counts (the graph cache missing every step, as before dynamic graphs).
+the sides taking turns in each step. ``megamoe`` is the module as built by default (one worker
+thread per engine kind); ``megamoe_rebuild`` the same with its graphs built for the step's counts
+(the graph cache missing every step, as before dynamic graphs); ``megamoe_units`` runs ``--cubes``
+cube units and one vector unit, each kernel on one torch thread (so it uses ``cubes + 1`` threads
+whatever ``--threads`` says: compare it at the thread count that matches the cores it uses).
 
     python benchmarks/megamoe_step.py [--tokens 2048] [--threads 1 2] [--steps 9]
 """
@@ -22,6 +25,7 @@ import torch
 
 from megaloom.graphs.moe import MEGAMOE, MegaMoE
 from megaloom.graphs.moe.module import MegaMoERunner
+from megaloom.runtime import ThreadExecutor
 from megaloom.runtime.testing import rel_l2
 
 
@@ -58,11 +62,13 @@ class Rebuild(MegaMoERunner):
                             "gate_up": gate_up, "down": down}, "bwd", contiguous=False)
 
 
-def megamoe_block(block, tile_m: int, rebuild: bool = False) -> MegaMoE:
-    """MegaMoE with the block's expert weights (transformers keeps them transposed)."""
+def megamoe_block(block, tile_m: int, rebuild: bool = False, cubes: int = 0) -> MegaMoE:
+    """MegaMoE with the block's expert weights (transformers keeps them transposed); ``cubes``: that many
+    cube units (and one vector unit), each kernel on one torch thread (0: the module's default executor)."""
     ex = block.experts
     E, two_i, H = ex.gate_up_proj.shape
-    moe = MegaMoE(H, two_i // 2, E, block.gate.top_k, tile_m=tile_m)
+    executor = ThreadExecutor({"cube": cubes, "vector": 1}, intra_op_threads=1) if cubes else "thread"
+    moe = MegaMoE(H, two_i // 2, E, block.gate.top_k, tile_m=tile_m, executor=executor)
     if rebuild:
         moe.runner = Rebuild(moe.spec)
     with torch.no_grad():
@@ -90,12 +96,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--steps", type=int, default=9)
     ap.add_argument("--no-rebuild", action="store_true", help="skip the rebuild-every-step side")
+    ap.add_argument("--cubes", type=int, default=2, help="cube units of the megamoe_units side (0: no such side)")
     args = ap.parse_args(argv)
     T, H = args.tokens, args.hidden
     block, impl = hf_block(H, args.intermediate, args.experts, args.top_k)
     sides = {"megamoe": megamoe_block(block, args.tile_m)}
     if not args.no_rebuild:
         sides["megamoe_rebuild"] = megamoe_block(block, args.tile_m, rebuild=True)
+    if args.cubes:
+        sides["megamoe_units"] = megamoe_block(block, args.tile_m, cubes=args.cubes)
 
     def mega(moe):
         def run(x):

@@ -42,8 +42,9 @@ def problem(world: int, tokens: int, hidden: int, intermediate: int, experts: in
 
 def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """Run ``cfg`` (problem() keys, spec options such as ``schedule`` or ``tile_m``, ``executor``,
-    ``units``, ``policy``, ``repeat``, ``check``) on this rank: errors vs the golden block, best fwd+bwd
-    seconds over ``repeat`` runs, comm time and overlap of the latest runs."""
+    ``units``, ``policy``, ``repeat``, ``reroute``: a new problem (routing) each repeat, ``check``) on
+    this rank: errors of the last run vs the golden block, best fwd+bwd seconds over ``repeat`` runs,
+    comm time and overlap of the latest runs, graphs built."""
     world, rank = comm.world_size, comm.rank
     shape = {k: cfg[k] for k in ("tokens", "hidden", "intermediate", "experts", "top_k")}
     p = problem(world, **shape, dtype=cfg.get("dtype", "float32"), seed=cfg.get("seed", 0), idle=cfg.get("idle", 0))
@@ -57,7 +58,10 @@ def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         moe.gate_up.copy_(p["gate_up"][rank * el:(rank + 1) * el])
         moe.down.copy_(p["down"][rank * el:(rank + 1) * el])
     best = float("inf")
-    for _ in range(max(1, cfg.get("repeat", 1))):
+    for i in range(max(1, cfg.get("repeat", 1))):
+        if i and cfg.get("reroute"):
+            p = {**problem(world, **shape, dtype=cfg.get("dtype", "float32"), seed=cfg.get("seed", 0) + i,
+                           idle=cfg.get("idle", 0)), "gate_up": p["gate_up"], "down": p["down"]}
         moe.zero_grad(set_to_none=True)
         x = p["x"][mine].clone().requires_grad_()
         w = p["w"][mine].clone().requires_grad_()
@@ -66,7 +70,7 @@ def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         y = moe(x, p["ids"][mine], w)
         y.backward(p["dout"][mine])
         best = min(best, time.perf_counter() - t0)
-    out: dict[str, Any] = {"rank": rank, "seconds": best}
+    out: dict[str, Any] = {"rank": rank, "seconds": best, "builds": moe.runner.builds}
     for d, tr in moe.runner.last_trace.items():
         m = metrics(tr)
         out[d] = {"makespan": m.makespan, "comm_time": m.comm_time, "comm_hidden": m.comm_hidden}

@@ -2,8 +2,10 @@
 import pytest
 import torch
 
+from megaloom.comm.spawn import run_world
 from megaloom.graphs import MegaGate, MegaMHC
 from megaloom.graphs.moe import MEGAMOE, MegaMoE, MegaMoERunner, MegaMoESpec, make_routing, moe_reference
+from megaloom.graphs.moe.ep import ep_check
 from megaloom.graphs.moe.graph import saved_names
 from megaloom.graphs.moe.layout import Layout, make_plan
 from megaloom.graphs.moe.spec import Counts
@@ -71,6 +73,14 @@ def test_cached_graph_matches_fresh_graphs_and_golden_over_many_routings(precisi
         for g, want in zip(got, golden(x, ids, w, gu, dn, dout, mx)):
             assert rel_l2(g, want) <= 1e-5
     assert runner.builds == 2  # one forward, one backward graph for every routing
+
+
+@pytest.mark.dist
+def test_expert_parallel_ranks_reuse_their_graphs_over_new_routings():
+    cfg = dict(tokens=12, hidden=16, intermediate=8, experts=4, top_k=2, tile_m=8, idle=1, repeat=4, reroute=True,
+               units={"cube": 2, "vector": 1, "comm": 2}, comm_tile=4)
+    for res in run_world(ep_check, 2, cfg, timeout=60, comm_timeout=20):
+        assert max(res["errors"].values()) <= 1e-5 and res["builds"] == 2, res
 
 
 def test_module_builds_and_validates_once_across_steps(monkeypatch):

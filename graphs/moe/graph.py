@@ -48,6 +48,7 @@ from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import split, tile_ranges
 from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
 from megaloom.graphs.moe.layout import Layout, make_plan
+from megaloom.graphs.moe.ops import swiglu_program
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
@@ -147,7 +148,7 @@ class _Builder:
             k = self.lay.tiles + block
             row, sim = self.meta[k:k + 1], self.plan.n[block]
             # a block written in part into a region other experts' blocks share (pooled) keeps their rows
-            rmw = self.lay.pooled and block > 0 and any(c != "-" for c in codes[len(ins):])
+            rmw = self.lay.pooled and block > 0 and any(c not in "-z" for c in codes[len(ins):])
             more = {"base": self.lay.region(block)[0], "rmw": rmw}
         codes = codes[:len(ins)] + "|" + codes[len(ins):]
         attrs = {"op": op, "codes": ("b" if block is not None else "t") + codes, "sim": sim, **more, **(attrs or {})}
@@ -271,6 +272,25 @@ class _Builder:
         for e, a, b, j in self.tiles():
             self.tile_task(op, [x[a:b] for x in ins], [out[a:b]], "r" * (len(ins) + 1), f"{stage}.e{e}.{a}", e, j)
 
+    def swiglu_tiles(self, stage: str, gu: Buffer, out: Buffer, da: Buffer | None = None) -> None:
+        """SwiGLU of ``gu = [gate | up]`` into ``out`` (with ``da``: its gradient ``[dgate | dup]``) on each
+        row tile of every expert: ``dvm.fused`` tasks under ``fuse_vector``, else the unfused op. In a
+        dynamic graph a fused tile runs on its whole tile (its program has the tile's shape; rows past
+        the live ones hold values nothing reads) and an empty tile returns at once."""
+        if not self.spec.fuse_vector:
+            return self.row_tiles(stage, [gu] if da is None else [gu, da], out, stage)
+        inter, made = gu.shape[1] // 2, {}
+        for e, a, b, j in self.tiles():
+            halves = [gu[a:b, :inter], gu[a:b, inter:]]
+            if da is None:
+                ins, outs = halves, [out[a:b]]
+            else:
+                ins, outs = [da[a:b], *halves], [out[a:b, :inter], out[a:b, inter:]]
+            if b - a not in made:  # one attrs dict per tile shape: the program is decoded once
+                made[b - a] = swiglu_program(b - a, inter, self.spec.dtype, backward=da is not None)
+            self.tile_task("dvm.fused", ins, outs, "-" * (len(ins) + len(outs)), f"{stage}.e{e}.{a}", e, j,
+                           attrs=made[b - a])
+
     def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
         blocks (zeros for an idle expert); the weight gradient stays on this rank."""
@@ -279,7 +299,7 @@ class _Builder:
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
                     self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
-                                   "rr-", f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e)
+                                   "rrz", f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e)
 
     # -- MXFP8 ------------------------------------------------------------------------
     def mx_attrs(self, **attrs: Any) -> dict:
@@ -335,7 +355,7 @@ class _Builder:
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
                     self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
-                                                         b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]], "psps-",
+                                                         b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]], "pspsz",
                                    f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e,
                                    attrs={"group_offsets": [p1 - p0 if self.lay else hi - lo], "layout": "TN",
                                           "out_dtype": self.spec.dtype})
@@ -451,7 +471,7 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     b.stage("gmm1")
     b.forward_gemm("gmm1", xr, w1, gu, save)
     b.stage("swiglu")
-    b.row_tiles("swiglu", [gu], a, "swiglu")
+    b.swiglu_tiles("swiglu", gu, a)
     b.stage("gmm2")
     b.forward_gemm("gmm2", a, w2, y, save)
     b.stage("combine")
@@ -500,7 +520,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     b.stage("dgmm2")
     b.backward_gemms("2", dyr, w2, da, a, dw2)
     b.stage("swiglu_grad")
-    b.row_tiles("swiglu_grad", [gu, da], dgu, "swiglu_grad")
+    b.swiglu_tiles("swiglu_grad", gu, dgu, da)
     b.stage("dgmm1")
     b.backward_gemms("1", dgu, w1, dxr, xr, dw1)
     b.stage("combine")

@@ -11,7 +11,9 @@
 | moe_topk_grad     | vector | ``dw[t, k] = <dout[t], rows[pos[t, k]]>``: gradient of top-k weights |
 
 Index operands (``idx``, ``pos``) are int64 regions of graph buffers, so one graph
-serves every routing with the same per-expert counts.
+serves every routing with the same per-expert counts. With ``fuse_vector`` the graphs run
+SwiGLU and its gradient as ``dvm.fused`` tiles instead (:func:`swiglu_program`) over the
+gate and up halves of ``gu``; ``swiglu`` / ``swiglu_grad`` stay the unfused path and oracle.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloom.comm.ops import communicator
-
+from megaloom.ops import dvm
 from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
@@ -145,6 +147,13 @@ def _swiglu_kernel(ins, outs) -> None:
     torch.mul(F.silu(g), u, out=outs[0])
 
 
+def swiglu_program(rows: int, inter: int, dtype: str, backward: bool = False) -> dict:
+    """``dvm.fused`` attrs of a SwiGLU tile of ``rows x inter``: forward ``(gate, up) -> a``,
+    backward ``(da, gate, up) -> (dgate, dup)`` (:mod:`megaloom.ops.dvm.library`)."""
+    make = dvm.library.swiglu_backward if backward else dvm.library.swiglu
+    return {"program": make((rows, inter), dtype).to_attrs()}
+
+
 def _swiglu_grad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     _expect(len(ins) == 2 and len(ins[0].shape) == 2 and ins[1].shape == (ins[0].shape[0], ins[0].shape[1] // 2)
             and ins[0].dtype == ins[1].dtype, "swiglu_grad", "takes gate_up [m, 2I] and grad [m, I]", ins)
@@ -260,7 +269,7 @@ def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
 def _narrow(x, code: str, s: int, n: int, e: int):
     """Operand ``x`` (a tensor or TensorSpec) for ``n`` live rows from row ``s`` of expert ``e``: code ``r``
     rows, ``p`` rows padded to 32, ``s`` the 32-row scale blocks of those, ``e`` expert ``e`` of a
-    per-expert stack, ``-`` as is."""
+    per-expert stack, ``-`` as is, ``z`` as is and zeroed when there are no rows."""
     p = -(-n // BLOCK) * BLOCK
     lo, hi = {"r": (s, s + n), "p": (s, s + p), "s": (s // BLOCK, (s + p) // BLOCK)}.get(code, (None, None))
     if code == "e":
@@ -312,7 +321,7 @@ def _dyn_kernel(ins, outs, **attrs) -> None:
     s, n, e = _live(ins[0], kind, attrs.get("base", 0))
     if n == 0:
         for o, c in zip(outs, cout):
-            if c == "-":  # a whole result of an expert without rows (its weight gradient): zeros
+            if c == "z":  # a whole result of an expert without rows (its weight gradient): zeros
                 o.zero_()
         return
     i, o, a = _dyn_parts(ins, outs, attrs, n, s, e)

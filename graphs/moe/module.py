@@ -53,12 +53,21 @@ class MegaMoERunner(GraphRunner):
                               "its collectives in one order")
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
+        self._specs: dict[tuple, MegaMoESpec] = {}
+        self._layouts: dict[MegaMoESpec, tuple[Layout, Counts]] = {}
 
     def spec_for(self, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
         """The spec of a call: ``tokens`` rows of ``dtype``, expert GEMMs in MXFP8 with scale rule ``mx``
         (empty: in ``dtype``)."""
-        return replace(self.spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
-                       scale_mode=mx or self.spec.scale_mode)
+        key = (tokens, dtype, mx)
+        spec = self._specs.get(key)
+        if spec is None:  # checked once per call shape (a spec's checks cost more than a step's routing)
+            if len(self._specs) >= self.cache_size:
+                self._specs.clear()
+                self._layouts.clear()
+            spec = self._specs[key] = replace(self.spec, tokens=tokens, dtype=dtype_name(dtype),
+                                              precision="mxfp8" if mx else "none", scale_mode=mx or self.spec.scale_mode)
+        return spec
 
     def route(self, topk_ids: torch.Tensor, dtype: torch.dtype | None = None, mx: str = ""
               ) -> tuple[MegaMoESpec, Routing]:
@@ -70,12 +79,19 @@ class MegaMoERunner(GraphRunner):
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
         return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
+    def _layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
+        """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
+        got = self._layouts.get(spec)
+        if got is None:
+            got = self._layouts[spec] = (Layout(spec, self.rank), synthetic_counts(spec, rank=self.rank))
+        return got
+
     def layout(self, spec: MegaMoESpec) -> Layout:
-        return Layout(spec, self.rank)
+        return self._layout(spec)[0]
 
     def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
-        """The cached dynamic graph of ``spec``; balanced synthetic counts set its simulated sizes."""
-        return self.graph(MEGAMOE, spec, direction, synthetic_counts(spec, rank=self.rank), dynamic=True, **kw)
+        """The cached dynamic graph of ``spec`` (built and validated on the first call)."""
+        return self.graph(MEGAMOE, spec, direction, self._layout(spec)[1], dynamic=True, **kw)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:

@@ -7,7 +7,8 @@ the one transformers picks for a user: ``grouped_mm`` where torch has it), and i
 (so a new routing), runs forward and backward, and times it; figures are medians over the steps,
 the sides taking turns in each step. ``megamoe`` is the module as built by default (one worker
 thread per engine kind); ``megamoe_rebuild`` the same with its graphs built for the step's counts
-(the graph cache missing every step, as before dynamic graphs); ``megamoe_units`` runs ``--cubes``
+(the graph cache missing every step, as before dynamic graphs); ``host_seconds``: the step time
+outside the two graph runs (router, routing, building, autograd), less sensitive to a busy machine; ``megamoe_units`` runs ``--cubes``
 cube units and one vector unit, each kernel on one torch thread (so it uses ``cubes + 1`` threads
 whatever ``--threads`` says: compare it at the thread count that matches the cores it uses).
 
@@ -77,6 +78,10 @@ def megamoe_block(block, tile_m: int, rebuild: bool = False, cubes: int = 0) -> 
     return moe
 
 
+def _span(trace) -> float:
+    return max(e.end for e in trace.events) - min(e.start for e in trace.events) if trace.events else 0.0
+
+
 def step(run, x: torch.Tensor, dout: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
     x = x.clone().requires_grad_()
     t0 = time.perf_counter()
@@ -118,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         times: dict[str, list[float]] = {k: [] for k in runs}
+        host: dict[str, list[float]] = {k: [] for k in sides}  # step time outside the two graph runs
         errs: dict[str, float] = {}
         for s in range(args.steps + 1):  # step 0 warms up (and builds the cached graphs)
             x, dout = torch.randn(T, H, generator=gen), torch.randn(T, H, generator=gen)
@@ -129,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                 got[name] = (y, dx)
                 if s:
                     times[name].append(dt)
+                    if name in sides:
+                        host[name].append(dt - sum(_span(t) for t in sides[name].runner.last_trace.values()))
             for name in sides:
                 errs[name] = max(errs.get(name, 0.0), *(rel_l2(a, b) for a, b in zip(got[name], got["transformers"])))
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -137,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                    seconds={k: round(v, 5) for k, v in med.items()},
                    ratio_vs_transformers={k: round(med[k] / med["transformers"], 3) for k in sides},
                    builds={k: m.runner.builds for k, m in sides.items()},
+                   host_seconds={k: round(statistics.median(v), 5) for k, v in host.items()},
                    max_rel_err={k: float(f"{v:.2e}") for k, v in errs.items()}, load=os.getloadavg()[0])
         if "megamoe_rebuild" in med:
             fig["cached_vs_rebuild"] = round(med["megamoe"] / med["megamoe_rebuild"], 3)

@@ -9,6 +9,8 @@
 | swiglu_grad       | vector | ``[dg | du]`` of :func:`swiglu` given the upstream gradient         |
 | moe_unpermute_sum | vector | ``sum_k w[t, k] * rows[pos[t, k]]`` (``w`` optional: plain sum)      |
 | moe_topk_grad     | vector | ``dw[t, k] = <dout[t], rows[pos[t, k]]>``: gradient of top-k weights |
+| moe_dyn           | any    | op ``attrs["op"]`` on the live rows of a tile or expert block (plan row) |
+| moe_exchange      | comm   | an all-to-all round of an expert, split sizes from a plan row         |
 
 Index operands (``idx``, ``pos``) are int64 regions of graph buffers, so one graph
 serves every routing with the same per-expert counts. With ``fuse_vector`` the graphs run
@@ -26,8 +28,8 @@ from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
-from megaloom.scheduler.cost import DURATION_ATTR
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
+from megaloom.scheduler.cost import DURATION_ATTR
 
 
 def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
@@ -245,7 +247,6 @@ register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
                grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
 
 
-
 # -- dynamic tiles (graphs built once per spec: the routing arrives as int64 plan rows) -----------
 # ``moe_dyn`` runs op ``op`` on the live rows of its regions. Its inputs: the plan row, the inner op's
 # inputs, then (``rmw``) the old contents of its outputs, which it writes only in part. ``codes``:
@@ -297,10 +298,7 @@ def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     _expect(ins[0].dtype == "int64" and ins[0].numel == 3 and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
             f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
             + (" and its outputs" if rmw else ""), ins)
-    _, _, inner = _dyn_parts(ins, [], attrs, 0)
-    inner.pop("group_offsets", None)
-    if "group_offsets" in attrs:
-        inner["group_offsets"] = attrs["group_offsets"]
+    inner = {k: v for k, v in attrs.items() if k not in _OWN}
     outs = get_op(attrs["op"]).shape([_narrow(x, "e", 0, 0, 0) if c == "e" else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
     _expect(len(outs) == len(cout) and (not rmw or list(ins[1 + len(cin):]) == outs), "moe_dyn",

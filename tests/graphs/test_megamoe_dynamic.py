@@ -121,3 +121,38 @@ def test_plan_tiles_and_capacity():
     assert ep.slot == 48 and ep.rows == 2 * 48 and ep.tile_expert(7) == 1
     with pytest.raises(ConfigError, match="lists an expert at most once"):
         make_plan(ep, Counts(1, 2, 2, ((30, 18, 0, 0), (12, 12, 12, 12))))
+
+
+@pytest.mark.parametrize("n", [0, 3, 8])
+def test_dyn_tile_kernel_matches_its_reference_on_live_rows(n):
+    from megaloom.runtime.registry import get_op, run_reference
+
+    op = get_op("moe_dyn")
+    gen = torch.Generator().manual_seed(n)
+    x, w = torch.randn(8, 6, generator=gen), torch.randn(3, 6, 5, generator=gen)
+    meta = torch.tensor([[2, n, 0]])
+    attrs = {"op": "moe_gmm", "codes": "tre|r", "sim": n}
+    out = torch.full((8, 5), 7.0)
+    op.kernel([meta, x, w], [out], **attrs)
+    ref, = run_reference(op, [meta, x, w], attrs)
+    torch.testing.assert_close(out[:n], x[:n] @ w[2])
+    torch.testing.assert_close(ref[:n], out[:n])
+    assert (out[n:] == 7).all() and (ref[n:] == 0).all()  # rows past the live ones: untouched (zeros in the oracle)
+    dw = torch.full((1, 6, 5), 7.0)  # an expert block: its weight gradient, zeros when it has no rows
+    block = torch.tensor([[10 + 2, n, 0]])
+    get_op("moe_dyn").kernel([block, x, x[:, :5]], [dw], op="moe_wgrad", codes="brr|z", base=10, sim=n)
+    torch.testing.assert_close(dw[0], x[2:2 + n].t() @ x[2:2 + n, :5])
+
+
+def test_exchange_copies_own_rows_by_the_plan():
+    from megaloom.runtime.registry import get_op, run_reference
+
+    src, old = torch.randn(10, 4), torch.randn(6, 4)
+    row = torch.tensor([[3, 4, 1, 4, 4]])  # source rows 3..6 to destination rows 1..4
+    attrs = {"to": -1, "frm": -1, "world": 1, "chunk": 1, "tile": 2, "sim": 2}
+    out = old.clone()
+    get_op("moe_exchange").kernel([row, src, old], [out], **attrs)
+    want = old.clone()
+    want[3:5] = src[5:7]  # chunk 1 of 2 rows
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(run_reference(get_op("moe_exchange"), [row, src, old], attrs)[0], want)

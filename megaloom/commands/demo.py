@@ -50,8 +50,8 @@ def problem(options: dict) -> dict:
 
 
 def rank_graphs(options: dict) -> dict[str, list]:
-    """Per schedule, every rank's forward graph for the routing of the seeded problem: the very
-    graphs the ranks execute (each rank builds its own from the counts it exchanges)."""
+    """Per schedule, every rank's forward graph, simulated at the routing of the seeded problem: the
+    very graphs the ranks execute (MegaMoE's dynamic graphs: built once, the routing a run-time input)."""
     from megaloom.graphs.moe import MEGAMOE, Counts, MegaMoESpec, local_counts
 
     ids = problem(options)["ids"].split(options["tokens"])
@@ -59,7 +59,8 @@ def rank_graphs(options: dict) -> dict[str, list]:
     out = {}
     for schedule in SCHEDULES:
         spec = MegaMoESpec(**options, schedule=schedule)
-        out[schedule] = [MEGAMOE.build(spec, "fwd", Counts(r, spec.ep, spec.experts_local, counts), save=False)
+        out[schedule] = [MEGAMOE.build(spec, "fwd", Counts(r, spec.ep, spec.experts_local, counts), save=False,
+                                     dynamic=True)
                          for r in range(spec.ep)]
     return out
 

@@ -8,10 +8,11 @@ lives on rank ``p`` as local expert ``e``):
 - *recv* layout, on the owner rank: blocks ``[local expert e][source rank s]``, so each
   local expert's rows ``X_e`` are contiguous. At ``W == 1`` both layouts coincide.
 
-Graphs depend on the per-expert counts only (``counts[s][g]``: rows source rank ``s``
-routes to global expert ``g``); token indices travel as int64 input buffers, so one
-graph, cached by counts, serves every routing with those counts. Buffers are sized from
-the actual counts: any imbalance is handled, an expert may get 0 rows, nothing is dropped.
+Counts-built graphs depend on the per-expert counts only (``counts[s][g]``: rows source rank
+``s`` routes to global expert ``g``); token indices travel as int64 input buffers, so one such
+graph serves every routing with those counts. Buffers are sized from the actual counts: any
+imbalance is handled, an expert may get 0 rows, nothing is dropped. The module runs dynamic
+graphs instead (:mod:`.layout`), which take the counts as run-time data too.
 """
 from __future__ import annotations
 
@@ -167,7 +168,7 @@ class Counts:
     def key(self) -> tuple:
         return (self.rank, self.counts)
 
-    def __hash__(self) -> int:  # the derived offsets follow from the key: graphs are cached by counts
+    def __hash__(self) -> int:  # the derived offsets follow from the key: counts-built graphs are cached by it
         return hash(self.key())
 
 

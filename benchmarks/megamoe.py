@@ -10,8 +10,12 @@
        tokens, H=2048, I=9216 (8 experts, top-2, one chip), forward and backward makespan with
        MXFP8 expert GEMMs (operands quantised on the vector units) vs bf16, next to the published
        -15% (forward) / -28% (backward); plus the quantisation-task width it depends on.
+  fused  measured: forward+backward graphs on the ThreadExecutor with SwiGLU as ``dvm.fused`` tiles vs
+       the unfused ``swiglu`` / ``swiglu_grad`` ops (``fuse_vector``), side by side, T=2048, H=512,
+       I=256, 8 experts, top-2, fp32, 1 and 2 intra-op threads: whole run and SwiGLU-stage time, and
+       the outputs' difference; plus the simulated gain of fusion on ascend-910b (MegaMoE, MegaMHC).
 
-    python benchmarks/megamoe.py [--part sim|cpu|ep|mxfp8|all] [--quick]
+    python benchmarks/megamoe.py [--part sim|cpu|ep|mxfp8|fused|all] [--quick]
 """
 from __future__ import annotations
 
@@ -22,9 +26,11 @@ import time
 import torch
 
 from megaloom.comm.spawn import run_world
-from megaloom.graphs.moe import MEGAMOE, MegaMoE, moe_reference
+from megaloom.graphs.moe import MEGAMOE, MegaMoE, MegaMoESpec, build_backward, build_forward, make_routing, moe_reference
 from megaloom.graphs.moe.ep import ep_check, problem
+from megaloom.runtime import ThreadExecutor
 from megaloom.runtime.metrics import metrics
+from megaloom.runtime.testing import rel_l2
 from megaloom.scheduler import Simulator
 
 PUBLISHED_GAIN = 0.501  # MegaMoE vs the unfused MoE module, as published
@@ -153,9 +159,66 @@ def measured_ep(quick: bool) -> None:
     emit(figure="ep2_gloo_speedup", speedup=round(best["sequential"][0] / best["interleaved"][0], 3))
 
 
+SWIGLU_STAGES = ("swiglu", "swiglu_grad")
+
+
+def moe_step(spec: MegaMoESpec, p: dict, executor) -> tuple[dict, float]:
+    """Forward then backward graphs of ``spec`` on ``executor``: outputs and gradients by name, and the
+    seconds the SwiGLU stages' tasks ran."""
+    r = make_routing(p["ids"], spec)
+    fwd = executor.run(build_forward(spec, r.counts), {"x": p["x"], "tok": r.tok, "pos": r.pos, "w": p["w"],
+                                                       "gate_up": p["gate_up"], "down": p["down"]})
+    ws = p["w"].reshape(-1)[r.flat][:, None].contiguous()
+    bwd = executor.run(build_backward(spec, r.counts), {
+        "dout": p["dout"], "tok": r.tok, "pos": r.pos, "ws": ws, "gate_up": p["gate_up"], "down": p["down"],
+        **{k: fwd[k] for k in ("xr", "gu", "a", "yc")}})
+    stage = sum(e.end - e.start for run in (fwd, bwd) for e in run.trace.events
+                if e.tags.get("stage") in SWIGLU_STAGES and e.op != "noop")
+    return {"out": fwd["out"], **{k: bwd[k] for k in ("dx", "dw", "d_gate_up", "d_down")}}, stage
+
+
+def measured_fused(quick: bool) -> None:
+    shape = dict(tokens=1024 if quick else 2048, hidden=512, intermediate=256, experts=8, top_k=2)
+    p = problem(1, **shape, seed=0)
+    specs = {fuse: MegaMoESpec(**shape, tile_m=256, fuse_vector=fuse) for fuse in (True, False)}
+    for threads in (1, 2):
+        ex = ThreadExecutor({"cube": 1, "vector": 1}, intra_op_threads=threads)
+        got = {fuse: moe_step(spec, p, ex)[0] for fuse, spec in specs.items()}  # also warms the kernels
+        best = dict.fromkeys(specs, float("inf"))
+        stage = dict.fromkeys(specs, float("inf"))
+        for _ in range(3 if quick else 7):  # alternate, so load changes hit both alike
+            for fuse, spec in specs.items():
+                t0 = time.perf_counter()
+                _, s = moe_step(spec, p, ex)
+                best[fuse], stage[fuse] = min(best[fuse], time.perf_counter() - t0), min(stage[fuse], s)
+        emit(figure="cpu_fused_swiglu", shape=shape, dtype="float32", tile_m=256, units={"cube": 1, "vector": 1},
+             intra_op_threads=threads, fused_s=round(best[True], 5), unfused_s=round(best[False], 5),
+             speedup=round(best[False] / best[True], 3), swiglu_stage_fused_ms=round(stage[True] * 1e3, 3),
+             swiglu_stage_unfused_ms=round(stage[False] * 1e3, 3),
+             stage_speedup=round(stage[False] / stage[True], 3),
+             max_rel_l2_fused_vs_unfused=max(float(rel_l2(got[True][k], got[False][k])) for k in got[True]))
+
+
+def simulated_fused(quick: bool) -> None:
+    from megaloom.graphs.mhc import MEGAMHC
+
+    moe = dict(tokens=4096, hidden=2048, intermediate=1408 if quick else 9216, experts=8, top_k=2,
+               dtype="bfloat16", cube_split=4, wgrad_split=8, routing="balanced")
+    mhc = dict(tokens=4096, hidden=2048, dtype="bfloat16", tile_tokens=64)
+    for name, builder, base in (("megamoe", MEGAMOE, moe), ("megamhc", MEGAMHC, mhc)):
+        for direction in ("fwd", "bwd"):
+            runs = {fuse: metrics(Simulator("ascend-910b", policy="priority").run(builder.from_options(
+                {**base, "direction": direction, "fuse_vector": fuse})).trace) for fuse in (True, False)}
+            emit(figure="sim_fused", profile="ascend-910b", graph=name, shape=base, direction=direction,
+                 fused_us=round(runs[True].makespan * 1e6, 1), unfused_us=round(runs[False].makespan * 1e6, 1),
+                 gain=round(runs[False].makespan / runs[True].makespan - 1, 4),
+                 vector_busy_fused_us=round(runs[True].busy.get("vector", 0) * 1e6, 1),
+                 vector_busy_unfused_us=round(runs[False].busy.get("vector", 0) * 1e6, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("sim", "cpu", "ep", "mxfp8", "all"), default="all")
+    ap.add_argument("--part", choices=("sim", "cpu", "ep", "mxfp8", "fused", "all"), default="all")
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     args = ap.parse_args()
     if args.part in ("sim", "all"):
@@ -166,6 +229,9 @@ def main() -> None:
         measured_ep(args.quick)
     if args.part in ("mxfp8", "all"):
         simulated_mxfp8(args.quick)
+    if args.part in ("fused", "all"):
+        measured_fused(args.quick)
+        simulated_fused(args.quick)
 
 
 if __name__ == "__main__":

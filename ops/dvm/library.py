@@ -10,13 +10,17 @@ A graph builder makes a fused node from one of them and whole-buffer or tile reg
 Shapes are those of the task's regions (a tile's shape for a tiled node); kernels are
 cached by structure, so every tile size shares one. The forms are chosen so the native
 backend runs them as its pattern functions (``sigmoid``, ``silu``, ``swiglu``).
+
+Small per-token matrices (MegaMHC's ``n x n`` mix) are unrolled into one value per entry over
+the tokens (:func:`mhc_coeff`): row and column sums become chains of adds, so the whole
+softmax and Sinkhorn run in registers without a reduction primitive.
 """
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-from megaloom.ops.dvm.program import Program, instr
+from megaloom.ops.dvm.program import Instr, Program, instr
 
 
 def _inputs(shape: Sequence[int], dtype: str, n: int) -> tuple:
@@ -54,3 +58,58 @@ def gelu_tanh(shape: Sequence[int], dtype: str = "float32") -> Program:
             instr("mul", [4], scalar=math.sqrt(2.0 / math.pi)), instr("tanh", [5]), instr("add", [6], scalar=1.0),
             instr("mul", [0], scalar=0.5), instr("mul", [8, 7]))
     return Program(_inputs(shape, dtype, 1), code, (9,))
+
+
+class _Code:
+    """Straight-line code under construction: ``code(op, *args, **attrs)`` appends one instruction
+    and returns its value id."""
+
+    def __init__(self, n_inputs: int):
+        self.next, self.code = n_inputs, []
+
+    def __call__(self, op: str, *args: int, **attrs) -> int:
+        self.code.append(instr(op, args, **attrs))
+        self.next += 1
+        return self.next - 1
+
+    def total(self, ids: Sequence[int]) -> int:
+        """``ids[0] + ids[1] + ...`` left to right."""
+        acc = ids[0]
+        for v in ids[1:]:
+            acc = self("add", acc, v)
+        return acc
+
+    @property
+    def instrs(self) -> tuple[Instr, ...]:
+        return tuple(self.code)
+
+
+def mhc_coeff(rows: int, n: int = 4, iters: int = 20, pre_eps: float = 1e-6, dtype: str = "float32") -> Program:
+    """MegaMHC's next coefficients for ``rows`` tokens, each logit a ``[rows, 1]`` column.
+
+    Inputs: the ``m = n*n + 2n`` columns of ``raw``, ``inv_rms``, alpha's three entries and the ``m``
+    bias entries (``[1]`` each). With ``z = alpha_part * (raw * inv_rms) + bias``, outputs (one column
+    each): ``pre = sigmoid(z) + pre_eps`` (n), ``post = 2 sigmoid(z)`` (n) and the mix (n*n, row-major):
+    a softmax over each row of ``z``, then ``iters`` Sinkhorn rounds (rows, then columns)."""
+    m = n * n + 2 * n
+    col, one = ((rows, 1), dtype), ((1,), dtype)
+    c = _Code(2 * m + 4)
+    inv, alpha, bias = m, (m + 1, m + 2, m + 3), range(m + 4, 2 * m + 4)
+    z = [c("add", c("mul", alpha[min(k // n, 2)], c("mul", k, inv)), bias[k]) for k in range(m)]
+    pre = [c("add", c("sigmoid", z[i]), scalar=pre_eps) for i in range(n)]
+    post = [c("mul", c("sigmoid", z[n + i]), scalar=2.0) for i in range(n)]
+    mix = []
+    for i in range(n):
+        row = z[2 * n + i * n: 2 * n + (i + 1) * n]
+        top = row[0]
+        for v in row[1:]:
+            top = c("maximum", top, v)
+        e = [c("exp", c("sub", v, top)) for v in row]
+        s = c.total(e)
+        mix.append([c("div", v, s) for v in e])
+    for _ in range(iters):
+        mix = [[c("div", v, s) for v in r] for r, s in ((r, c.total(r)) for r in mix)]
+        sums = [c.total([mix[i][j] for i in range(n)]) for j in range(n)]
+        mix = [[c("div", mix[i][j], sums[j]) for j in range(n)] for i in range(n)]
+    return Program((col,) * m + (col,) + (one,) * 3 + (one,) * m, c.instrs,
+                   tuple(pre + post + [v for r in mix for v in r]))

@@ -47,3 +47,23 @@ def test_fused_swiglu_nodes_on_tiles_in_a_graph():
     got = ThreadExecutor().run(g, feed).outputs
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-6)
+
+
+def test_operand_shapes_view_regions_as_the_programs_values():
+    """A [T, n, n] buffer's entries written as [t, 1] values; sizes that differ are refused by name."""
+    from megaloom.runtime.errors import GraphError
+
+    g = TaskGraph("views")
+    x, res = g.input("x", (8, 3)), g.output("res", (8, 3, 1))
+    prog = dvm.library.silu((8, 1))
+    for j in range(3):
+        g.task("dvm.fused", [x[:, j:j + 1]], [res[:, j:j + 1, :]],
+               attrs={"program": prog.to_attrs(), "operand_shapes": [[8, 1], [8, 1, 1]]})
+    feed = {"x": torch.randn(8, 3, generator=torch.Generator().manual_seed(0))}
+    for ex in (ReferenceExecutor(), ThreadExecutor()):
+        torch.testing.assert_close(ex.run(g, feed)["res"][..., 0], F.silu(feed["x"]), rtol=1e-6, atol=1e-6)
+    bad = TaskGraph("bad")
+    xb, yb = bad.input("x", (8, 1)), bad.output("y", (4, 1))
+    with pytest.raises(GraphError, match="operand_shapes .* do not have the sizes"):
+        bad.task("dvm.fused", [xb], [yb], attrs={"program": prog.to_attrs(), "operand_shapes": [[8, 1], [4, 1]]})
+        bad.validate()

@@ -27,6 +27,11 @@ def _inputs(shape: Sequence[int], dtype: str, n: int) -> tuple:
     return tuple((tuple(shape), dtype) for _ in range(n))
 
 
+def sigmoid(shape: Sequence[int], dtype: str = "float32") -> Program:
+    """``sigmoid(x)`` (a router's scores)."""
+    return Program(_inputs(shape, dtype, 1), (instr("sigmoid", [0]),), (1,))
+
+
 def silu(shape: Sequence[int], dtype: str = "float32") -> Program:
     """``x * sigmoid(x)``."""
     return Program(_inputs(shape, dtype, 1), (instr("sigmoid", [0]), instr("mul", [0, 1])), (2,))

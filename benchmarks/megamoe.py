@@ -184,19 +184,52 @@ def measured_fused(quick: bool) -> None:
     for threads in (1, 2):
         ex = ThreadExecutor({"cube": 1, "vector": 1}, intra_op_threads=threads)
         got = {fuse: moe_step(spec, p, ex)[0] for fuse, spec in specs.items()}  # also warms the kernels
-        best = dict.fromkeys(specs, float("inf"))
-        stage = dict.fromkeys(specs, float("inf"))
-        for _ in range(3 if quick else 7):  # alternate, so load changes hit both alike
+        times, stage = {f: [] for f in specs}, {f: [] for f in specs}
+        for _ in range(5 if quick else 11):  # alternate, so load changes hit both alike
             for fuse, spec in specs.items():
                 t0 = time.perf_counter()
                 _, s = moe_step(spec, p, ex)
-                best[fuse], stage[fuse] = min(best[fuse], time.perf_counter() - t0), min(stage[fuse], s)
+                times[fuse].append(time.perf_counter() - t0)
+                stage[fuse].append(s)
+        ratios = sorted(u / f for f, u in zip(times[True], times[False]))
         emit(figure="cpu_fused_swiglu", shape=shape, dtype="float32", tile_m=256, units={"cube": 1, "vector": 1},
-             intra_op_threads=threads, fused_s=round(best[True], 5), unfused_s=round(best[False], 5),
-             speedup=round(best[False] / best[True], 3), swiglu_stage_fused_ms=round(stage[True] * 1e3, 3),
-             swiglu_stage_unfused_ms=round(stage[False] * 1e3, 3),
-             stage_speedup=round(stage[False] / stage[True], 3),
+             intra_op_threads=threads, fused_s=round(min(times[True]), 5), unfused_s=round(min(times[False]), 5),
+             speedup_best=round(min(times[False]) / min(times[True]), 3),
+             speedup_median_pair=round(ratios[len(ratios) // 2], 3),
+             swiglu_stage_fused_ms=round(min(stage[True]) * 1e3, 3),
+             swiglu_stage_unfused_ms=round(min(stage[False]) * 1e3, 3),
+             stage_speedup=round(min(stage[False]) / min(stage[True]), 3),
              max_rel_l2_fused_vs_unfused=max(float(rel_l2(got[True][k], got[False][k])) for k in got[True]))
+
+
+def measured_fused_tiles(quick: bool) -> None:
+    """One tile's kernel, fused program vs the unfused op, 1 thread: SwiGLU and its gradient (256 x 256
+    over halves of gu), MegaMHC's coefficients (n = 4, 20 Sinkhorn rounds)."""
+    from megaloom.graphs.mhc.ops import _coeff_kernel, coeff_attrs
+    from megaloom.graphs.moe.ops import _swiglu_grad_kernel, _swiglu_kernel, swiglu_program
+    from megaloom.ops.dvm.fused import fused_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    gu, da, a, dgu = (torch.randn(256, n, generator=gen) for n in (512, 256, 256, 512))
+    fwd, bwd = swiglu_program(256, 256, "float32"), swiglu_program(256, 256, "float32", backward=True)  # as a graph holds them
+    cases = {"swiglu": (lambda: fused_kernel([gu[:, :256], gu[:, 256:]], [a], **fwd), lambda: _swiglu_kernel([gu], [a])),
+             "swiglu_grad": (lambda: fused_kernel([da, gu[:, :256], gu[:, 256:]], [dgu[:, :256], dgu[:, 256:]], **bwd),
+                             lambda: _swiglu_grad_kernel([gu, da], [dgu]))}
+    for t in (32, 128):
+        raw, inv = torch.randn(t, 24, generator=gen), torch.rand(t, 1, generator=gen) + 0.5
+        alpha, bias, outs = torch.rand(3, generator=gen), torch.randn(24, generator=gen), [torch.empty(t, 4),
+                                                                                          torch.empty(t, 4), torch.empty(t, 4, 4)]
+        cols = ([raw[:, k:k + 1] for k in range(24)] + [inv] + [alpha[j:j + 1] for j in range(3)]
+                + [bias[k:k + 1] for k in range(24)])
+        ocols = [x[:, i:i + 1] for x in outs[:2] for i in range(4)] + [outs[2][:, i:i + 1, j:j + 1] for i in range(4)
+                                                                        for j in range(4)]
+        cases[f"mhc_coeff/t{t}"] = (lambda c=cols, o=ocols, at=coeff_attrs(t, 4, 20, 1e-6): fused_kernel(c, o, **at),
+                                    lambda i=[raw, inv, alpha, bias], o=outs: _coeff_kernel(i, o))
+    for name, (fused, unfused) in cases.items():
+        best = interleaved_best({"fused": with_threads(1, fused), "unfused": with_threads(1, unfused)},
+                                20 if quick else 100)
+        emit(figure="cpu_fused_tile", tile=name, intra_op_threads=1, fused_us=round(best["fused"] * 1e6, 1),
+             unfused_us=round(best["unfused"] * 1e6, 1), speedup=round(best["unfused"] / best["fused"], 2))
 
 
 def simulated_fused(quick: bool) -> None:
@@ -230,6 +263,7 @@ def main() -> None:
     if args.part in ("mxfp8", "all"):
         simulated_mxfp8(args.quick)
     if args.part in ("fused", "all"):
+        measured_fused_tiles(args.quick)
         measured_fused(args.quick)
         simulated_fused(args.quick)
 

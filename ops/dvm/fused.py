@@ -14,29 +14,33 @@ from dataclasses import replace
 from typing import Any
 
 from megaloom.ops.basic import precision
-from megaloom.ops.dvm.backend import check_options, compile_program, options
+from megaloom.ops import native
+from megaloom.ops.dvm.backend import cache_epoch, check_options, compile_program, options
 from megaloom.ops.dvm.program import Program
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
 
 OP = "dvm.fused"
-_decoded: dict[int, tuple[dict, Program]] = {}
+_decoded: dict[int, tuple[dict, Program, dict]] = {}  # id(program attr) -> (it, Program, kernels by options)
 _MAX_DECODED = 4096
 
 
-def program_of(attrs: dict[str, Any]) -> Program:
-    """The checked Program held by a fused task's attrs (decoded once per attrs dict)."""
+def _entry(attrs: dict[str, Any]) -> tuple[dict, Program, dict]:
     data = attrs.get("program")
     if not isinstance(data, dict):
         raise GraphError(f"{OP} needs a 'program' attr (a dict), got {type(data).__name__}")
     hit = _decoded.get(id(data))
     if hit is not None and hit[0] is data:
-        return hit[1]
-    prog = Program.from_attrs(data)
+        return hit
     if len(_decoded) >= _MAX_DECODED:
         _decoded.clear()
-    _decoded[id(data)] = (data, prog)  # holding ``data`` keeps its id from being reused
-    return prog
+    hit = _decoded[id(data)] = (data, Program.from_attrs(data), {})  # holding ``data`` keeps its id from being reused
+    return hit
+
+
+def program_of(attrs: dict[str, Any]) -> Program:
+    """The checked Program held by a fused task's attrs (decoded once per attrs dict)."""
+    return _entry(attrs)[1]
 
 
 def operand_shapes(prog: Program, attrs: dict[str, Any]) -> tuple[list[tuple], list[tuple]]:
@@ -84,11 +88,15 @@ def fused_kernel(ins, outs, program: dict, backend: str | None = None, operand_s
     if backend is not None and backend != opts.backend:
         opts = replace(opts, backend=backend)
         check_options(opts)
-    prog = program_of({"program": program})
+    _, prog, kernels = _entry({"program": program})
     if operand_shapes is not None:  # the regions as the program's values (views: outputs are written in place)
-        ins = [x.reshape(s) for x, (s, _) in zip(ins, prog.inputs)]
-        outs = [y.view(s) for y, (s, _) in zip(outs, prog.out_specs())]
-    compile_program(prog, opts)(ins, outs)
+        ins = [x if x.shape == s else x.reshape(s) for x, (s, _) in zip(ins, prog.inputs)]
+        outs = [y if y.shape == s else y.view(s) for y, (s, _) in zip(outs, prog.out_specs())]
+    key = (opts, native.enabled(), cache_epoch())  # the program's signature is not hashed again per call
+    kernel = kernels.get(key)
+    if kernel is None:
+        kernel = kernels[key] = compile_program(prog, opts)
+    kernel(ins, outs)
 
 
 register(OpDef(OP, ("vector",), _reference, _shape, _cost, fused_kernel,

@@ -8,7 +8,9 @@ A graph builder makes a fused node from one of them and whole-buffer or tile reg
     g.task("dvm.fused", [dh, gate, up], [dgate, dup], attrs={"program": bwd.to_attrs()})
 
 Shapes are those of the task's regions (a tile's shape for a tiled node); kernels are
-cached by structure, so every tile size shares one. The forms are chosen so the native
+cached by structure, so every tile size shares one. Activations of a reduced dtype (bfloat16,
+float16) compute in float32 and round once per output (:func:`opmath`), as a fused kernel
+keeps its intermediates in float32 registers. The forms are chosen so the native
 backend runs them as its pattern functions (``sigmoid``, ``silu``, ``swiglu``).
 
 Small per-token matrices (MegaMHC's ``n x n`` mix) are unrolled into one value per entry over
@@ -23,23 +25,52 @@ from typing import Sequence
 from megaloom.ops.dvm.program import Instr, Program, instr
 
 
+REDUCED = ("bfloat16", "float16")
+
+
 def _inputs(shape: Sequence[int], dtype: str, n: int) -> tuple:
     return tuple((tuple(shape), dtype) for _ in range(n))
 
 
+def opmath(program: Program) -> Program:
+    """``program`` computed in float32: its bfloat16 / float16 inputs cast up, its code on the
+    float32 values, its outputs cast back to their dtypes (one rounding each, none in between)."""
+    n = len(program.inputs)
+    low = [i for i, (_, d) in enumerate(program.inputs) if d in REDUCED]
+    if not low:
+        return program
+    code, at, ids = [], n, list(range(n))
+    for i in low:
+        code.append(instr("cast", [i], dtype="float32"))
+        ids[i], at = at, at + 1
+    for ins in program.code:
+        code.append(Instr(ins.op, tuple(ids[a] for a in ins.args), ins.attrs))
+        ids.append(at)
+        at += 1
+    outs = []
+    for o in program.outputs:
+        dt = program.specs[o][1]
+        if dt in REDUCED:
+            code.append(instr("cast", [ids[o]], dtype=dt))
+            at += 1
+        outs.append(at - 1 if dt in REDUCED else ids[o])
+    return Program(program.inputs, tuple(code), tuple(outs))
+
+
 def sigmoid(shape: Sequence[int], dtype: str = "float32") -> Program:
     """``sigmoid(x)`` (a router's scores)."""
-    return Program(_inputs(shape, dtype, 1), (instr("sigmoid", [0]),), (1,))
+    return opmath(Program(_inputs(shape, dtype, 1), (instr("sigmoid", [0]),), (1,)))
 
 
 def silu(shape: Sequence[int], dtype: str = "float32") -> Program:
     """``x * sigmoid(x)``."""
-    return Program(_inputs(shape, dtype, 1), (instr("sigmoid", [0]), instr("mul", [0, 1])), (2,))
+    return opmath(Program(_inputs(shape, dtype, 1), (instr("sigmoid", [0]), instr("mul", [0, 1])), (2,)))
 
 
 def swiglu(shape: Sequence[int], dtype: str = "float32") -> Program:
     """Inputs (gate, up) -> ``silu(gate) * up``."""
-    return Program(_inputs(shape, dtype, 2), (instr("sigmoid", [0]), instr("mul", [0, 2]), instr("mul", [3, 1])), (4,))
+    return opmath(Program(_inputs(shape, dtype, 2), (instr("sigmoid", [0]), instr("mul", [0, 2]), instr("mul", [3, 1])),
+                          (4,)))
 
 
 def swiglu_backward(shape: Sequence[int], dtype: str = "float32") -> Program:
@@ -54,7 +85,7 @@ def swiglu_backward(shape: Sequence[int], dtype: str = "float32") -> Program:
             instr("mul", [3, 8]),            # 9: d silu / d gate
             instr("mul", [0, 2]),            # 10: dh * up
             instr("mul", [10, 9]))           # 11: dgate
-    return Program(_inputs(shape, dtype, 3), code, (11, 5))
+    return opmath(Program(_inputs(shape, dtype, 3), code, (11, 5)))
 
 
 def gelu_tanh(shape: Sequence[int], dtype: str = "float32") -> Program:
@@ -62,7 +93,7 @@ def gelu_tanh(shape: Sequence[int], dtype: str = "float32") -> Program:
     code = (instr("mul", [0, 0]), instr("mul", [1, 0]), instr("mul", [2], scalar=0.044715), instr("add", [0, 3]),
             instr("mul", [4], scalar=math.sqrt(2.0 / math.pi)), instr("tanh", [5]), instr("add", [6], scalar=1.0),
             instr("mul", [0], scalar=0.5), instr("mul", [8, 7]))
-    return Program(_inputs(shape, dtype, 1), code, (9,))
+    return opmath(Program(_inputs(shape, dtype, 1), code, (9,)))
 
 
 class _Code:

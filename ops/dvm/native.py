@@ -150,7 +150,7 @@ def fuse_patterns(ops: list[NOp], keep: set[int]) -> list[NOp]:
                     new = NOp("swiglu", o.dst, (p.args[0], other))
                     break
         if new is not o:
-            dead = {a for a in o.args if not isinstance(a, Const) and inner(a)}
+            dead = {a for a in o.args if not isinstance(a, Const) and inner(a) and a not in new.args}
             while dead:  # drop the absorbed chain
                 v = dead.pop()
                 p = made.pop(v, None)

@@ -26,7 +26,9 @@ import time
 import torch
 
 from megaloom.comm.spawn import run_world
-from megaloom.graphs.moe import MEGAMOE, MegaMoE, MegaMoESpec, build_backward, build_forward, make_routing, moe_reference
+from megaloom.graphs.moe import (
+    MEGAMOE, MegaMoE, MegaMoESpec, build_backward, build_forward, make_routing, moe_reference,
+)
 from megaloom.graphs.moe.ep import ep_check, problem
 from megaloom.runtime import ThreadExecutor
 from megaloom.runtime.metrics import metrics
@@ -205,24 +207,22 @@ def measured_fused(quick: bool) -> None:
 def measured_fused_tiles(quick: bool) -> None:
     """One tile's kernel, fused program vs the unfused op, 1 thread: SwiGLU and its gradient (256 x 256
     over halves of gu), MegaMHC's coefficients (n = 4, 20 Sinkhorn rounds)."""
-    from megaloom.graphs.mhc.ops import _coeff_kernel, coeff_attrs
+    from megaloom.graphs.mhc.ops import _coeff_kernel, coeff_attrs, fused_coeff
     from megaloom.graphs.moe.ops import _swiglu_grad_kernel, _swiglu_kernel, swiglu_program
     from megaloom.ops.dvm.fused import fused_kernel
 
     gen = torch.Generator().manual_seed(0)
     gu, da, a, dgu = (torch.randn(256, n, generator=gen) for n in (512, 256, 256, 512))
-    fwd, bwd = swiglu_program(256, 256, "float32"), swiglu_program(256, 256, "float32", backward=True)  # as a graph holds them
-    cases = {"swiglu": (lambda: fused_kernel([gu[:, :256], gu[:, 256:]], [a], **fwd), lambda: _swiglu_kernel([gu], [a])),
-             "swiglu_grad": (lambda: fused_kernel([da, gu[:, :256], gu[:, 256:]], [dgu[:, :256], dgu[:, 256:]], **bwd),
+    fwd, bwd = swiglu_program(256, 256, "float32"), swiglu_program(256, 256, "float32", backward=True)  # built once
+    g, u, dg, du = gu[:, :256], gu[:, 256:], dgu[:, :256], dgu[:, 256:]
+    cases = {"swiglu": (lambda: fused_kernel([g, u], [a], **fwd), lambda: _swiglu_kernel([gu], [a])),
+             "swiglu_grad": (lambda: fused_kernel([da, g, u], [dg, du], **bwd),
                              lambda: _swiglu_grad_kernel([gu, da], [dgu]))}
     for t in (32, 128):
         raw, inv = torch.randn(t, 24, generator=gen), torch.rand(t, 1, generator=gen) + 0.5
-        alpha, bias, outs = torch.rand(3, generator=gen), torch.randn(24, generator=gen), [torch.empty(t, 4),
-                                                                                          torch.empty(t, 4), torch.empty(t, 4, 4)]
-        cols = ([raw[:, k:k + 1] for k in range(24)] + [inv] + [alpha[j:j + 1] for j in range(3)]
-                + [bias[k:k + 1] for k in range(24)])
-        ocols = [x[:, i:i + 1] for x in outs[:2] for i in range(4)] + [outs[2][:, i:i + 1, j:j + 1] for i in range(4)
-                                                                        for j in range(4)]
+        alpha, bias = torch.rand(3, generator=gen), torch.randn(24, generator=gen)
+        outs = [torch.empty(t, 4), torch.empty(t, 4), torch.empty(t, 4, 4)]
+        cols, ocols = fused_coeff([raw, inv, alpha, bias], outs)  # the graph's operands, as tensors
         cases[f"mhc_coeff/t{t}"] = (lambda c=cols, o=ocols, at=coeff_attrs(t, 4, 20, 1e-6): fused_kernel(c, o, **at),
                                     lambda i=[raw, inv, alpha, bias], o=outs: _coeff_kernel(i, o))
     for name, (fused, unfused) in cases.items():

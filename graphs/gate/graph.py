@@ -97,8 +97,9 @@ def build_megagate_forward(spec: GateSpec) -> TaskGraph:
     for i, (a, b) in enumerate(tile_ranges(T, spec.tile_tokens)):
         g.task("proj", [x[a:b], w], [logits[a:b]], name=f"proj.{i}", tags=tags(stage="proj", direction="fwd", tile=i))
         if fused:
-            prog = made.get(b - a) or made.setdefault(b - a, {"program": dvm.library.sigmoid((b - a, E), spec.acc).to_attrs()})
-            g.task("dvm.fused", [logits[a:b]], [scored[a:b]], name=f"score.{i}", attrs=prog,
+            if b - a not in made:  # one attrs dict per shard size: the program is decoded once
+                made[b - a] = {"program": dvm.library.sigmoid((b - a, E), spec.acc).to_attrs()}
+            g.task("dvm.fused", [logits[a:b]], [scored[a:b]], name=f"score.{i}", attrs=made[b - a],
                    tags=tags(stage="score", direction="fwd", tile=i))
         g.task("gate_topk", [scored[a:b], bias], [weights[a:b], indices[a:b]], name=f"topk.{i}",
                attrs=attrs, tags=tags(stage="topk", direction="fwd", tile=i))

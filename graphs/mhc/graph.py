@@ -109,8 +109,10 @@ def build_megamhc_forward(spec: MHCSpec) -> TaskGraph:
                tags=tags(stage="proj", direction="fwd", tile=i))
         coeff = [raw[a:b], inv[a:b], x["alpha"], x["bias"]], [nxt_pre[a:b], nxt_post[a:b], nxt_res[a:b]]
         if spec.fuse_vector and acc == "float32":
-            g.task("dvm.fused", *fused_coeff(*coeff), name=f"coeff.{i}", tags=tags(stage="coeff", direction="fwd", tile=i),
-                   attrs=made.get(b - a) or made.setdefault(b - a, coeff_attrs(b - a, n, spec.iters, spec.pre_eps)))
+            if b - a not in made:
+                made[b - a] = coeff_attrs(b - a, n, spec.iters, spec.pre_eps)
+            g.task("dvm.fused", *fused_coeff(*coeff), name=f"coeff.{i}", attrs=made[b - a],
+                   tags=tags(stage="coeff", direction="fwd", tile=i))
         else:
             g.task("mhc_coeff", *coeff, name=f"coeff.{i}", attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps},
                    tags=tags(stage="coeff", direction="fwd", tile=i))

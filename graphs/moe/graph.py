@@ -46,8 +46,7 @@ from megaloom.graphs.common.builder import GraphBuilder
 from megaloom.graphs.common.spec import load_options, parse_spec
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import split, tile_ranges
-from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
-from megaloom.graphs.moe.ops import swiglu_program
+from megaloom.graphs.moe.ops import swiglu_program  # (registers the MoE ops)
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError

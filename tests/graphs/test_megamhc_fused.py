@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megaloom.graphs import MHCSpec, build_megamhc, megamhc_reference
-from megaloom.graphs.mhc.ops import coeff_ref
+from megaloom.graphs.mhc.ops import coeff_ref, fused_coeff
 from megaloom.ops import dvm
 from megaloom.runtime import ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.errors import ConfigError
@@ -24,7 +24,7 @@ def test_the_coefficient_program_matches_the_op_reference(n, iters):
     raw, inv = 3 * torch.randn(t, m, generator=g), torch.rand(t, 1, generator=g) + 0.5
     alpha, bias = torch.randn(3, generator=g), torch.randn(m, generator=g)
     prog = dvm.library.mhc_coeff(t, n, iters)
-    ins = [raw[:, k:k + 1] for k in range(m)] + [inv] + [alpha[j:j + 1] for j in range(3)] + [bias[k:k + 1] for k in range(m)]
+    ins, _ = fused_coeff([raw, inv, alpha, bias], [torch.empty(t, n)] * 2 + [torch.empty(t, n, n)])
     outs = [torch.empty(t, 1) for _ in range(m)]
     dvm.compile_program(prog)(ins, outs)  # the native kernel (or the tiled one without the extension)
     unfused = prog.run_reference(ins)

@@ -100,8 +100,8 @@ def coeff_attrs(rows: int, n: int, iters: int, pre_eps: float) -> dict:
 
 def fused_coeff(ins: list[Region], outs: list[Region]) -> tuple[list[Region], list[Region]]:
     """The ``mhc_coeff`` operands ``(raw, inv_rms, alpha, bias), (pre, post, res)`` of one tile (regions, or
-    tensors alike) as the fused program's: a column per logit, alpha and bias entries, a column per pre / post entry, a ``[t, 1, 1]``
-    per mix entry."""
+    tensors alike) as the fused program's: a column per logit, the alpha and bias entries, a column per
+    pre / post entry and a ``[t, 1, 1]`` per mix entry."""
     raw, inv, alpha, bias = ins
     pre, post, res = outs
     m, n = raw.shape[1], pre.shape[1]

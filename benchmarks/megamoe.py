@@ -10,8 +10,12 @@
        tokens, H=2048, I=9216 (8 experts, top-2, one chip), forward and backward makespan with
        MXFP8 expert GEMMs (operands quantised on the vector units) vs bf16, next to the published
        -15% (forward) / -28% (backward); plus the quantisation-task width it depends on.
+  fused  measured: forward+backward graphs on the ThreadExecutor with SwiGLU as ``dvm.fused`` tiles vs
+       the unfused ``swiglu`` / ``swiglu_grad`` ops (``fuse_vector``), side by side, T=2048, H=512,
+       I=256, 8 experts, top-2, fp32, 1 and 2 intra-op threads: whole run and SwiGLU-stage time, and
+       the outputs' difference; plus the simulated gain of fusion on ascend-910b (MegaMoE, MegaMHC).
 
-    python benchmarks/megamoe.py [--part sim|cpu|ep|mxfp8|all] [--quick]
+    python benchmarks/megamoe.py [--part sim|cpu|ep|mxfp8|fused|all] [--quick]
 """
 from __future__ import annotations
 
@@ -22,9 +26,13 @@ import time
 import torch
 
 from megaloom.comm.spawn import run_world
-from megaloom.graphs.moe import MEGAMOE, MegaMoE, moe_reference
+from megaloom.graphs.moe import (
+    MEGAMOE, MegaMoE, MegaMoESpec, build_backward, build_forward, make_routing, moe_reference,
+)
 from megaloom.graphs.moe.ep import ep_check, problem
+from megaloom.runtime import ThreadExecutor
 from megaloom.runtime.metrics import metrics
+from megaloom.runtime.testing import rel_l2
 from megaloom.scheduler import Simulator
 
 PUBLISHED_GAIN = 0.501  # MegaMoE vs the unfused MoE module, as published
@@ -153,9 +161,97 @@ def measured_ep(quick: bool) -> None:
     emit(figure="ep2_gloo_speedup", speedup=round(best["sequential"][0] / best["interleaved"][0], 3))
 
 
+SWIGLU_STAGES = ("swiglu", "swiglu_grad")
+
+
+def moe_step(spec: MegaMoESpec, p: dict, executor) -> tuple[dict, float]:
+    """Forward then backward graphs of ``spec`` on ``executor``: outputs and gradients by name, and the
+    seconds the SwiGLU stages' tasks ran."""
+    r = make_routing(p["ids"], spec)
+    fwd = executor.run(build_forward(spec, r.counts), {"x": p["x"], "tok": r.tok, "pos": r.pos, "w": p["w"],
+                                                       "gate_up": p["gate_up"], "down": p["down"]})
+    ws = p["w"].reshape(-1)[r.flat][:, None].contiguous()
+    bwd = executor.run(build_backward(spec, r.counts), {
+        "dout": p["dout"], "tok": r.tok, "pos": r.pos, "ws": ws, "gate_up": p["gate_up"], "down": p["down"],
+        **{k: fwd[k] for k in ("xr", "gu", "a", "yc")}})
+    stage = sum(e.end - e.start for run in (fwd, bwd) for e in run.trace.events
+                if e.tags.get("stage") in SWIGLU_STAGES and e.op != "noop")
+    return {"out": fwd["out"], **{k: bwd[k] for k in ("dx", "dw", "d_gate_up", "d_down")}}, stage
+
+
+def measured_fused(quick: bool) -> None:
+    shape = dict(tokens=1024 if quick else 2048, hidden=512, intermediate=256, experts=8, top_k=2)
+    p = problem(1, **shape, seed=0)
+    specs = {fuse: MegaMoESpec(**shape, tile_m=256, fuse_vector=fuse) for fuse in (True, False)}
+    for threads in (1, 2):
+        ex = ThreadExecutor({"cube": 1, "vector": 1}, intra_op_threads=threads)
+        got = {fuse: moe_step(spec, p, ex)[0] for fuse, spec in specs.items()}  # also warms the kernels
+        times, stage = {f: [] for f in specs}, {f: [] for f in specs}
+        for _ in range(5 if quick else 11):  # alternate, so load changes hit both alike
+            for fuse, spec in specs.items():
+                t0 = time.perf_counter()
+                _, s = moe_step(spec, p, ex)
+                times[fuse].append(time.perf_counter() - t0)
+                stage[fuse].append(s)
+        ratios = sorted(u / f for f, u in zip(times[True], times[False]))
+        emit(figure="cpu_fused_swiglu", shape=shape, dtype="float32", tile_m=256, units={"cube": 1, "vector": 1},
+             intra_op_threads=threads, fused_s=round(min(times[True]), 5), unfused_s=round(min(times[False]), 5),
+             speedup_best=round(min(times[False]) / min(times[True]), 3),
+             speedup_median_pair=round(ratios[len(ratios) // 2], 3),
+             swiglu_stage_fused_ms=round(min(stage[True]) * 1e3, 3),
+             swiglu_stage_unfused_ms=round(min(stage[False]) * 1e3, 3),
+             stage_speedup=round(min(stage[False]) / min(stage[True]), 3),
+             max_rel_l2_fused_vs_unfused=max(float(rel_l2(got[True][k], got[False][k])) for k in got[True]))
+
+
+def measured_fused_tiles(quick: bool) -> None:
+    """One tile's kernel, fused program vs the unfused op, 1 thread: SwiGLU and its gradient (256 x 256
+    over halves of gu), MegaMHC's coefficients (n = 4, 20 Sinkhorn rounds)."""
+    from megaloom.graphs.mhc.ops import _coeff_kernel, coeff_attrs, fused_coeff
+    from megaloom.graphs.moe.ops import _swiglu_grad_kernel, _swiglu_kernel, swiglu_program
+    from megaloom.ops.dvm.fused import fused_kernel
+
+    gen = torch.Generator().manual_seed(0)
+    gu, da, a, dgu = (torch.randn(256, n, generator=gen) for n in (512, 256, 256, 512))
+    fwd, bwd = swiglu_program(256, 256, "float32"), swiglu_program(256, 256, "float32", backward=True)  # built once
+    g, u, dg, du = gu[:, :256], gu[:, 256:], dgu[:, :256], dgu[:, 256:]
+    cases = {"swiglu": (lambda: fused_kernel([g, u], [a], **fwd), lambda: _swiglu_kernel([gu], [a])),
+             "swiglu_grad": (lambda: fused_kernel([da, g, u], [dg, du], **bwd),
+                             lambda: _swiglu_grad_kernel([gu, da], [dgu]))}
+    for t in (32, 128):
+        raw, inv = torch.randn(t, 24, generator=gen), torch.rand(t, 1, generator=gen) + 0.5
+        alpha, bias = torch.rand(3, generator=gen), torch.randn(24, generator=gen)
+        outs = [torch.empty(t, 4), torch.empty(t, 4), torch.empty(t, 4, 4)]
+        cols, ocols = fused_coeff([raw, inv, alpha, bias], outs)  # the graph's operands, as tensors
+        cases[f"mhc_coeff/t{t}"] = (lambda c=cols, o=ocols, at=coeff_attrs(t, 4, 20, 1e-6): fused_kernel(c, o, **at),
+                                    lambda i=[raw, inv, alpha, bias], o=outs: _coeff_kernel(i, o))
+    for name, (fused, unfused) in cases.items():
+        best = interleaved_best({"fused": with_threads(1, fused), "unfused": with_threads(1, unfused)},
+                                20 if quick else 100)
+        emit(figure="cpu_fused_tile", tile=name, intra_op_threads=1, fused_us=round(best["fused"] * 1e6, 1),
+             unfused_us=round(best["unfused"] * 1e6, 1), speedup=round(best["unfused"] / best["fused"], 2))
+
+
+def simulated_fused(quick: bool) -> None:
+    from megaloom.graphs.mhc import MEGAMHC
+
+    moe = dict(tokens=4096, hidden=2048, intermediate=1408 if quick else 9216, experts=8, top_k=2,
+               dtype="bfloat16", cube_split=4, wgrad_split=8, routing="balanced")
+    mhc = dict(tokens=4096, hidden=2048, dtype="bfloat16", tile_tokens=64)
+    for name, builder, base in (("megamoe", MEGAMOE, moe), ("megamhc", MEGAMHC, mhc)):
+        for direction in ("fwd", "bwd"):
+            runs = {fuse: metrics(Simulator("ascend-910b", policy="priority").run(builder.from_options(
+                {**base, "direction": direction, "fuse_vector": fuse})).trace) for fuse in (True, False)}
+            emit(figure="sim_fused", profile="ascend-910b", graph=name, shape=base, direction=direction,
+                 fused_us=round(runs[True].makespan * 1e6, 1), unfused_us=round(runs[False].makespan * 1e6, 1),
+                 gain=round(runs[False].makespan / runs[True].makespan - 1, 4),
+                 vector_busy_fused_us=round(runs[True].busy.get("vector", 0) * 1e6, 1),
+                 vector_busy_unfused_us=round(runs[False].busy.get("vector", 0) * 1e6, 1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=("sim", "cpu", "ep", "mxfp8", "all"), default="all")
+    ap.add_argument("--part", choices=("sim", "cpu", "ep", "mxfp8", "fused", "all"), default="all")
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer repeats")
     args = ap.parse_args()
     if args.part in ("sim", "all"):
@@ -166,6 +262,10 @@ def main() -> None:
         measured_ep(args.quick)
     if args.part in ("mxfp8", "all"):
         simulated_mxfp8(args.quick)
+    if args.part in ("fused", "all"):
+        measured_fused_tiles(args.quick)
+        measured_fused(args.quick)
+        simulated_fused(args.quick)
 
 
 if __name__ == "__main__":

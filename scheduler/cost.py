@@ -7,6 +7,11 @@ A task runs on one unit unless it spans ``width`` units (an imported kernel runs
 SMs as its grid fills, a collective on the whole link): its rates are multiplied by them.
 Copies (engine ``copy``) are costed as comm over their link (``host`` for PCIe copies).
 
+A ``dvm.fused`` task is one vector task: its memory traffic is its inputs and outputs only
+(intermediates stay in registers / on-chip buffers) and its compute is the sum of its
+primitives', each at its own rate (the vector peak at its result's precision, or the
+primitive's op class fit ``dvm.<name>``; a fit of ``dvm.fused`` itself takes precedence).
+
 A task that carries a measured duration (``attrs["duration"]`` in seconds, as trace
 replay builds them) takes exactly that. Coefficients per op class (the op name) can be
 overridden, which is the hook calibration fits: ``CostModel(p, overrides={"matmul":
@@ -21,6 +26,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+from megaloom.ops.basic import precision
+from megaloom.ops.dvm import primitive, program_of
+from megaloom.ops.dvm.fused import OP as FUSED
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.registry import Cost
@@ -69,9 +77,10 @@ class CostModel:
         self.overrides = {op: _coeffs(op, v) for op, v in {**fitted, **(overrides or {})}.items()}
 
     def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None, width: float = 1,
-                 link_override: tuple[float, float] | None = None) -> float:
+                 link_override: tuple[float, float] | None = None, compute: float | None = None) -> float:
         """Seconds one task of ``cost`` takes on ``width`` units of ``engine`` (``op`` selects
-        overrides; ``link_override`` replaces the link's ``(alpha, beta)``)."""
+        overrides; ``link_override`` replaces the link's ``(alpha, beta)``; ``compute``: the
+        arithmetic's seconds when known otherwise, as for a fused node)."""
         p = self.profile
         o = self.overrides.get(op) if op is not None else None
         if engine in ("comm", "copy"):
@@ -84,10 +93,13 @@ class CostModel:
             wire = cost.comm_bytes / rate if cost.comm_bytes else 0.0
             memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + fixed
-        compute = 0.0
-        if cost.flops:
+        if compute is not None and (o is None or o.throughput is None):
+            compute /= width
+        elif cost.flops:
             rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision) * width
             compute = cost.flops / rate
+        else:
+            compute = 0.0
         bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine) * width
         memory = cost.bytes / bw
         overhead = o.overhead if o is not None and o.overhead is not None else p.task_overhead
@@ -102,10 +114,21 @@ class CostModel:
                                   f"seconds, got {d!r}")
             return float(d)
         cost = graph.costs()[task.id]
-        d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op)
+        compute = self.fused_compute(task) if task.op == FUSED else None
+        d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op, compute=compute)
         if not 0 <= d < math.inf:
             raise ConfigError(f"task {task.name!r}: its cost {cost} gives a duration of {d!r} s")
         return d
+
+    def fused_compute(self, task: Task) -> float:
+        """Seconds of arithmetic of a ``dvm.fused`` task on one unit: the sum over its primitives."""
+        prog, total = program_of(task.attrs), 0.0
+        for ins, (shape, dtype) in zip(prog.code, prog.specs[len(prog.inputs):]):
+            o = self.overrides.get(f"dvm.{ins.op}")
+            rate = o.throughput if o is not None and o.throughput is not None else \
+                self.profile.unit_peak(task.engine, precision(dtype))
+            total += primitive(ins.op).flops * math.prod(shape) / rate
+        return total
 
     def durations(self, graph: TaskGraph) -> list[float]:
         """Every task's duration, by task id."""

@@ -5,7 +5,9 @@ Forward, per shard ``i`` of ``tile_tokens`` rows::
     x[i], W --proj (cube)--> logits[i] --gate_topk (vector)--> weights[i], indices[i]
                                           bias --^
 
-The cube projects shard i+1 while the vector units select shard i. Backward, per shard::
+The cube projects shard i+1 while the vector units select shard i. With ``fuse_vector`` and sigmoid
+scores, the scoring is a ``dvm.fused`` task (``sigmoid(logits[i])`` into ``scores[i]``) ahead of the
+selection (``gate_topk`` on the given scores). Backward, per shard::
 
     logits[i], indices[i], dweights[i], dlogits_in[i] --gate_topk_bwd (vector)--> dlogits[i]
     dlogits[i], W --proj_grad_input (cube)--> dx[i]
@@ -29,7 +31,8 @@ from megaloom.graphs.common.ops import up
 from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
-from megaloom.graphs.gate.ops import SCORES, combine, scores, select  # (registers the gate ops)
+from megaloom.graphs.gate.ops import GIVEN, SCORES, combine, scores, select  # (registers the gate ops)
+from megaloom.ops import dvm
 from megaloom.runtime.graph import TaskGraph
 
 
@@ -39,7 +42,9 @@ class GateSpec(GraphSpec):
     the k weights (only when ``top_k > 1``); ``tile_tokens``: rows per token shard;
     ``weight_cols``: hidden columns per weight-gradient chain (chains run in parallel);
     ``weight_rows``: tokens per link of a chain; ``n_group`` / ``topk_group``: pick experts only
-    from the ``topk_group`` best of ``n_group`` equal expert groups (DeepSeek-V3: 8 / 4; 1 / 1: no limit)."""
+    from the ``topk_group`` best of ``n_group`` equal expert groups (DeepSeek-V3: 8 / 4; 1 / 1: no limit);
+    ``fuse_vector``: sigmoid scoring as a ``dvm.fused`` task of its own (off by default: it writes the
+    scores to memory for the selection, which ``gate_topk`` alone keeps on chip)."""
 
     tokens: int
     hidden: int
@@ -54,6 +59,7 @@ class GateSpec(GraphSpec):
     weight_rows: int = 1024
     n_group: int = 1
     topk_group: int = 1
+    fuse_vector: bool = False
 
     def __post_init__(self) -> None:
         problems = positive(self, "tokens", "hidden", "experts", "top_k", "tile_tokens", "weight_cols", "weight_rows",
@@ -65,6 +71,8 @@ class GateSpec(GraphSpec):
                 or self.top_k > self.topk_group * (self.experts // self.n_group)):
             problems.append(f"top_k={self.top_k} from topk_group={self.topk_group} of n_group={self.n_group} groups "
                             f"does not fit experts={self.experts}")
+        if not isinstance(self.fuse_vector, bool):
+            problems.append(f"fuse_vector must be a bool, got {self.fuse_vector!r}")
         if self.score not in SCORES:
             problems.append(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
         report("GateSpec", problems + dtype_problems(self))
@@ -83,10 +91,18 @@ def build_megagate_forward(spec: GateSpec) -> TaskGraph:
     bias = g.input("bias", (E,), spec.acc)
     logits = g.output("logits", (T, E), spec.acc)
     weights, indices = g.output("weights", (T, k), spec.acc), g.output("indices", (T, k), "int64")
+    fused = spec.fuse_vector and spec.score == "sigmoid"
+    scored = g.buffer("scores", (T, E), spec.acc) if fused else logits
+    attrs, made = {**spec.attrs, "score": GIVEN} if fused else spec.attrs, {}
     for i, (a, b) in enumerate(tile_ranges(T, spec.tile_tokens)):
         g.task("proj", [x[a:b], w], [logits[a:b]], name=f"proj.{i}", tags=tags(stage="proj", direction="fwd", tile=i))
-        g.task("gate_topk", [logits[a:b], bias], [weights[a:b], indices[a:b]], name=f"topk.{i}",
-               attrs=spec.attrs, tags=tags(stage="topk", direction="fwd", tile=i))
+        if fused:
+            if b - a not in made:  # one attrs dict per shard size: the program is decoded once
+                made[b - a] = {"program": dvm.library.sigmoid((b - a, E), spec.acc).to_attrs()}
+            g.task("dvm.fused", [logits[a:b]], [scored[a:b]], name=f"score.{i}", attrs=made[b - a],
+                   tags=tags(stage="score", direction="fwd", tile=i))
+        g.task("gate_topk", [scored[a:b], bias], [weights[a:b], indices[a:b]], name=f"topk.{i}",
+               attrs=attrs, tags=tags(stage="topk", direction="fwd", tile=i))
     return g
 
 

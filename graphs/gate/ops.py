@@ -6,7 +6,8 @@
 | gate_topk_bwd  | vector | d logits from d weights (selection fixed) plus the logits' own gradient      |
 
 Attributes of both: ``top_k``, ``score`` (``softmax``, ``sigmoid`` or ``sqrtsoftplus``:
-sqrt(softplus(x))), ``scale`` (routed scaling factor), ``renorm`` (renormalise the k
+sqrt(softplus(x)); ``gate_topk`` also takes ``given``: its first operand already holds the scores,
+as a ``dvm.fused`` scoring task wrote them), ``scale`` (routed scaling factor), ``renorm`` (renormalise the k
 weights to sum 1 before scaling; applied only when ``top_k > 1``), ``n_group`` and
 ``topk_group`` (group-limited selection, as DeepSeek-V3: the experts form ``n_group`` equal
 groups, each scored by the sum of its two best biased scores, and only the experts of the
@@ -29,11 +30,14 @@ from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
+GIVEN = "given"  # gate_topk's score when a fused scoring task computed the scores
 RENORM_EPS = 1e-20  # keeps the renormalisation finite when every selected score underflows
 
 
 def scores(logits: torch.Tensor, score: str) -> torch.Tensor:
-    """Routing scores of float logits, by the named score function."""
+    """Routing scores of float logits, by the named score function (``given``: the logits are the scores)."""
+    if score == GIVEN:
+        return logits
     if score == "softmax":
         return logits.softmax(-1)
     if score == "sigmoid":

@@ -40,7 +40,7 @@ from megaloom.graphs.common.ops import up
 from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
-from megaloom.graphs.mhc import ops  # noqa: F401  (registers the MegaMHC ops)
+from megaloom.graphs.mhc.ops import coeff_attrs, fused_coeff  # (registers the MegaMHC ops)
 from megaloom.runtime.graph import TaskGraph
 
 
@@ -48,7 +48,9 @@ from megaloom.runtime.graph import TaskGraph
 class MHCSpec(GraphSpec):
     """MegaMHC shape and options; ``iters``: Sinkhorn rounds; ``rms_eps`` is used by both RMS norms;
     ``weight_cols``: columns of phi per gradient chain (chains run in parallel);
-    ``weight_rows``: tokens per link of a chain."""
+    ``weight_rows``: tokens per link of a chain; ``fuse_vector``: the forward coefficients (pre, post,
+    the softmax mix and its Sinkhorn rounds) as one ``dvm.fused`` task per tile when they are float32
+    (:func:`megaloom.ops.dvm.library.mhc_coeff`), else the ``mhc_coeff`` op."""
 
     tokens: int
     hidden: int
@@ -60,6 +62,7 @@ class MHCSpec(GraphSpec):
     pre_eps: float = 1e-6
     weight_cols: int = 1024
     weight_rows: int = 1024
+    fuse_vector: bool = True
 
     def __post_init__(self) -> None:
         problems = positive(self, "tokens", "hidden", "streams", "tile_tokens", "weight_cols", "weight_rows")
@@ -67,6 +70,8 @@ class MHCSpec(GraphSpec):
             problems.append(f"iters must be >= 0, got {self.iters!r}")
         if not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
             problems.append(f"rms_eps must be positive, got {self.rms_eps!r}")
+        if not isinstance(self.fuse_vector, bool):
+            problems.append(f"fuse_vector must be a bool, got {self.fuse_vector!r}")
         report("MHCSpec", problems + dtype_problems(self))
 
     @property
@@ -96,15 +101,21 @@ def build_megamhc_forward(spec: MHCSpec) -> TaskGraph:
     nxt_pre, nxt_post = g.output("next_pre", (T, n), acc), g.output("next_post", (T, n), acc)
     nxt_res = g.output("next_res", (T, n, n), acc)
     raw, inv = g.output("raw", (T, spec.logits), acc), g.output("inv_rms", (T, 1), acc)
-    eps = {"rms_eps": spec.rms_eps}
+    eps, made = {"rms_eps": spec.rms_eps}, {}  # made: one fused-coefficient attrs dict per tile size
     for i, (a, b) in enumerate(tile_ranges(T, spec.tile_tokens)):
         g.task("mhc_mix_norm", [x[k][a:b] for k in ("y", "h", "post", "res")], [new[a:b], inv[a:b]],
                name=f"mix_norm.{i}", attrs=eps, tags=tags(stage="mix_norm", direction="fwd", tile=i))
         g.task("proj", [new[a:b], x["phi"]], [raw[a:b]], name=f"proj.{i}",
                tags=tags(stage="proj", direction="fwd", tile=i))
-        g.task("mhc_coeff", [raw[a:b], inv[a:b], x["alpha"], x["bias"]], [nxt_pre[a:b], nxt_post[a:b], nxt_res[a:b]],
-               name=f"coeff.{i}", attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps},
-               tags=tags(stage="coeff", direction="fwd", tile=i))
+        coeff = [raw[a:b], inv[a:b], x["alpha"], x["bias"]], [nxt_pre[a:b], nxt_post[a:b], nxt_res[a:b]]
+        if spec.fuse_vector and acc == "float32":
+            if b - a not in made:
+                made[b - a] = coeff_attrs(b - a, n, spec.iters, spec.pre_eps)
+            g.task("dvm.fused", *fused_coeff(*coeff), name=f"coeff.{i}", attrs=made[b - a],
+                   tags=tags(stage="coeff", direction="fwd", tile=i))
+        else:
+            g.task("mhc_coeff", *coeff, name=f"coeff.{i}", attrs={"n": n, "iters": spec.iters, "pre_eps": spec.pre_eps},
+                   tags=tags(stage="coeff", direction="fwd", tile=i))
         g.task("mhc_block_in", [new[a:b], nxt_pre[a:b], x["norm_w"]], [block[a:b]], name=f"block_in.{i}",
                attrs=eps, tags=tags(stage="block_in", direction="fwd", tile=i))
     return g

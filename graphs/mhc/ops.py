@@ -9,6 +9,11 @@
 | mhc_coeff_bwd     | vector | gradient of mhc_coeff: logits, inverse RMS, and per-tile alpha / bias partials |
 | mhc_mix_norm_bwd  | vector | gradient of mhc_mix_norm (new's gradient from every reader summed in)       |
 
+The forward graph runs ``mhc_coeff`` as a ``dvm.fused`` task by default: :func:`fused_coeff` gives
+its operands, one ``[t, 1]`` column per logit, bias and alpha entry and per output entry (the
+mix's ``[t, 1, 1]`` entries viewed as ``[t, 1]``), so the softmax and Sinkhorn rounds over each
+token's ``n x n`` mix run in registers (:func:`megaloom.ops.dvm.library.mhc_coeff`).
+
 Logit layout (``m = n*n + 2n``; 24 for n = 4): ``l[:, 0:n]`` pre, ``l[:, n:2n]`` post,
 ``l[:, 2n:]`` the mix, row-major ``[n, n]`` (mix entry ``n*i + j`` is row i, column j). The bias
 splits the same way; alpha is ``(a_pre, a_post, a_mix)``. ``l = raw * inv_rms``, where
@@ -27,7 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from megaloom.graphs.common.ops import acc_dtype, up
+from megaloom.ops import dvm
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.graph import Region
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 
 
@@ -82,6 +89,26 @@ def coeff_ref(raw, inv_rms, alpha, bias, n: int = 4, iters: int = 20, pre_eps: f
     pre = torch.sigmoid(alpha[0] * lp + bp) + pre_eps
     post = 2 * torch.sigmoid(alpha[1] * lq + bq)
     return pre, post, sinkhorn(torch.softmax(alpha[2] * lr + br, -1), iters)
+
+
+def coeff_attrs(rows: int, n: int, iters: int, pre_eps: float) -> dict:
+    """``dvm.fused`` attrs of the float32 coefficients of a tile of ``rows`` tokens (operands: :func:`fused_coeff`)."""
+    m = n * n + 2 * n
+    shapes = [[rows, 1]] * (m + 1) + [[1]] * (m + 3) + [[rows, 1]] * (2 * n) + [[rows, 1, 1]] * (n * n)
+    return {"program": dvm.library.mhc_coeff(rows, n, iters, pre_eps).to_attrs(), "operand_shapes": shapes}
+
+
+def fused_coeff(ins: list[Region], outs: list[Region]) -> tuple[list[Region], list[Region]]:
+    """The ``mhc_coeff`` operands ``(raw, inv_rms, alpha, bias), (pre, post, res)`` of one tile (regions, or
+    tensors alike) as the fused program's: a column per logit, the alpha and bias entries, a column per
+    pre / post entry and a ``[t, 1, 1]`` per mix entry."""
+    raw, inv, alpha, bias = ins
+    pre, post, res = outs
+    m, n = raw.shape[1], pre.shape[1]
+    return ([raw[:, k:k + 1] for k in range(m)] + [inv] + [alpha[j:j + 1] for j in range(3)]
+            + [bias[k:k + 1] for k in range(m)],
+            [x[:, i:i + 1] for x in (pre, post) for i in range(n)]
+            + [res[:, i:i + 1, j:j + 1] for i in range(n) for j in range(n)])
 
 
 # -- forward kernels ---------------------------------------------------------------------

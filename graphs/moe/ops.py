@@ -36,10 +36,6 @@ def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
     return float(sum(s.nbytes for s in ins) + sum(s.nbytes for s in outs))
 
 
-def _elementwise(ins: list[TensorSpec], outs: list[TensorSpec], flops_per: float) -> Cost:
-    return Cost(flops=flops_per * outs[0].numel, bytes=_io_bytes(ins, outs), precision=precision(outs[0].dtype))
-
-
 def _expect(cond: bool, op: str, msg: str, ins: list[TensorSpec]) -> None:
     if not cond:
         raise GraphError(f"{op}: {msg}; operands {[(s.shape, s.dtype) for s in ins]}")
@@ -149,6 +145,13 @@ def _swiglu_kernel(ins, outs) -> None:
     torch.mul(F.silu(g), u, out=outs[0])
 
 
+def _chain_cost(ins: list[TensorSpec], flops_per: float, passes: int) -> Cost:
+    """An unfused SwiGLU tile: each torch call of its kernel reads its operands from memory and writes its
+    result, ``passes`` ``[m, I]`` tensors in all (forward: silu 2, mul 3; gradient: its nine calls, 24)."""
+    half = ins[0].numel // 2
+    return Cost(flops=flops_per * half, bytes=float(passes * ins[0].nbytes // 2), precision=precision(ins[0].dtype))
+
+
 def swiglu_program(rows: int, inter: int, dtype: str, backward: bool = False) -> dict:
     """``dvm.fused`` attrs of a SwiGLU tile of ``rows x inter``: forward ``(gate, up) -> a``,
     backward ``(da, gate, up) -> (dgate, dup)`` (:mod:`megaloom.ops.dvm.library`)."""
@@ -235,9 +238,9 @@ register(OpDef("moe_gmm", ("cube",), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kerne
                doc="one grouped-GEMM tile: x @ w[e] (w[e]^T when trans_w)"))
 register(OpDef("moe_wgrad", ("cube",), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
                doc="expert weight-gradient tile: a^T @ b into [1, k, n]"))
-register(OpDef("swiglu", ("vector",), swiglu, _swiglu_shape, lambda i, o, a: _elementwise(i, o, 5.0),
+register(OpDef("swiglu", ("vector",), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
                _swiglu_kernel, doc="silu(gate) * up"))
-register(OpDef("swiglu_grad", ("vector",), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _elementwise(i, o, 10.0),
+register(OpDef("swiglu_grad", ("vector",), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
                _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
 register(OpDef("moe_unpermute_sum", ("vector",), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
                _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))

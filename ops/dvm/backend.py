@@ -391,6 +391,9 @@ _cache: dict[tuple, Any] = {}
 _cache_lock = threading.Lock()
 
 
+_epoch = 0
+
+
 def compile_program(program: Program, opts: Options | None = None) -> Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], None]:
     """The kernel for ``program`` under ``opts`` (default: :func:`options`), cached by signature."""
     opts = opts or _options
@@ -409,9 +412,16 @@ def compile_program(program: Program, opts: Options | None = None) -> Callable[[
 
 
 def clear_cache() -> None:
-    """Forget every compiled kernel."""
+    """Forget every compiled kernel (kernels cached elsewhere by :func:`cache_epoch` too)."""
+    global _epoch
     with _cache_lock:
         _cache.clear()
+        _epoch += 1
+
+
+def cache_epoch() -> int:
+    """Bumped by every :func:`clear_cache`: a key part for caches of compiled kernels."""
+    return _epoch
 
 
 def cache_size() -> int:

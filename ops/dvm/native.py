@@ -121,6 +121,20 @@ def _pow_scalar(x: int, s: float, rd: str, dst: int, ops: list[NOp], temp) -> No
     ops.append(NOp("pow", dst, (x, Const(_in_dtype(s, rd))), rnd))
 
 
+def alias_copies(ops: list[NOp], keep: set[int]) -> list[NOp]:
+    """Drop register copies that change nothing (a cast up to float32, ``x ** 1``; registers are
+    float32 already) unless they define an output: their readers read the source instead."""
+    alias: dict[int, int] = {}
+    out = []
+    for o in ops:
+        o = o._replace(args=tuple(a if isinstance(a, Const) else alias.get(a, a) for a in o.args))
+        if o.op == "copy" and not o.rnd and o.dst not in keep:
+            alias[o.dst] = o.args[0]
+        else:
+            out.append(o)
+    return out
+
+
 def fuse_patterns(ops: list[NOp], keep: set[int]) -> list[NOp]:
     """Pattern functions for common float32 chains, computing exactly what the chain does:
     neg, exp, add 1, reciprocal -> ``sigmoid``; ``x * sigmoid(x)`` -> ``silu``;
@@ -150,7 +164,7 @@ def fuse_patterns(ops: list[NOp], keep: set[int]) -> list[NOp]:
                     new = NOp("swiglu", o.dst, (p.args[0], other))
                     break
         if new is not o:
-            dead = {a for a in o.args if not isinstance(a, Const) and inner(a)}
+            dead = {a for a in o.args if not isinstance(a, Const) and inner(a) and a not in new.args}
             while dead:  # drop the absorbed chain
                 v = dead.pop()
                 p = made.pop(v, None)
@@ -190,7 +204,7 @@ class Lowered:
         dtypes = [d for _, d in prog.specs]
         outs = set(prog.outputs)
         ops, _ = lower(prog)
-        ops = fuse_patterns(ops, outs)
+        ops = fuse_patterns(alias_copies(ops, outs), outs)
         last_use: dict[int, int] = {}
         for k, o in enumerate(ops):
             for a in o.args:

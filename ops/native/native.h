@@ -11,7 +11,7 @@
 #include <stdint.h>
 
 #define DVM_MAXDIM 8   /* dims after collapsing contiguous ones */
-#define DVM_MAXOPS 64  /* inputs + outputs of one program */
+#define DVM_MAXOPS 128 /* inputs + outputs of one program (MegaMHC's coefficients: 76) */
 #define MX_BLOCK 32
 #define MX_TILE_COLS 256 /* columns of one 32-row tile held as float32 (32 KiB) */
 

@@ -72,3 +72,63 @@ def test_overrides_per_op_class():
         CostModel(p, overrides={"matmul": (-1.0, 0.0)})
     with pytest.raises(ConfigError, match="op 'matmul'"):
         CostModel(p, overrides={"matmul": "fast"})
+
+
+# -- fused DVM nodes ----------------------------------------------------------------------
+ASCEND = ("ascend-910b", "ascend-950", "atlas-a3")
+
+
+def _chain(prog):
+    """The unfused chain a fused program replaces: one primitive task per instruction."""
+    g = TaskGraph("chain")
+    vals = [g.input(f"in{i}", s, d) for i, (s, d) in enumerate(prog.inputs)]
+    n_in = len(prog.inputs)
+    for k, ins in enumerate(prog.code):
+        shape, dtype = prog.specs[n_in + k]
+        out = (g.output if n_in + k in prog.outputs else g.buffer)(f"v{n_in + k}", shape, dtype)
+        g.task(f"dvm.{ins.op}", [vals[a] for a in ins.args], [out], attrs=ins.attr_dict)
+        vals.append(out)
+    return g
+
+
+@pytest.mark.parametrize("profile", ASCEND)
+@pytest.mark.parametrize("which", ["swiglu", "swiglu_backward"])
+def test_a_fused_swiglu_tile_simulates_faster_than_its_unfused_chain(profile, which):
+    from megaloom.ops import dvm
+    from megaloom.scheduler import Simulator
+
+    prog = getattr(dvm.library, which)((128, 256), "bfloat16")
+    chain = _chain(prog)
+    fused = dvm.fuse(chain, dvm.Limits(max_ops=16, max_cost=32.0))  # the whole program: one node
+    assert [t.op for t in fused.tasks] == ["dvm.fused"]
+    sim = Simulator(profile)
+    t_chain, t_fused = sim.run(chain).trace, sim.run(fused).trace
+    assert len(t_fused.events) == 1 and t_fused.events[0].op == "dvm.fused"  # one task in the trace
+    assert len(t_chain.events) == len(prog.code)
+    assert t_fused.makespan < t_chain.makespan
+    cm = sim.cost_model
+    (task,) = fused.tasks
+    io = sum(b.nbytes for b in (*fused.inputs, *fused.outputs))
+    assert fused.costs()[0].bytes == io  # intermediates never reach memory
+    assert cm.task_duration(fused, task) == pytest.approx(
+        max(io / cm.profile.unit_mem_bw("vector"), cm.fused_compute(task)) + cm.profile.task_overhead)
+
+
+def test_fused_compute_is_the_sum_of_its_primitives_at_their_own_rates():
+    from megaloom.ops import dvm
+
+    prog = dvm.library.gelu_tanh((64, 64))
+    chain = _chain(prog)
+    fused = dvm.fuse(chain)
+    (task,) = fused.tasks
+    cm = CostModel("ascend-910b")
+    peak = cm.profile.unit_peak("vector", "fp32")
+    assert cm.fused_compute(task) == pytest.approx(sum(c.flops for c in chain.costs()) / peak)
+    slow_tanh = CostModel("ascend-910b", overrides={"dvm.tanh": (1e6, None)})
+    assert slow_tanh.fused_compute(task) == pytest.approx(cm.fused_compute(task) + 64 * 64 * (4 / 1e6 - 4 / peak))
+    # a compute-bound fused node: its duration is its primitives' compute plus one overhead
+    overhead = cm.profile.task_overhead
+    assert slow_tanh.task_duration(fused, task) == pytest.approx(slow_tanh.fused_compute(task) + overhead)
+    fit = CostModel("ascend-910b", overrides={"dvm.fused": (1e9, 1e-6)})  # a fit of the fused class wins
+    assert fit.task_duration(fused, task) == pytest.approx(max(prog.flops() / 1e9, fused.costs()[0].bytes /
+                                                               cm.profile.unit_mem_bw("vector")) + 1e-6)

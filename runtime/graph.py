@@ -356,21 +356,30 @@ class TaskGraph:
         outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self._op)
         default = f"{op}#{tid}"
-        name = name if name is not None else default
-        if self.task_id(name) is not None:
+        if name is None:
+            name = default
+        if name in self._by_name or (name is not default and self.task_id(name) is not None):
             raise GraphError(f"task name {name!r} is used twice in graph {self.name!r}", tasks=(name,))
         for r in ins + outs:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
             if not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
+        waits = []
+        for a in after:
+            ta = self[a] if isinstance(a, str) else a
+            if ta.graph is not self:
+                raise GraphError(f"edge {ta.name!r} -> {name!r} joins tasks of different graphs")
+            waits.append(ta.id)
         if engine is None:
             try:
                 engine = get_op(op).engine
             except GraphError:
                 engine = "vector"  # unknown ops are reported by validate()
-        self._op.append(self._code(0, op))
-        self._eng.append(self._code(1, engine))
+        code = self._codes[0].get(op)
+        self._op.append(code if code is not None else self._code(0, op))
+        code = self._codes[1].get(engine)
+        self._eng.append(code if code is not None else self._code(1, engine))
         self._cost.append(cost)
         if ins or outs:
             self._io[tid] = (ins, outs)
@@ -383,11 +392,11 @@ class TaskGraph:
         if name != default or self._names is not None:
             self._name(tid, None if name == default else name)
         self._version += 1
-        self._add_row(self._derive(tid, ins, outs))
-        t = self.tasks[tid]
-        for a in after:
-            self.edge(a, t)
-        return t
+        preds = self._derive(tid, ins, outs)
+        self._add_row(list(dict.fromkeys(preds + waits)) if waits else preds)  # control edges after derived ones
+        if len(self._views) == tid:
+            self._views.append(Task(self, tid))
+        return self.tasks[tid]
 
     def _code(self, column: int, name: str) -> int:
         """The index of ``name`` in the op (0) or engine (1) name table, added if new."""

@@ -119,9 +119,10 @@ def _costs(costs: Any, n: int) -> list[Cost | None]:
 
 
 def _intern(g: TaskGraph, column: int, table: list, codes: np.ndarray, what: str) -> np.ndarray:
-    """Graph codes (uint32) of a (table, codes) column of names."""
+    """Graph codes (uint32) of a (table, codes) column of names, new names added in first-use order."""
     remap = np.zeros(max(len(table), 1), np.uint32)
-    for c in np.unique(codes).tolist():
+    used, first = np.unique(codes, return_index=True)
+    for c in used[np.argsort(first)].tolist():
         if not isinstance(table[c], str):
             task = int(np.argmax(codes == c))
             raise GraphError(f"from_arrays {what}: task {task} has {table[c]!r}, not a name")

@@ -452,18 +452,18 @@ class TaskGraph:
     def _link(self, a: int, b: int) -> None:
         if a in self.preds_of(b):
             return
-        self._version += 1
         if a >= b:
             self._forward_only = False
-        if self._pptr is not None and b == len(self._op) - 1:  # the newest task: its CSR row is the last
-            self._pidx.append(a)
-            self._pptr[-1] += 1
-        elif self._pptr is not None:  # an edge into an earlier task: the edges become lists
+        if self._pptr is not None and b != len(self._op) - 1:  # into an earlier task: the edges become lists
             self._lists()
             self._pptr = self._pidx = None
+        if self._pptr is not None:  # into the newest task: its CSR row is the last
+            self._pidx.append(a)
+            self._pptr[-1] += 1
         if self._pl is not None:
             self._pl[b].append(a)
             self._sl[a].append(b)
+        self._version += 1
 
     def edge(self, a: Task | str, b: Task | str) -> None:
         """Control edge: ``b`` waits for ``a``."""

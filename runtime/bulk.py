@@ -34,7 +34,8 @@ class GraphArrays:
     ``engine[i]`` indexes ``engine_names``; task ``b`` waits for
     ``pred_idx[pred_ptr[b]:pred_ptr[b + 1]]`` and is waited for by
     ``succ_idx[succ_ptr[b]:succ_ptr[b + 1]]``, in the order of ``graph.pred`` and
-    ``graph.succ``. Costs: ``graph.costs()`` (tasks sharing a cost share the object)."""
+    ``graph.succ``. The rest: ``graph.costs()`` (tasks sharing a cost share the object),
+    ``graph.task_attrs`` and ``graph.task_tags`` (only the tasks that have them)."""
 
     op_names: tuple[str, ...]
     op: np.ndarray

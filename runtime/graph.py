@@ -21,7 +21,8 @@ from collections import Counter
 from dataclasses import dataclass
 from graphlib import CycleError, TopologicalSorter
 from itertools import accumulate, chain
-from typing import Any, Iterable, Sequence
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Sequence
 
 from megaloom.runtime.bulk import GraphArrays, from_arrays, graph_arrays, split_rows
 from megaloom.runtime.compose import Composed, compose
@@ -136,28 +137,20 @@ class Task:
     A light view of row ``id`` of its graph's columns (op, engine, cost, edges; regions,
     attrs, tags and priority kept only for the tasks that have them); the graph makes one
     view per task, on first use, and hands out that same object every time. ``attrs`` and
-    ``tags`` are the task's own dicts (made on first access when the task has none).
+    ``tags`` are the task's own dicts (an empty one is stored in the graph on its first change).
     Builder methods return the task, so calls chain: ``a.precede(b, c)``.
     """
 
-    __slots__ = ("graph", "id")
+    __slots__ = ("graph", "id", "op", "engine")
 
-    def __init__(self, graph: TaskGraph, tid: int):
-        self.graph, self.id = graph, tid
+    def __init__(self, graph: TaskGraph, tid: int, op: str, engine: str):
+        self.graph, self.id, self.op, self.engine = graph, tid, op, engine
 
     @property
     def name(self) -> str:
         names = self.graph._names
         name = names[self.id] if names is not None else None
         return name if name is not None else f"{self.op}#{self.id}"
-
-    @property
-    def op(self) -> str:
-        return self.graph._op_names[self.graph._op[self.id]]
-
-    @property
-    def engine(self) -> str:
-        return self.graph._eng_names[self.graph._eng[self.id]]
 
     @property
     def inputs(self) -> tuple[Region, ...]:
@@ -169,11 +162,13 @@ class Task:
 
     @property
     def attrs(self) -> dict[str, Any]:
-        return self.graph._attrs.setdefault(self.id, {})
+        d = self.graph._attrs.get(self.id)
+        return d if d is not None else _unstored(self.graph._attrs, self.id)
 
     @property
     def tags(self) -> dict[str, Any]:
-        return self.graph._tags.setdefault(self.id, {})
+        d = self.graph._tags.get(self.id)
+        return d if d is not None else _unstored(self.graph._tags, self.id)
 
     @property
     def priority(self) -> int:
@@ -209,6 +204,32 @@ class Task:
 
 
 _NO_IO: tuple[tuple, tuple] = ((), ())
+
+
+class _Unstored(dict):
+    """The empty attrs or tags of a task that has none: a dict that joins the graph's column
+    on its first change, so reading them costs no memory."""
+
+    __slots__ = ("column", "tid")
+
+
+def _changes(method: str):
+    def change(self: _Unstored, *args, **kw):
+        stored = self.column.setdefault(self.tid, self)
+        if stored is not self:  # another view of the same task's dict was stored first
+            getattr(stored, method)(*args, **kw)
+        return getattr(dict, method)(self, *args, **kw)
+    return change
+
+
+for _m in ("__setitem__", "__delitem__", "__ior__", "update", "setdefault", "pop", "popitem", "clear"):
+    setattr(_Unstored, _m, _changes(_m))
+
+
+def _unstored(column: dict[int, dict], tid: int) -> dict[str, Any]:
+    d = _Unstored()
+    d.column, d.tid = column, tid
+    return d
 
 
 def _integer(v: Any, what: str) -> int:
@@ -322,6 +343,17 @@ class TaskGraph:
         return self.add_buffer(name, shape, dtype)
 
     @property
+    def task_attrs(self) -> Mapping[int, dict[str, Any]]:
+        """``{task id: attrs}`` for the tasks that have attrs (read-only). A loop over every task
+        reads this rather than ``t.attrs``, which makes an empty dict for each task without."""
+        return MappingProxyType(self._attrs)
+
+    @property
+    def task_tags(self) -> Mapping[int, dict[str, Any]]:
+        """``{task id: tags}`` for the tasks that have tags (read-only), as :attr:`task_attrs`."""
+        return MappingProxyType(self._tags)
+
+    @property
     def inputs(self) -> list[Buffer]:
         return [b for b in self.buffers.values() if b.is_input]
 
@@ -395,7 +427,7 @@ class TaskGraph:
         preds = self._derive(tid, ins, outs)
         self._add_row(list(dict.fromkeys(preds + waits)) if waits else preds)  # control edges after derived ones
         if len(self._views) == tid:
-            self._views.append(Task(self, tid))
+            self._views.append(Task(self, tid, op, engine))
         return self.tasks[tid]
 
     def _code(self, column: int, name: str) -> int:
@@ -499,9 +531,11 @@ class TaskGraph:
     @property
     def tasks(self) -> list[Task]:
         """Every task, by id: one :class:`Task` view each (made on first use, then kept)."""
-        views = self._views
-        if len(views) < len(self._op):
-            views.extend(Task(self, i) for i in range(len(views), len(self._op)))
+        views, k = self._views, len(self._views)
+        if k < len(self._op):
+            ops, engines = self._op_names, self._eng_names
+            views.extend(Task(self, i, ops[o], engines[e]) for i, o, e in zip(range(k, len(self._op)),
+                                                                             self._op[k:], self._eng[k:]))
         return views
 
     # -- structure -------------------------------------------------------------------

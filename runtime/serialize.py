@@ -3,8 +3,7 @@
 Every edge is stored (derived and control alike), so a loaded graph is the graph that
 was saved even where it was built from explicit edges only. Loading checks every field
 and raises TraceFormatError (bad file) or GraphError (bad graph), never a raw KeyError.
-The functions here reach the graph through its public API (and read attrs and tags without
-making empty dicts for the tasks that have none); ``TaskGraph.save``,
+The functions here reach the graph through its public API; ``TaskGraph.save``,
 ``TaskGraph.load``, ``to_dict`` and ``from_dict`` call them.
 """
 from __future__ import annotations
@@ -38,8 +37,8 @@ def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
         "buffers": [[b.name, list(b.shape), b.dtype, b.is_input, b.is_output] for b in g.buffers.values()],
         "tasks": [
             {"name": t.name, "op": t.op, "engine": t.engine, "in": [_region(r) for r in t.inputs],
-             "out": [_region(r) for r in t.outputs], "attrs": g._attrs.get(t.id, {}), "priority": t.priority,
-             "tags": g._tags.get(t.id, {}),
+             "out": [_region(r) for r in t.outputs], "attrs": g.task_attrs.get(t.id, {}),
+             "priority": t.priority, "tags": g.task_tags.get(t.id, {}),
              "cost": None if t.cost is None else [t.cost.flops, t.cost.bytes, t.cost.comm_bytes, t.cost.precision]}
             for t in g.tasks
         ],

@@ -124,9 +124,12 @@ def test_columns_are_kept_only_for_tasks_that_have_them():
     a = g.task("copy", [x], [y])
     b = g.task("noop", attrs={"k": 1}, tags={"stage": "fwd"}, priority=2)
     assert g._io.keys() == {0} and g._attrs.keys() == {1} and g._tags.keys() == {1} and g._prio == {1: 2}
-    assert a.attrs == {} and a.priority == 0 and b.inputs == () and b.cost is None
-    a.tags["stage"] = "bwd"  # a task's own dict, made on first access
-    assert g.tasks[0].tags == {"stage": "bwd"} and g._names is None
+    assert a.attrs == {} and a.tags == {} and a.priority == 0 and b.inputs == () and b.cost is None
+    assert 0 not in g._attrs and 0 not in g._tags  # reading empty attrs and tags stores nothing
+    tags = a.tags
+    tags["stage"] = "bwd"  # a task's own dict: stored on its first change
+    tags.update(k=2)
+    assert g.tasks[0].tags == {"stage": "bwd", "k": 2} and g._tags[0] is tags and g._names is None
     arr = g.arrays()
     assert arr is g.arrays() and not arr.op.flags.writeable
     g.task("noop")

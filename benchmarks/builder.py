@@ -7,6 +7,8 @@ about 2 on average; a random engine kind of three and one of 24 costs per task):
 * ``builder.from_arrays``: ``TaskGraph.from_arrays`` from NumPy columns (op and engine codes,
   cost codes into a table of 24 ``Cost`` objects, CSR predecessors); the target is >= 1M
   tasks/s and <= 150 bytes/task;
+* ``builder.from_arrays.lists``: the same from Python lists (engine names and ``Cost`` objects
+  per task, a list of predecessors per task), as code without NumPy columns would give;
 * ``baseline.dask_dict``: ``{"t<i>": (func, "t<p>", ...)}``, dask's graph format, from Python
   lists of predecessors (made beforehand, untimed);
 * ``baseline.networkx``: ``nx.DiGraph`` with every node and edge, from Python lists of edges
@@ -138,6 +140,10 @@ def main() -> None:
     wall, cpu, held = measure(lambda: from_arrays(dag), args.repeat)
     ours = emit("builder.from_arrays", n, wall, cpu, held, edges=edges, target_tasks_per_s=1_000_000,
                 target_bytes_per_task=150, meets_target=n / cpu >= 1_000_000 and held / n <= 150)
+    engines, costs = [ENGINES[e] for e in dag["engine"].tolist()], [COSTS[c] for c in dag["cost"].tolist()]
+    wall, cpu, held = measure(lambda: TaskGraph.from_arrays("noop", preds, engines=engines, costs=costs), args.repeat)
+    emit("builder.from_arrays.lists", n, wall, cpu, held)
+    del engines, costs
     g = from_arrays(dag)
     w, c = time.perf_counter(), time.process_time()
     g.validate()

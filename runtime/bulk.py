@@ -55,7 +55,7 @@ def _frozen(*arrays: np.ndarray) -> list[np.ndarray]:
 
 def _csr_of(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum([len(r) for r in rows], out=ptr[1:])
+    np.cumsum(np.fromiter(map(len, rows), np.int64, len(rows)), out=ptr[1:])
     return ptr, np.fromiter(chain.from_iterable(rows), np.int32, int(ptr[-1]))
 
 
@@ -97,9 +97,9 @@ def _column(value: Any, n: int, what: str) -> tuple[list, np.ndarray]:
     if isinstance(value, str):
         return [value], np.zeros(n, np.int64)
     values = _per_task(value, n, what)
-    index: dict[Any, int] = {}
-    codes = np.fromiter((index.setdefault(v, len(index)) for v in values), np.int64, n)
-    return list(index), codes
+    table = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(table)}
+    return table, np.fromiter(map(index.__getitem__, values), np.int64, n)
 
 
 def _per_task(value: Any, n: int, what: str) -> list:
@@ -113,9 +113,10 @@ def _costs(costs: Any, n: int) -> list[Cost | None]:
     if costs is None or isinstance(costs, Cost):
         return [costs] * n
     table, codes = _column(costs, n, "costs") if isinstance(costs, tuple) else (_per_task(costs, n, "costs"), None)
-    bad = next((i for i, c in enumerate(table) if c is not None and not isinstance(c, Cost)), None)
-    if bad is not None:
-        raise GraphError(f"from_arrays costs: {table[bad]!r} is not a Cost (or None)")
+    if not set(map(type, table)) <= {Cost, type(None)}:
+        bad = next((c for c in table if c is not None and not isinstance(c, Cost)), None)
+        if bad is not None:
+            raise GraphError(f"from_arrays costs: {bad!r} is not a Cost (or None)")
     return table if codes is None else list(map(table.__getitem__, codes.tolist()))
 
 
@@ -142,7 +143,12 @@ def _preds(preds: Any) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(preds, tuple) and len(preds) == 2:
         ptr, idx = np.asarray(preds[0]), np.asarray(preds[1])
     elif isinstance(preds, list):
-        ptr, idx = _csr_of([list(p) for p in preds])
+        try:
+            ptr = np.zeros(len(preds) + 1, np.int64)
+            np.cumsum(np.fromiter(map(len, preds), np.int64, len(preds)), out=ptr[1:])
+        except TypeError:
+            raise GraphError("from_arrays preds: a list of preds holds one sequence of task ids per task") from None
+        idx = np.array(list(chain.from_iterable(preds)) or np.zeros(0, np.int64))  # its dtype is checked below
     else:
         raise GraphError("from_arrays preds: give (indptr, indices) as a tuple, or a list of per-task lists")
     if ptr.ndim != 1 or idx.ndim != 1 or len(ptr) == 0 or (ptr.size and ptr.dtype.kind not in "iu") \

@@ -143,6 +143,8 @@ def test_columns_are_kept_only_for_tasks_that_have_them():
     ((np.array([0, 2, 1]), np.array([0])), "indptr must start at 0, never decrease"),
     ((np.array([0, 1]), np.array([0.5])), "1-d integer arrays"),
     ("01", "give \\(indptr, indices\\)"),
+    ([[], [0.0]], "1-d integer arrays"),
+    ([[], 0], "one sequence of task ids per task"),
 ])
 def test_bad_predecessors_name_the_task(preds, message):
     with pytest.raises(GraphError, match=message):

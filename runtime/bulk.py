@@ -97,7 +97,10 @@ def _column(value: Any, n: int, what: str) -> tuple[list, np.ndarray]:
     if isinstance(value, str):
         return [value], np.zeros(n, np.int64)
     values = _per_task(value, n, what)
-    table = list(dict.fromkeys(values))
+    try:
+        table = list(dict.fromkeys(values))
+    except TypeError:
+        raise GraphError(f"from_arrays {what}: one name per task expected, got {values[:3]!r:.80}") from None
     index = {v: i for i, v in enumerate(table)}
     return table, np.fromiter(map(index.__getitem__, values), np.int64, n)
 
@@ -203,14 +206,14 @@ def from_arrays(g: TaskGraph, ops: Any, preds: Any, *, engines: Any = None, cost
     if ((rows[1:] == rows[:-1]) & (idx[1:] <= idx[:-1])).any():  # a row out of order may list a task twice
         ptr, idx = _csr_of([list(dict.fromkeys(r)) for r in split_rows(ptr, idx)])
         rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
-    g._op, g._eng, g._pptr, g._pidx = _fill("I", op), _fill("I", eng), _fill("q", ptr), _fill("i", idx)
-    g._cost = cost
     if priorities is not None:
         prio = np.asarray(priorities)
         if prio.shape != (n,) or (n and prio.dtype.kind not in "iu"):
             raise GraphError(f"from_arrays priorities: {n} integers expected (one per task)")
         nz = np.flatnonzero(prio)
         g._prio = dict(zip(nz.tolist(), prio[nz].tolist()))
+    g._op, g._eng, g._pptr, g._pidx = _fill("I", op), _fill("I", eng), _fill("q", ptr), _fill("i", idx)
+    g._cost = cost
     if given is not None:
         g._names = [None if s == f"{g._op_names[c]}#{i}" else s for i, (s, c) in enumerate(zip(given, g._op))]
         g._by_name = {s: i for i, s in enumerate(g._names) if s is not None}

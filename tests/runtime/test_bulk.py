@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import megaloom.ops  # noqa: F401
 from megaloom.runtime import Cost, GraphError, ReferenceExecutor, TaskGraph
 from megaloom.runtime import validate as validate_module
+from megaloom.runtime.bulk import split_rows
 from megaloom.runtime.serialize import graph_to_dict
 from megaloom.scheduler import Simulator
 
@@ -161,6 +162,7 @@ def test_a_cycle_in_the_arrays_is_named():
     (dict(ops=(["noop"], [0, 1])), "ops: task 1 has code 1, outside the table of 1"),
     (dict(ops=["noop"]), "ops: 1 values for 2 tasks"),
     (dict(ops=([3], [0, 0])), "ops: task 0 has 3, not a name"),
+    (dict(ops=[["noop"], ["noop"]]), "ops: one name per task expected"),
     (dict(engines=(["cube"], [0.0, 1.0])), "engines: codes must be 2 integers"),
     (dict(costs=[Cost(), 3]), "costs: 3 is not a Cost"),
     (dict(priorities=[0.5, 1]), "priorities: 2 integers expected"),
@@ -210,3 +212,29 @@ def test_an_array_built_graph_validates_in_linear_time():
     bad = TaskGraph.from_arrays((["noop", "nope"], (np.arange(n) == n - 1).astype(np.int8)), (ptr, idx))
     with pytest.raises(GraphError, match=f"task 'nope#{n - 1}': unknown op 'nope'"):
         bad.validate()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, 40), max_size=3), st.booleans()), max_size=25))
+def test_edges_read_during_the_build_stay_in_step(steps):
+    """Each step adds a task waiting for some earlier ones (0), adds edges between existing
+    tasks, into earlier ones too (1), or neither (2); ``peek`` reads ``pred``/``succ`` then, which
+    makes the lists kept up to date from there on. Reading or not, the edges come out the same,
+    and ``arrays()`` says what the lists say."""
+    graphs = [TaskGraph("a"), TaskGraph("b")]
+    for g in graphs:
+        for kind, ids, peek in steps:
+            n = len(g)
+            if kind == 0 or n < 2:
+                g.task("noop", after=[g.tasks[i % n] for i in ids] if n else [])
+            elif kind == 1:
+                for i, j in zip(ids, ids[1:]):
+                    if i % n != j % n and not g.reaches(j % n, i % n):  # keep it acyclic
+                        g.edge(g.tasks[i % n], g.tasks[j % n])
+            if peek and g is graphs[0]:
+                assert len(g.pred) == len(g.succ) == len(g)
+    a, b = graphs
+    assert a.pred == b.pred and a.succ == b.succ and a.forward_only == b.forward_only
+    arr = b.arrays()
+    assert split_rows(arr.pred_ptr, arr.pred_idx) == a.pred and split_rows(arr.succ_ptr, arr.succ_idx) == a.succ
+    assert [list(a.preds_of(i)) for i in range(len(a))] == [list(b.preds_of(i)) for i in range(len(b))] == a.pred

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 from array import array
 from collections import Counter
 from dataclasses import dataclass
@@ -204,6 +205,7 @@ class Task:
 
 
 _NO_IO: tuple[tuple, tuple] = ((), ())
+_MAKING = threading.RLock()  # making task views or edge lists on first use
 
 
 class _Unstored(dict):
@@ -531,11 +533,12 @@ class TaskGraph:
     @property
     def tasks(self) -> list[Task]:
         """Every task, by id: one :class:`Task` view each (made on first use, then kept)."""
-        views, k = self._views, len(self._views)
-        if k < len(self._op):
-            ops, engines = self._op_names, self._eng_names
-            views.extend(Task(self, i, ops[o], engines[e]) for i, o, e in zip(range(k, len(self._op)),
-                                                                             self._op[k:], self._eng[k:]))
+        views = self._views
+        if len(views) < len(self._op):
+            with _MAKING:  # worker threads may ask at once: the views are made once, in order
+                k, ops, engines = len(views), self._op_names, self._eng_names
+                views.extend(Task(self, i, ops[o], engines[e]) for i, o, e in zip(range(k, len(self._op)),
+                                                                                 self._op[k:], self._eng[k:]))
         return views
 
     # -- structure -------------------------------------------------------------------
@@ -557,8 +560,11 @@ class TaskGraph:
 
     def _lists(self) -> tuple[list[list[int]], list[list[int]]]:
         if self._pl is None:
-            a = self.arrays()
-            self._pl, self._sl = split_rows(a.pred_ptr, a.pred_idx), split_rows(a.succ_ptr, a.succ_idx)
+            with _MAKING:
+                if self._pl is None:
+                    a = self.arrays()
+                    self._sl = split_rows(a.succ_ptr, a.succ_idx)
+                    self._pl = split_rows(a.pred_ptr, a.pred_idx)  # last: it says both are there
         return self._pl, self._sl
 
     def arrays(self) -> GraphArrays:

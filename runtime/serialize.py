@@ -37,7 +37,8 @@ def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
         "buffers": [[b.name, list(b.shape), b.dtype, b.is_input, b.is_output] for b in g.buffers.values()],
         "tasks": [
             {"name": t.name, "op": t.op, "engine": t.engine, "in": [_region(r) for r in t.inputs],
-             "out": [_region(r) for r in t.outputs], "attrs": t.attrs, "priority": t.priority, "tags": t.tags,
+             "out": [_region(r) for r in t.outputs], "attrs": g.task_attrs.get(t.id, {}),
+             "priority": t.priority, "tags": g.task_tags.get(t.id, {}),
              "cost": None if t.cost is None else [t.cost.flops, t.cost.bytes, t.cost.comm_bytes, t.cost.precision]}
             for t in g.tasks
         ],

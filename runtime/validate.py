@@ -1,7 +1,10 @@
 """``TaskGraph.validate``: a table of rules, each naming the tasks and buffers it blames.
 
 Rules run in table order; the first rule that finds problems raises one GraphError
-listing all of them (up to ten), with ``tasks`` naming every offender.
+listing all of them (up to ten), with ``tasks`` naming every offender. The rules read the
+graph's columns: ops, engine kinds and the shapes of tasks without regions or attrs are
+checked once per distinct value, regions task by task, so a graph built from arrays (no
+regions) validates in a few passes over its columns.
 """
 from __future__ import annotations
 
@@ -13,44 +16,63 @@ from megaloom.runtime.registry import TensorSpec, get_op
 from megaloom.runtime.files import gc_paused
 
 if TYPE_CHECKING:
-    from megaloom.runtime.graph import TaskGraph
+    from megaloom.runtime.graph import Region, TaskGraph
 
 Problem = tuple[str, str]  # (task name or "", message)
 
 
+def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
+    """Ids of the tasks whose ``column`` entry is in ``bad``, in id order (nothing when none is)."""
+    return (i for i, key in enumerate(column) if key in bad) if bad else iter(())
+
+
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
-    for t in g.tasks:
+    bad = set()
+    for code in set(g._op):  # each op once, not each task
         try:
-            get_op(t.op)
+            get_op(g._op_names[code])
         except GraphError:
-            yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
+            bad.add(code)
+    for i in _flagged(g, g._op, bad):
+        t = g.tasks[i]
+        yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
 
 
 def _engine(g: TaskGraph) -> Iterator[Problem]:
-    for t in g.tasks:
+    bad = {(o, e) for o, e in set(zip(g._op, g._eng)) if g._eng_names[e] not in get_op(g._op_names[o]).engines}
+    for i in _flagged(g, zip(g._op, g._eng), bad):
+        t = g.tasks[i]
         engines = get_op(t.op).engines
-        if t.engine not in engines:
-            yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(engines)}, not {t.engine!r}"
+        yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(engines)}, not {t.engine!r}"
+
+
+def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> str | None:
+    try:
+        want = get_op(op).shape([TensorSpec(r.shape, r.dtype) for r in ins], attrs)
+    except Exception as e:  # a shape rule given operands it does not expect may raise anything
+        return str(e) if isinstance(e, GraphError) else f"shape rule of op {op!r} failed: {type(e).__name__}: {e}"
+    if len(want) != len(outs):
+        return f"op {op!r} makes {len(want)} outputs, task declares {len(outs)}"
+    for i, (w, r) in enumerate(zip(want, outs)):
+        if tuple(w.shape) != r.shape or w.dtype != r.dtype:
+            return f"output {i} ({r}) is {r.shape} {r.dtype}, op {op!r} makes {tuple(w.shape)} {w.dtype}"
+    return None
 
 
 def _shapes(g: TaskGraph) -> Iterator[Problem]:
-    for t in g.tasks:
-        ins = [TensorSpec(r.shape, r.dtype) for r in t.inputs]
-        try:
-            want = get_op(t.op).shape(ins, t.attrs)
-        except Exception as e:  # a shape rule given operands it does not expect may raise anything
-            why = str(e) if isinstance(e, GraphError) else f"shape rule of op {t.op!r} failed: {type(e).__name__}: {e}"
-            yield t.name, f"task {t.name!r}: {why}"
-            continue
-        if len(want) != len(t.outputs):
-            yield t.name, f"task {t.name!r}: op {t.op!r} makes {len(want)} outputs, task declares {len(t.outputs)}"
-            continue
-        for i, (w, r) in enumerate(zip(want, t.outputs)):
-            if tuple(w.shape) != r.shape or w.dtype != r.dtype:
-                yield t.name, (
-                    f"task {t.name!r}: output {i} ({r}) is {r.shape} {r.dtype}, "
-                    f"op {t.op!r} makes {tuple(w.shape)} {w.dtype}"
-                )
+    # a task with no regions and no attrs is checked once per op; the others one by one
+    own = set(g._io).union(g._attrs)
+    bare = set(g._op) if not own else {c for i, c in enumerate(g._op) if i not in own}
+    bad = {c: why for c in bare if (why := _shape_problem(g._op_names[c], (), (), {}))}
+    for i in (range(len(g)) if bad else sorted(own)):
+        if i in own:
+            ins, outs = g._io.get(i, ((), ()))
+            why = _shape_problem(g._op_names[g._op[i]], ins, outs, g._attrs.get(i, {}))
+        else:
+            why = bad.get(g._op[i])
+        if why:
+            name = g.tasks[i].name
+            yield name, f"task {name!r}: {why}"
 
 
 def _cycles(g: TaskGraph) -> Iterator[Problem]:
@@ -68,7 +90,7 @@ def _ordered(g: TaskGraph):
     sets: dict[int, set[int]] = {}  # predecessor sets of tasks with many predecessors
 
     def before(a: int, b: int) -> bool:
-        preds = g.pred[b]
+        preds = g.preds_of(b)
         if len(preds) > 8:
             preds = sets.get(b) or sets.setdefault(b, set(preds))
         return a in preds or g.reaches(a, b)
@@ -89,7 +111,7 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
     only coverage is checked; a loaded graph's stored edges are asked. Linear in tasks when
     the edges include the derived ones; computed once per graph version."""
     def make() -> tuple[list[Problem], list[Problem]]:
-        ids = g.topological_order()
+        ids = g._io if g.forward_only else [i for i in g.topological_order() if i in g._io]  # tasks with regions
         trusted = g.hazards_derived
         before = (lambda a, b: True) if trusted else _ordered(g)
         reads: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
@@ -97,7 +119,8 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
         gaps, races = [], []
         for tid in ids:
             t = g.tasks[tid]
-            for r in t.inputs:
+            ins, outs = g._io[tid]
+            for r in ins:
                 found = writes[r.buffer.name].overlapping(r.box)
                 racing = [g.tasks[w].name for _, w in found if w != tid and not before(w, tid)]
                 left = [] if r.buffer.is_input else [gap for gap in uncovered(
@@ -110,7 +133,7 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
                 elif racing:
                     races.append((t.name, f"task {t.name!r} reads {r} while task {racing[0]!r} writes it, "
                                           "with no order between them"))
-            for r in t.outputs if not trusted else ():
+            for r in outs if not trusted else ():
                 for _, w in writes[r.buffer.name].overlapping(r.box):
                     if w != tid and not before(w, tid):
                         ta, tb = (g.tasks[i].name for i in sorted((w, tid)))
@@ -120,9 +143,9 @@ def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
                     if rd != tid and not before(rd, tid):
                         races.append((t.name, f"task {t.name!r} writes {r} while task {g.tasks[rd].name!r} "
                                               "reads it, with no order between them"))
-            for r in t.inputs:
+            for r in ins:
                 reads[r.buffer.name].add(r.box, tid)
-            for r in t.outputs:  # an access inside this write is ordered before it (checked above)
+            for r in outs:  # an access inside this write is ordered before it (checked above)
                 reads[r.buffer.name].drop_inside(r.box, tid)
                 writes[r.buffer.name].drop_inside(r.box, tid)
                 writes[r.buffer.name].add(r.box, tid)
@@ -137,8 +160,8 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
     # outputs are allocated uninitialised (no zeroing), so every element must be written;
     # a scratch buffer needs no such rule: each read of it must be covered (the rule above)
     covers: dict[str, list] = {b.name: [] for b in g.outputs if not b.is_input}
-    for t in g.tasks:
-        for r in t.outputs:
+    for _, outs in g._io.values():
+        for r in outs:
             if r.buffer.name in covers:
                 covers[r.buffer.name].append(r.box)
     for name, boxes in covers.items():

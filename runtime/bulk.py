@@ -1,0 +1,237 @@
+"""Graphs as arrays: :meth:`TaskGraph.from_arrays` builds a large generated graph at once,
+:meth:`TaskGraph.arrays` gives any graph's columns back for code that walks every task.
+
+    g = TaskGraph.from_arrays((["noop"], np.zeros(n, np.int32)),        # (table, codes)
+                              (indptr, indices),                        # CSR predecessors
+                              engines=(["cube", "vector"], engine_codes),
+                              costs=(cost_table, cost_codes))
+
+Each column (``ops``, ``engines``, ``costs``) is one value for every task, a list or array
+with one value per task, or a tuple ``(table, codes)``: an integer array indexing a table,
+the compact form a generator makes. The checks are vectorised (NumPy) and name the task at
+fault: a code outside its table, a predecessor that does not exist, a task waiting for itself;
+an edge to a later task makes the build look for a cycle, which is named in full.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from megaloom.runtime.errors import GraphError
+from megaloom.runtime.registry import Cost, get_op
+
+if TYPE_CHECKING:
+    from megaloom.runtime.graph import TaskGraph
+
+
+@dataclass(frozen=True, slots=True)
+class GraphArrays:
+    """A graph's tasks as read-only NumPy columns. ``op[i]`` indexes ``op_names`` and
+    ``engine[i]`` indexes ``engine_names``; task ``b`` waits for
+    ``pred_idx[pred_ptr[b]:pred_ptr[b + 1]]`` and is waited for by
+    ``succ_idx[succ_ptr[b]:succ_ptr[b + 1]]``, in the order of ``graph.pred`` and
+    ``graph.succ``. The rest: ``graph.costs()`` (tasks sharing a cost share the object),
+    ``graph.task_attrs`` and ``graph.task_tags`` (only the tasks that have them)."""
+
+    op_names: tuple[str, ...]
+    op: np.ndarray
+    engine_names: tuple[str, ...]
+    engine: np.ndarray
+    pred_ptr: np.ndarray
+    pred_idx: np.ndarray
+    succ_ptr: np.ndarray
+    succ_idx: np.ndarray
+
+
+def _frozen(*arrays: np.ndarray) -> list[np.ndarray]:
+    for a in arrays:
+        a.flags.writeable = False
+    return list(arrays)
+
+
+def _csr_of(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(rows) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, rows), np.int64, len(rows)), out=ptr[1:])
+    return ptr, np.fromiter(chain.from_iterable(rows), np.int32, int(ptr[-1]))
+
+
+def graph_arrays(g: TaskGraph) -> GraphArrays:
+    """The columns of ``g`` (use ``g.arrays()``, which keeps them until the graph changes)."""
+    n = len(g)
+    if g._pptr is not None:
+        ptr, idx = np.array(g._pptr), np.array(g._pidx)
+        order = np.argsort(idx, kind="stable")  # the edges came in task order: by successor, stably
+        sptr = np.zeros(n + 1, np.int64)
+        np.cumsum(np.bincount(idx, minlength=n), out=sptr[1:])
+        sidx = np.repeat(np.arange(n, dtype=np.int32), np.diff(ptr))[order]
+    else:
+        (ptr, idx), (sptr, sidx) = _csr_of(g._pl), _csr_of(g._sl)
+    return GraphArrays(tuple(g._op_names), *_frozen(np.array(g._op)), tuple(g._eng_names),
+                       *_frozen(np.array(g._eng), ptr, idx, sptr, sidx))
+
+
+def split_rows(ptr: np.ndarray, idx: np.ndarray) -> list[list[int]]:
+    """CSR rows as lists of ints."""
+    p, v = ptr.tolist(), idx.tolist()
+    return [v[p[i]:p[i + 1]] for i in range(len(p) - 1)]
+
+
+def _column(value: Any, n: int, what: str) -> tuple[list, np.ndarray]:
+    """(table, codes) of a column given as ``(table, codes)``, one value or one per task."""
+    if isinstance(value, tuple):
+        if len(value) != 2:
+            raise GraphError(f"from_arrays {what}: a tuple is (table, codes), got {len(value)} items")
+        table, codes = list(value[0]), np.asarray(value[1])
+        if codes.shape != (n,) or (n and codes.dtype.kind not in "iu"):
+            raise GraphError(f"from_arrays {what}: codes must be {n} integers (one per task), got shape "
+                             f"{codes.shape} of {codes.dtype}")
+        bad = np.flatnonzero((codes < 0) | (codes >= len(table)))
+        if len(bad):
+            raise GraphError(f"from_arrays {what}: task {bad[0]} has code {codes[bad[0]]}, outside the table of "
+                             f"{len(table)}")
+        return table, codes.astype(np.int64, copy=False)
+    if isinstance(value, str):
+        return [value], np.zeros(n, np.int64)
+    values = _per_task(value, n, what)
+    try:
+        table = list(dict.fromkeys(values))
+    except TypeError:
+        raise GraphError(f"from_arrays {what}: one name per task expected, got {values[:3]!r:.80}") from None
+    index = {v: i for i, v in enumerate(table)}
+    return table, np.fromiter(map(index.__getitem__, values), np.int64, n)
+
+
+def _per_task(value: Any, n: int, what: str) -> list:
+    values = value.tolist() if isinstance(value, np.ndarray) else list(value)
+    if len(values) != n:
+        raise GraphError(f"from_arrays {what}: {len(values)} values for {n} tasks")
+    return values
+
+
+def _costs(costs: Any, n: int) -> list[Cost | None]:
+    if costs is None or isinstance(costs, Cost):
+        return [costs] * n
+    table, codes = _column(costs, n, "costs") if isinstance(costs, tuple) else (_per_task(costs, n, "costs"), None)
+    if not set(map(type, table)) <= {Cost, type(None)}:
+        bad = next((c for c in table if c is not None and not isinstance(c, Cost)), None)
+        if bad is not None:
+            raise GraphError(f"from_arrays costs: {bad!r} is not a Cost (or None)")
+    return table if codes is None else list(map(table.__getitem__, codes.tolist()))
+
+
+def _intern(g: TaskGraph, column: int, table: list, codes: np.ndarray, what: str) -> np.ndarray:
+    """Graph codes (uint32) of a (table, codes) column of names, new names added in first-use order."""
+    remap = np.zeros(max(len(table), 1), np.uint32)
+    used, first = np.unique(codes, return_index=True)
+    for c in used[np.argsort(first)].tolist():
+        if not isinstance(table[c], str):
+            task = int(np.argmax(codes == c))
+            raise GraphError(f"from_arrays {what}: task {task} has {table[c]!r}, not a name")
+        remap[c] = g._code(column, table[c])
+    return remap[codes]
+
+
+def _engine_of(op: str) -> str:
+    try:
+        return get_op(op).engine
+    except GraphError:
+        return "vector"  # unknown ops are reported by validate(), as for TaskGraph.task
+
+
+def _preds(preds: Any) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(preds, tuple) and len(preds) == 2:
+        ptr, idx = np.asarray(preds[0]), np.asarray(preds[1])
+    elif isinstance(preds, list):
+        try:
+            ptr = np.zeros(len(preds) + 1, np.int64)
+            np.cumsum(np.fromiter(map(len, preds), np.int64, len(preds)), out=ptr[1:])
+        except TypeError:
+            raise GraphError("from_arrays preds: a list of preds holds one sequence of task ids per task") from None
+        idx = np.array(list(chain.from_iterable(preds)) or np.zeros(0, np.int64))  # its dtype is checked below
+    else:
+        raise GraphError("from_arrays preds: give (indptr, indices) as a tuple, or a list of per-task lists")
+    if ptr.ndim != 1 or idx.ndim != 1 or len(ptr) == 0 or (ptr.size and ptr.dtype.kind not in "iu") \
+            or (idx.size and idx.dtype.kind not in "iu"):
+        raise GraphError("from_arrays preds: indptr and indices must be 1-d integer arrays, indptr of n + 1 entries")
+    steps = np.diff(ptr)
+    if ptr[0] != 0 or ptr[-1] != len(idx) or (steps < 0).any():
+        raise GraphError(f"from_arrays preds: indptr must start at 0, never decrease and end at len(indices) = "
+                         f"{len(idx)}" + (f" (it decreases after task {np.argmax(steps < 0)})" if (steps < 0).any()
+                                          else ""))
+    if len(ptr) - 1 >= 2**31:
+        raise GraphError(f"from_arrays: {len(ptr) - 1} tasks; at most 2**31 - 1")
+    return ptr.astype(np.int64, copy=False), idx.astype(np.int64, copy=False)
+
+
+def _fill(code: str, values: np.ndarray) -> array:
+    out = array(code)
+    out.frombytes(memoryview(np.ascontiguousarray(values, dtype=np.dtype(code))).cast("B"))
+    return out
+
+
+def from_arrays(g: TaskGraph, ops: Any, preds: Any, *, engines: Any = None, costs: Any = None,
+                priorities: Any = None, names: Any = None) -> TaskGraph:
+    """Fill the empty graph ``g`` with tasks ``0..n-1`` (see the module docstring).
+
+    ``preds`` is ``(indptr, indices)`` (task ``b`` waits for ``indices[indptr[b]:indptr[b + 1]]``)
+    or a list of per-task lists; a task listed twice counts once. ``engines`` (None: each op's
+    own engine kind) and ``costs`` (None: the op's cost function) are columns like ``ops``;
+    ``priorities`` are integers, ``names`` strings (default ``op#id``), one per task.
+    """
+    if len(g):
+        raise GraphError(f"graph {g.name!r} already has tasks; from_arrays builds a new graph")
+    ptr, idx = _preds(preds)
+    n = len(ptr) - 1
+    op = _intern(g, 0, *_column(ops, n, "ops"), "ops")
+    if engines is None:
+        eng = _intern(g, 1, [_engine_of(o) for o in g._op_names], op.astype(np.int64), "engines")
+    else:
+        eng = _intern(g, 1, *_column(engines, n, "engines"), "engines")
+    cost = _costs(costs, n)
+    given = _names(names, n)
+
+    def name(i: int) -> str:
+        return given[i] if given is not None else f"{g._op_names[op[i]]}#{i}"
+
+    rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
+    bad = np.flatnonzero((idx < 0) | (idx >= n) | (idx == rows))
+    if len(bad):
+        b, a = int(rows[bad[0]]), int(idx[bad[0]])
+        why = "cannot wait for itself" if a == b else f"waits for task id {a}, but the graph has {n} tasks (0..{n - 1})"
+        raise GraphError(f"graph {g.name!r}: task {name(b)!r} {why}", tasks=(name(b),))
+    if ((rows[1:] == rows[:-1]) & (idx[1:] <= idx[:-1])).any():  # a row out of order may list a task twice
+        ptr, idx = _csr_of([list(dict.fromkeys(r)) for r in split_rows(ptr, idx)])
+        rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
+    if priorities is not None:
+        prio = np.asarray(priorities)
+        if prio.shape != (n,) or (n and prio.dtype.kind not in "iu"):
+            raise GraphError(f"from_arrays priorities: {n} integers expected (one per task)")
+        nz = np.flatnonzero(prio)
+        g._prio = dict(zip(nz.tolist(), prio[nz].tolist()))
+    g._op, g._eng, g._pptr, g._pidx = _fill("I", op), _fill("I", eng), _fill("q", ptr), _fill("i", idx)
+    g._cost = cost
+    if given is not None:
+        g._names = [None if s == f"{g._op_names[c]}#{i}" else s for i, (s, c) in enumerate(zip(given, g._op))]
+        g._by_name = {s: i for i, s in enumerate(g._names) if s is not None}
+    g._forward_only = bool((idx < rows).all())
+    g._version += 1
+    if not g._forward_only:
+        g.topological_order()  # a cycle raises GraphError naming its tasks
+    return g
+
+
+def _names(names: Any, n: int) -> list[str] | None:
+    if names is None:
+        return None
+    given = list(names)
+    if len(given) != n or not all(isinstance(s, str) for s in given):
+        raise GraphError(f"from_arrays names: {n} strings expected (one per task)")
+    if len(set(given)) != n:
+        seen: set[str] = set()
+        dup = next(s for s in given if s in seen or seen.add(s))
+        raise GraphError(f"task name {dup!r} is used twice", tasks=(dup,))
+    return given

@@ -27,11 +27,10 @@ import torch
 from megaloom.runtime.core import FIFO, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, MegaloomError, ScheduleError
 from megaloom.runtime.executors.base import (
-    ExecContext, Executor, RunResult, aliased_inputs, allocate, check_results, fail, views,
+    Call, ExecContext, Executor, RunResult, bound_plan, fail, kernel_call, reference_call,
 )
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.record import Observer, Recorder, gc_paused
-from megaloom.runtime.registry import get_op, run_reference
 
 KERNEL_MODES = ("kernel", "reference", "null")
 _BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
@@ -106,11 +105,16 @@ class ThreadExecutor(Executor):
         # each run gets its own policy state, so one executor may run several graphs at once
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
-        bufs = allocate(graph, inputs, self.ctx.device) if self.kernels != "null" else {}
         rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
                        world_size=self.ctx.world_size, kernels=self.kernels)
         with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
-            records = _Run(graph, units, core, bufs, self, rec, cancel).execute()
+            if self.kernels == "null":
+                bufs: dict[str, torch.Tensor] = {}
+                records = _Run(graph, units, core, None, self, rec, cancel).execute()
+            else:
+                make = kernel_call if self.kernels == "kernel" else reference_call
+                with bound_plan(graph, make, self.ctx, inputs) as (plan, bufs):
+                    records = _Run(graph, units, core, plan.calls, self, rec, cancel).execute()
             records.sort(key=_BY_START)
             trace = rec.finish(records)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
@@ -150,9 +154,9 @@ class _Run:
     IDLE_POLL = 0.05  # seconds a parked worker sleeps before it looks again by itself
     ABANDON_AFTER = 0.5  # seconds a cancelled or interrupted run waits for kernels before leaving them
 
-    def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor,
-                 rec: Recorder, cancel: threading.Event | None = None):
-        self.graph, self.units, self.core, self.bufs, self.ex, self.rec = graph, dict(units), core, bufs, ex, rec
+    def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, calls: list[Call] | None,
+                 ex: ThreadExecutor, rec: Recorder, cancel: threading.Event | None = None):
+        self.graph, self.units, self.core, self.calls, self.ex, self.rec = graph, dict(units), core, calls, ex, rec
         self.cancel = cancel
         self.lock = threading.Lock()
         self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
@@ -161,10 +165,6 @@ class _Run:
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.finished = threading.Event()
         self.last_progress = time.perf_counter()
-        self.ops = [get_op(t.op) for t in graph.tasks] if ex.kernels != "null" else []
-        # inputs a kernel must see copied, since the task writes over them (by task id)
-        self.copy_in = [aliased_inputs(t, op.extra.get("in_place", False)) for t, op in zip(graph.tasks, self.ops)] \
-            if ex.kernels == "kernel" else []
         self.per_unit = getattr(core.policy, "per_unit", False)
         # OpenMP thread counts are per thread: workers take the caller's (set by intra_op_threads)
         self.threads = torch.get_num_threads()
@@ -255,7 +255,7 @@ class _Run:
         engines = list(parked)
         wake = self._wake
         every = self.per_unit  # per-unit queues: any unit may be the one with work
-        run_task = None if self.ex.kernels == "null" else self._run_task
+        calls = self.calls
         perf = time.perf_counter
         append = rec.append
         show = self.rec.task if self.rec.observers else None
@@ -273,8 +273,9 @@ class _Run:
                 lock.release()
                 try:
                     t0 = perf()
-                    if run_task is not None:
-                        run_task(tid)
+                    if calls is not None:
+                        fn, ins, outs = calls[tid]
+                        fn(ins, outs)
                     t1 = perf()
                     if show is not None:
                         show(tid, unit, t0, t1, keep=False)
@@ -315,19 +316,3 @@ class _Run:
             self.n_parked -= 1
         elif not got:  # a wake-up raced with the timeout: consume it
             me.park.acquire(False)
-
-    def _run_task(self, tid: int) -> None:
-        task, op = self.graph.tasks[tid], self.ops[tid]
-        ins, outs = views(task, self.bufs)
-        if self.ex.kernels == "kernel" and op.kernel is not None:
-            for i in self.copy_in[tid]:
-                ins[i] = ins[i].clone()
-            if op.context:
-                op.kernel(ins, outs, **task.attrs, ctx=self.ex.ctx)
-            else:
-                op.kernel(ins, outs, **task.attrs)
-            return
-        results = run_reference(op, ins, task.attrs, self.ex.ctx)
-        check_results(task, results, outs)
-        for o, r in zip(outs, results):
-            o.copy_(r)

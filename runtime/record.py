@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import numpy as np
+
 from megaloom.runtime.files import gc_paused  # noqa: F401  (the executors take it from here)
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.trace import Trace, TraceEvent
+from megaloom.runtime.trace import Coded, Columns, Trace, TraceEvent
 
 Record = tuple[int, int, float, float]
 """One task run: ``(task id, unit, start, end)``."""
@@ -42,6 +44,43 @@ def _task_rows(graph: TaskGraph) -> list[tuple]:
         return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags, c.precision)
                 for t, c in zip(graph.tasks, graph.costs())]
     return graph.cached("trace_rows", make)
+
+
+def _task_table(graph: TaskGraph) -> Columns:
+    """One row per task (by task id) of the trace columns that no run changes (cached per graph version)."""
+    def make() -> Columns:
+        rows = _task_rows(graph)
+        n = len(rows)
+        cols = list(zip(*rows)) if rows else [()] * 10
+        zeros = np.zeros(n, dtype=np.int64)
+        return Columns(task_id=np.arange(n, dtype=np.int64), task=Coded.of(list(cols[1])),
+                       op=Coded.of(list(cols[2]), True), engine=Coded.of(list(cols[3]), True), unit=zeros,
+                       rank=zeros, start=np.zeros(n), end=np.zeros(n), flops=np.array(cols[4], dtype=np.float64),
+                       bytes=np.array(cols[5], dtype=np.float64), comm_bytes=np.array(cols[6], dtype=np.float64),
+                       deps=Coded.of(list(cols[7])), tags=Coded.of(list(cols[8])),
+                       precision=Coded.of(list(cols[9]), True))
+    return graph.cached("trace_table", make)
+
+
+def columns_of(graph: TaskGraph, task_id: np.ndarray, unit: np.ndarray, start: np.ndarray, end: np.ndarray,
+               rank: int) -> Columns:
+    """Trace columns of task runs given as arrays (task id, unit, start, end per run)."""
+    cols = _task_table(graph).take(np.asarray(task_id, dtype=np.int64))
+    cols.unit = np.asarray(unit, dtype=np.int64)
+    cols.rank = np.full(len(cols.unit), rank, dtype=np.int64)
+    cols.start, cols.end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
+    return cols
+
+
+def records_columns(graph: TaskGraph, records: Iterable[Record], rank: int) -> Columns:
+    """Trace columns of ``records``, in record order."""
+    recs = records if isinstance(records, list) else list(records)
+    if not recs:
+        z = np.zeros(0)
+        return columns_of(graph, z, z, z, z, rank)
+    tid, unit, start, end = zip(*recs)
+    return columns_of(graph, np.array(tid, dtype=np.int64), np.array(unit, dtype=np.int64), np.array(start),
+                      np.array(end), rank)
 
 
 def events_of(graph: TaskGraph, records: Iterable[Record], rank: int) -> list[TraceEvent]:
@@ -84,17 +123,21 @@ class Recorder:
             for o in self.observers:
                 o.on_task(event)
 
-    def finish(self, records: Iterable[Record] | None = None, *, replay: bool = False) -> Trace:
-        """The run's trace, of ``records`` (default: those kept by :meth:`task`) in their order.
+    def finish(self, records: Iterable[Record] | None = None, *, replay: bool = False,
+               columns: Columns | None = None) -> Trace:
+        """The run's trace, of ``records`` (default: those kept by :meth:`task`) in their order,
+        or of ``columns`` (:func:`columns_of`) when given.
 
         ``replay``: the observers saw no task during the run, so show them every event now,
         in completion order (ties by record order).
         """
-        events = events_of(self.graph, self.records if records is None else records, self.rank)
-        trace = Trace(events, self.meta)
+        if columns is None:
+            columns = records_columns(self.graph, self.records if records is None else records, self.rank)
+        trace = Trace(meta=self.meta, columns=columns)
         if self.observers:
             if replay:
-                for i in sorted(range(len(events)), key=lambda i: (events[i].end, i)):
+                events = trace.events
+                for i in np.lexsort((np.arange(len(columns)), columns.end)).tolist():
                     for o in self.observers:
                         o.on_task(events[i])
             for o in self.observers:

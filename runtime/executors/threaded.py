@@ -18,10 +18,11 @@ import asyncio
 import copy
 import threading
 import time
+from array import array
 from contextlib import contextmanager
-from operator import itemgetter
 from typing import Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from megaloom.runtime.core import FIFO, Core, Policy
@@ -30,10 +31,9 @@ from megaloom.runtime.executors.base import (
     Call, ExecContext, Executor, RunResult, bound_plan, fail, kernel_call, reference_call,
 )
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.record import Observer, Recorder, gc_paused
+from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 
 KERNEL_MODES = ("kernel", "reference", "null")
-_BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
 
 
 class ThreadExecutor(Executor):
@@ -115,9 +115,21 @@ class ThreadExecutor(Executor):
                 make = kernel_call if self.kernels == "kernel" else reference_call
                 with bound_plan(graph, make, self.ctx, inputs) as (plan, bufs):
                     records = _Run(graph, units, core, plan.calls, self, rec, cancel).execute()
-            records.sort(key=_BY_START)
-            trace = rec.finish(records)
+            trace = rec.finish(columns=_by_start(graph, records, self.ctx.rank))
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
+
+
+def _by_start(graph: TaskGraph, records: list[_Log], rank: int):
+    """Trace columns of the workers' logs, ordered by start (ties: task id)."""
+    tid, start, end = (np.concatenate([np.frombuffer(r[k], dtype=r[k].typecode) for r in records] or [np.zeros(0)])
+                       for k in (1, 2, 3))
+    unit = np.concatenate([np.full(len(r[1]), r[0], dtype=np.int64) for r in records] or [np.zeros(0)])
+    order = np.lexsort((tid, start))
+    return columns_of(graph, tid[order], unit[order], start[order], end[order], rank)
+
+
+_Log = tuple[int, array, array, array]
+"""One worker's runs: its unit, then task ids, starts and ends (array columns)."""
 
 
 @contextmanager
@@ -169,15 +181,15 @@ class _Run:
         # OpenMP thread counts are per thread: workers take the caller's (set by intra_op_threads)
         self.threads = torch.get_num_threads()
 
-    def execute(self) -> list[tuple[int, int, float, float]]:
-        """Run every task; return ``(task id, unit, start, end)`` records, unordered."""
+    def execute(self) -> list[_Log]:
+        """Run every task; return each worker's log."""
         if not self.core.is_active:
             return []
-        records: list[list[tuple[int, int, float, float]]] = []
+        records: list[_Log] = []
         threads = []
         for engine, n in self.units.items():
             for unit in range(n):
-                rec: list[tuple[int, int, float, float]] = []
+                rec = (unit, array("q"), array("d"), array("d"))
                 records.append(rec)
                 threads.append(threading.Thread(target=self._worker, args=(engine, unit, rec),
                                                 name=f"megaloom-{engine}.{unit}", daemon=True))
@@ -210,7 +222,7 @@ class _Run:
             self._report_abandoned([th for th in threads if th.is_alive()])
         if self.error is not None:
             raise self.error
-        return [r for rec in records for r in rec]
+        return records
 
     def _report_abandoned(self, stuck: list[threading.Thread]) -> None:
         """Name the workers left inside a kernel (daemon threads: they end when it returns)."""
@@ -248,7 +260,7 @@ class _Run:
             if not every:
                 return
 
-    def _worker(self, engine: str, unit: int, rec: list) -> None:
+    def _worker(self, engine: str, unit: int, rec: _Log) -> None:
         core, lock, parked = self.core, self.lock, self.parked
         mine = parked[engine]
         pop, done, has_ready = core.pop, core.done, core.policy.has_ready
@@ -257,7 +269,7 @@ class _Run:
         every = self.per_unit  # per-unit queues: any unit may be the one with work
         calls = self.calls
         perf = time.perf_counter
-        append = rec.append
+        log_tid, log_start, log_end = rec[1].append, rec[2].append, rec[3].append
         show = self.rec.task if self.rec.observers else None
         me = _Parker()
         torch.set_num_threads(self.threads)
@@ -284,7 +296,9 @@ class _Run:
                     self._stop(e if isinstance(e, ExecutionError) else fail(self.graph.tasks[tid], e))
                     return
                 lock.acquire()
-                append((tid, unit, t0, t1))
+                log_tid(tid)
+                log_start(t0)
+                log_end(t1)
                 done(tid)
                 self.last_progress = t1
                 if not core.remaining:

@@ -27,14 +27,16 @@ from dataclasses import dataclass
 from heapq import heappop, heappush
 from typing import Callable, Iterable, Mapping
 
+import numpy as np
+
 from megaloom.runtime.core import MAX_UNITS, Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.plugins import parse_options
-from megaloom.runtime.record import Observer, Recorder, gc_paused
+from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 from megaloom.scheduler import fastpath
-from megaloom.scheduler.cost import CostModel
+from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 
@@ -105,7 +107,7 @@ class Simulator:
 
     def schedule(self, graph: TaskGraph, durations: list[float] | None = None) -> Schedule:
         """Simulate ``graph``; the schedule as flat lists (no trace events are built)."""
-        dur = durations if durations is not None else self.cost_model.durations(graph)
+        dur = durations if durations is not None else task_durations(self.cost_model, graph)
         if len(dur) != len(graph.tasks):
             raise ScheduleError(f"graph {graph.name!r} has {len(graph.tasks)} tasks but {len(dur)} durations")
         if self.fast:
@@ -196,8 +198,46 @@ class Simulator:
         rec = Recorder(graph, self.observers, mode="simulate", clock="virtual", units=self.units,
                        profile=self.profile.name, policy=self.policy.name)
         sched = self.schedule(graph, durations)
-        start, dur, unit = sched.start, sched.duration, sched.unit
+        order = np.array(sched.order, dtype=np.int64)
+        start = np.array(sched.start, dtype=np.float64)[order]
+        end = start + np.array(sched.duration, dtype=np.float64)[order]
         with gc_paused():
-            trace = rec.finish([(tid, unit[tid], start[tid], start[tid] + dur[tid]) for tid in sched.order], replay=True)
+            cols = columns_of(graph, order, np.array(sched.unit, dtype=np.int64)[order], start, end, 0)
+            trace = rec.finish(columns=cols, replay=True)
         return RunResult({}, trace)
+
+
+def task_durations(model: CostModel, graph: TaskGraph) -> list[float]:
+    """``model.durations(graph)``, computed once per distinct (op, engine, link, cost) and kept on
+    the graph per cost model (a fresh list each call). A model overriding ``durations`` or
+    ``task_duration`` is asked as is."""
+    cls = type(model)
+    if cls.durations is not CostModel.durations or cls.task_duration is not CostModel.task_duration:
+        return model.durations(graph)
+    kept = graph.cached("durations", dict)
+    hit = kept.get(id(model))
+    if hit is None or hit[0] is not model:
+        hit = kept[id(model)] = (model, _memoised_durations(model, graph))
+    return list(hit[1])
+
+
+def _memoised_durations(model: CostModel, graph: TaskGraph) -> list[float]:
+    by_id: dict[tuple, float] = {}  # the same Cost object: no hashing of its fields
+    by_value: dict[tuple, float] = {}
+    out = []
+    for t, c in zip(graph.tasks, graph.costs()):
+        if t.attrs and DURATION_ATTR in t.attrs:
+            out.append(model.task_duration(graph, t))
+            continue
+        link = t.tags.get("link", "intra") if t.tags else "intra"
+        key = (t.op, t.engine, link, id(c))
+        d = by_id.get(key)
+        if d is None:
+            vkey = (t.op, t.engine, link, c.flops, c.bytes, c.comm_bytes, c.precision)
+            d = by_value.get(vkey)
+            if d is None:
+                d = by_value[vkey] = model.task_duration(graph, t)
+            by_id[key] = d
+        out.append(d)
+    return out
 

@@ -208,20 +208,11 @@ class Simulator:
 
 
 def task_durations(model: CostModel, graph: TaskGraph) -> list[float]:
-    """``model.durations(graph)``, computed once per distinct (op, engine, link, cost) and kept on
-    the graph per cost model (a fresh list each call). A model overriding ``durations`` or
-    ``task_duration`` is asked as is."""
+    """``model.durations(graph)``, computed once per distinct (op, engine, link, cost) rather than
+    per task. A model overriding ``durations`` or ``task_duration`` is asked as is."""
     cls = type(model)
     if cls.durations is not CostModel.durations or cls.task_duration is not CostModel.task_duration:
         return model.durations(graph)
-    kept = graph.cached("durations", dict)
-    hit = kept.get(id(model))
-    if hit is None or hit[0] is not model:
-        hit = kept[id(model)] = (model, _memoised_durations(model, graph))
-    return list(hit[1])
-
-
-def _memoised_durations(model: CostModel, graph: TaskGraph) -> list[float]:
     by_id: dict[tuple, float] = {}  # the same Cost object: no hashing of its fields
     by_value: dict[tuple, float] = {}
     out = []

@@ -147,15 +147,22 @@ class Plan:
                     lst[i] = None
 
 
+MAX_PLANS = 4
+"""Plans kept per graph version (kernel modes and contexts)."""
+
+
 @contextmanager
 def bound_plan(graph: TaskGraph, make: Maker, ctx: ExecContext, inputs: Mapping[str, torch.Tensor] | None):
-    """``(plan, buffers)`` for one run: the graph's cached plan for (``make``, ``ctx``, device),
+    """``(plan, buffers)`` for one run: the graph's cached plan for ``make`` and ``ctx``,
     bound to ``inputs``. A re-registered op, or a plan busy with another run, gets a new one;
     a run that raises discards its plan (an abandoned kernel may still use it)."""
     plans = graph.cached("dispatch_plans", dict)
-    key = (make, id(ctx), str(ctx.device))  # the plan holds ctx, so its id is not reused meanwhile
+    # equal contexts share a plan; it holds ctx and so its communicator, whose id stays unique
+    key = (make, ctx.rank, ctx.world_size, id(ctx.comm), str(ctx.device))
     plan = plans.get(key)
     if plan is None or any(get_op(name) is not op for name, op in plan.ops.items()):
+        while len(plans) >= MAX_PLANS:  # the oldest goes
+            del plans[next(iter(plans))]
         plan = plans[key] = Plan(graph, make, ctx, ctx.device)
     if not plan.lock.acquire(blocking=False):
         plan = Plan(graph, make, ctx, ctx.device)

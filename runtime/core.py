@@ -104,26 +104,39 @@ class Core:
 
     def done(self, tid: int) -> None:
         """Mark a handed-out task finished and queue successors that became ready."""
+        self.done_pop(tid, None)
+
+    def done_pop(self, tid: int, engine: str | None, unit: int = 0) -> int:
+        """:meth:`done` for ``tid``, then (with ``engine``) :meth:`pop` for ``unit`` of
+        ``engine``: what a worker does between two tasks, in one call."""
         unmet = self.unmet
         if unmet[tid] != RUNNING:
             state = "already done" if unmet[tid] == DONE else "not handed out"
             raise ScheduleError(f"done() for task {self.graph.tasks[tid].name!r}, which is {state}")
         unmet[tid] = DONE
         self.remaining -= 1
-        push_of = self._push_of
-        if push_of is not None:
+        push = self._push_of
+        if push is not None:
             for s in self._succ[tid]:
                 n = unmet[s] - 1
                 unmet[s] = n
                 if n == 0:
-                    push_of[s](s)
-            return
+                    push[s](s)
+            if engine is None:
+                return -1
+            q = self._queues[engine]
+            if not q:
+                return -1
+            tid = q.popleft()
+            unmet[tid] = RUNNING
+            return tid
         push = self.policy.push
         for s in self._succ[tid]:
             n = unmet[s] - 1
             unmet[s] = n
             if n == 0:
                 push(s)
+        return -1 if engine is None else self.pop(engine, unit)
 
     @property
     def is_active(self) -> bool:

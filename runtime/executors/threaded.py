@@ -263,7 +263,7 @@ class _Run:
     def _worker(self, engine: str, unit: int, rec: _Log) -> None:
         core, lock, parked = self.core, self.lock, self.parked
         mine = parked[engine]
-        pop, done, has_ready = core.pop, core.done, core.policy.has_ready
+        pop, done_pop, has_ready = core.pop, core.done_pop, core.policy.has_ready
         engines = list(parked)
         wake = self._wake
         every = self.per_unit  # per-unit queues: any unit may be the one with work
@@ -275,11 +275,13 @@ class _Run:
         torch.set_num_threads(self.threads)
         lock.acquire()
         try:
+            tid = -1
             while self.error is None and core.remaining:
-                tid = pop(engine, unit)
                 if tid < 0:
-                    self._park(me, mine)
-                    continue
+                    tid = pop(engine, unit)
+                    if tid < 0:
+                        self._park(me, mine)
+                        continue
                 if mine and has_ready(engine):  # chain: more work of this kind is ready
                     wake(engine, every)
                 lock.release()
@@ -299,7 +301,7 @@ class _Run:
                 log_tid(tid)
                 log_start(t0)
                 log_end(t1)
-                done(tid)
+                tid = done_pop(tid, engine, unit)  # the next task of this unit, if one is ready
                 self.last_progress = t1
                 if not core.remaining:
                     self._stop()

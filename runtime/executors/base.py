@@ -66,20 +66,6 @@ def _caller_tensor(b: Buffer, inputs: Mapping[str, torch.Tensor], device: torch.
     return torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
 
 
-def allocate(graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None, device: torch.device) -> dict[str, torch.Tensor]:
-    """One tensor per buffer: inputs checked and (for in-out buffers) copied, the rest empty."""
-    inputs = dict(inputs or {})
-    _check_inputs(graph, inputs)
-    return {b.name: _caller_tensor(b, inputs, device) for b in graph.buffers.values()}
-
-
-def views(task: Task, bufs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors a task reads and writes: views of the buffers' storage."""
-    ins = [bufs[r.buffer.name][to_slices(r.box)] for r in task.inputs]
-    outs = [bufs[r.buffer.name][to_slices(r.box)] for r in task.outputs]
-    return ins, outs
-
-
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
 Maker = Callable[[Task, OpDef, Any], Callable[[list, list], None]]

@@ -64,7 +64,9 @@ class Core:
     __slots__ = ("graph", "policy", "unmet", "remaining", "_succ", "_names", "_queues", "_push_of")
 
     def __init__(self, graph: TaskGraph, units: dict[str, int], policy: Policy | None = None):
-        missing = [e for e in graph.engines() if units.get(e, 0) <= 0]
+        engines, unmet, roots = graph.cached("core_start", lambda: (
+            graph.engines(), [len(p) for p in graph.pred], [t for t, p in enumerate(graph.pred) if not p]))
+        missing = [e for e in engines if units.get(e, 0) <= 0]
         if missing:
             raise ScheduleError(
                 f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
@@ -76,16 +78,15 @@ class Core:
         self.policy = policy if policy is not None else FIFO()
         self.policy.prepare(graph, units)
         self._succ = graph.succ
-        self.unmet = [len(p) for p in graph.pred]
-        self.remaining = len(self.unmet)
+        self.unmet = unmet.copy()  # the cached start state: predecessors per task, tasks without any
+        self.remaining = len(unmet)
         # plain FIFO: queue operations inline, a task's push is its engine deque's append
         self._queues = self.policy.fifo_queues()
         self._push_of = None if self._queues is None else \
             list(map({e: q.append for e, q in self._queues.items()}.__getitem__, self.policy._engine))
         push = self.policy.push
-        for tid, n in enumerate(self.unmet):
-            if n == 0:
-                push(tid)
+        for tid in roots:
+            push(tid)
 
     def pop(self, engine: str, unit: int = 0) -> int:
         """Hand out the next ready task for ``unit`` of ``engine``, or -1 if none."""

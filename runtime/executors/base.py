@@ -14,7 +14,7 @@ from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.errors import ExecutionError
 from megaloom.runtime.graph import Buffer, Task, TaskGraph
 from megaloom.runtime.record import Observer  # noqa: F401  (executors take observers; re-exported here)
-from megaloom.runtime.region import overlaps, to_slices
+from megaloom.runtime.region import full_box, overlaps, to_slices
 from megaloom.runtime.registry import OpDef, get_op, run_reference
 from megaloom.runtime.trace import Trace
 
@@ -66,6 +66,11 @@ def _caller_tensor(b: Buffer, inputs: Mapping[str, torch.Tensor], device: torch.
     return torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
 
 
+def _view(x: torch.Tensor, box: tuple) -> torch.Tensor:
+    """The region ``box`` of ``x``: ``x`` itself when the box covers it (no view object per call)."""
+    return x if box == full_box(tuple(x.shape)) else x[to_slices(box)]
+
+
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
 Maker = Callable[[Task, OpDef, Any], Callable[[list, list], None]]
@@ -100,7 +105,7 @@ class Plan:
                     if name in self.scratch:
                         v = made.get((name, r.box))
                         if v is None:
-                            v = made[name, r.box] = self.scratch[name][to_slices(r.box)]
+                            v = made[name, r.box] = _view(self.scratch[name], r.box)
                         lst.append(v)
                     else:
                         lst.append(None)
@@ -119,7 +124,7 @@ class Plan:
             if x is None:
                 x = _caller_tensor(b, inputs, device)
                 for box, places in self.slots.get(b.name, {}).items():
-                    v = x[to_slices(box)]
+                    v = _view(x, box)
                     for lst, i in places:
                         lst[i] = v
             bufs[b.name] = x

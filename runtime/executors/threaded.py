@@ -101,7 +101,7 @@ class ThreadExecutor(Executor):
     def _run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
              cancel: threading.Event | None) -> RunResult:
         graph.validate()
-        units = self.units if self.units is not None else {e: 1 for e in graph.engines()}
+        units = self.units if self.units is not None else {e: 1 for e in graph.cached("engines", graph.engines)}
         # each run gets its own policy state, so one executor may run several graphs at once
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)

@@ -145,7 +145,10 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
 
 def device_span(trace: Trace) -> float:
     """First device task start to last device task end (the makespan when there is no host work)."""
-    c = trace.columns
+    return _device_span(trace.columns)
+
+
+def _device_span(c: Columns) -> float:
     names, eng = c.codes("engine")
     dev = ~np.isin(eng, [i for i, e in enumerate(names) if e in HOST_ENGINES])
     return float(c.end[dev].max() - c.start[dev].min()) if dev.any() else 0.0
@@ -186,7 +189,7 @@ class Metrics:
 def metrics(trace: Trace) -> Metrics:
     """Per-rank figures averaged over ranks; utilisation uses ``meta['units']`` when present."""
     c = trace.columns
-    span = trace.makespan
+    span = float(c.end.max() - c.start.min()) if len(c) else 0.0
     units = trace.meta.get("units", {})
     rank_ids = np.unique(c.rank).tolist()
     ranks = max(1, len(rank_ids))
@@ -224,7 +227,7 @@ def metrics(trace: Trace) -> Metrics:
         cube_vector_overlap=overlap / ranks,
         critical_path=_critical_path_columns(c),
         tasks=n,
-        device_span=device_span(trace),
+        device_span=_device_span(c),
     )
 
 

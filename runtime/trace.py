@@ -262,12 +262,17 @@ class Trace:
 
     @property
     def makespan(self) -> float:
-        c = self.columns
+        if self._columns is None:
+            ev = self._events
+            return max(e.end for e in ev) - min(e.start for e in ev) if ev else 0.0
+        c = self._columns
         return float(c.end.max() - c.start.min()) if len(c) else 0.0
 
     @property
     def ranks(self) -> list[int]:
-        return np.unique(self.columns.rank).tolist()
+        if self._columns is None:
+            return sorted({e.rank for e in self._events})
+        return np.unique(self._columns.rank).tolist()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any earlier file intact. Only what

@@ -47,6 +47,7 @@ from megaloom.graphs.common.spec import load_options, parse_spec
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import split, tile_ranges
 from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
+from megaloom.graphs.moe.ops import swiglu_program
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
@@ -186,6 +187,24 @@ class _Builder:
             lo, hi = self.c.expert_rows(e)
             for a, b in tile_ranges(hi, self.spec.tile_m, lo):
                 self.task(op, [x[a:b] for x in ins], [out[a:b]], f"{stage}.e{e}.{a}", expert=e)
+
+    def swiglu_tiles(self, stage: str, gu: Buffer, out: Buffer, da: Buffer | None = None) -> None:
+        """SwiGLU of ``gu = [gate | up]`` into ``out`` (with ``da``: its gradient ``[dgate | dup]``) on each
+        row tile of every expert: ``dvm.fused`` tasks under ``fuse_vector``, else the unfused op."""
+        if not self.spec.fuse_vector:
+            return self.row_tiles(stage, [gu] if da is None else [gu, da], out, stage)
+        inter, made = gu.shape[1] // 2, {}
+        for e in range(self.El):
+            lo, hi = self.c.expert_rows(e)
+            for a, b in tile_ranges(hi, self.spec.tile_m, lo):
+                halves = [gu[a:b, :inter], gu[a:b, inter:]]
+                if da is None:
+                    ins, outs = halves, [out[a:b]]
+                else:
+                    ins, outs = [da[a:b], *halves], [out[a:b, :inter], out[a:b, inter:]]
+                if b - a not in made:  # one attrs dict per tile shape: the program is decoded once
+                    made[b - a] = swiglu_program(b - a, inter, self.spec.dtype, backward=da is not None)
+                self.task("dvm.fused", ins, outs, f"{stage}.e{e}.{a}", expert=e, attrs=made[b - a])
 
     def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
@@ -348,7 +367,7 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True) -> Ta
     b.stage("gmm1")
     b.forward_gemm("gmm1", xr, w1, gu, save)
     b.stage("swiglu")
-    b.row_tiles("swiglu", [gu], a, "swiglu")
+    b.swiglu_tiles("swiglu", gu, a)
     b.stage("gmm2")
     b.forward_gemm("gmm2", a, w2, y, save)
     b.stage("combine")
@@ -395,7 +414,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts) -> TaskGraph:
     b.stage("dgmm2")
     b.backward_gemms("2", dyr, w2, da, a, dw2)
     b.stage("swiglu_grad")
-    b.row_tiles("swiglu_grad", [gu, da], dgu, "swiglu_grad")
+    b.swiglu_tiles("swiglu_grad", gu, dgu, da)
     b.stage("dgmm1")
     b.backward_gemms("1", dgu, w1, dxr, xr, dw1)
     b.stage("combine")

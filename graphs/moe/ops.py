@@ -11,13 +11,16 @@
 | moe_topk_grad     | vector | ``dw[t, k] = <dout[t], rows[pos[t, k]]>``: gradient of top-k weights |
 
 Index operands (``idx``, ``pos``) are int64 regions of graph buffers, so one graph
-serves every routing with the same per-expert counts.
+serves every routing with the same per-expert counts. With ``fuse_vector`` the graphs run
+SwiGLU and its gradient as ``dvm.fused`` tiles instead (:func:`swiglu_program`) over the
+gate and up halves of ``gu``; ``swiglu`` / ``swiglu_grad`` stay the unfused path and oracle.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from megaloom.ops import dvm
 from megaloom.ops.basic import precision
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
@@ -138,6 +141,13 @@ def swiglu(gu: torch.Tensor) -> torch.Tensor:
 def _swiglu_kernel(ins, outs) -> None:
     g, u = _halves(ins[0])
     torch.mul(F.silu(g), u, out=outs[0])
+
+
+def swiglu_program(rows: int, inter: int, dtype: str, backward: bool = False) -> dict:
+    """``dvm.fused`` attrs of a SwiGLU tile of ``rows x inter``: forward ``(gate, up) -> a``,
+    backward ``(da, gate, up) -> (dgate, dup)`` (:mod:`megaloom.ops.dvm.library`)."""
+    make = dvm.library.swiglu_backward if backward else dvm.library.swiglu
+    return {"program": make((rows, inter), dtype).to_attrs()}
 
 
 def _swiglu_grad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:

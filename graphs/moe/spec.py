@@ -45,7 +45,9 @@ class MegaMoESpec(GraphSpec):
     ``mxfp8`` runs the six expert GEMMs (forward, input and weight gradients) as MXFP8 matmul
     tiles on operands quantised on the vector units (``scale_mode``: the MX scale rule; one task
     per ``quant_cols`` columns of a tile, a multiple of 32), and keeps for backward the token-axis
-    quantised ``xr`` and ``a`` instead of their high-precision copies.
+    quantised ``xr`` and ``a`` instead of their high-precision copies; ``fuse_vector``: SwiGLU and
+    its gradient run as ``dvm.fused`` tiles (one fused DVM program each; off: the ``swiglu`` /
+    ``swiglu_grad`` ops).
     """
 
     tokens: int
@@ -65,6 +67,7 @@ class MegaMoESpec(GraphSpec):
     precision: str = "none"
     scale_mode: str = "floor"
     quant_cols: int = 1024
+    fuse_vector: bool = True
 
     def __post_init__(self) -> None:
         problems = positive(self, *(f.name for f in fields(self) if f.type == "int"
@@ -77,8 +80,8 @@ class MegaMoESpec(GraphSpec):
                 problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
             if self.top_k > self.experts:
                 problems.append(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
-        if not isinstance(self.ordered_comm, bool):
-            problems.append(f"ordered_comm must be a bool, got {self.ordered_comm!r}")
+        problems += [f"{n} must be a bool, got {getattr(self, n)!r}" for n in ("ordered_comm", "fuse_vector")
+                     if not isinstance(getattr(self, n), bool)]
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:

@@ -243,7 +243,8 @@ class Trace:
     @property
     def events(self) -> list[TraceEvent]:
         if self._events is None:
-            self._events, self._columns = self._columns.events(), None
+            with gc_paused():  # many small objects, no cycles: collections would cost more than the making
+                self._events, self._columns = self._columns.events(), None
         return self._events
 
     @property

@@ -159,7 +159,13 @@ def bound_plan(graph: TaskGraph, make: Maker, ctx: ExecContext, inputs: Mapping[
         plan = Plan(graph, make, ctx, ctx.device)
         plan.lock.acquire()
     try:
-        yield plan, plan.bind(graph, inputs, ctx.device)
+        bufs = plan.bind(graph, inputs, ctx.device)
+    except BaseException:  # bad inputs: the plan stays good
+        plan.unbind()
+        plan.lock.release()
+        raise
+    try:
+        yield plan, bufs
     except BaseException:  # a kernel of a failed run may still hold the plan's lists: drop the plan
         if plans.get(key) is plan:
             del plans[key]

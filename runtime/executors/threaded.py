@@ -105,16 +105,19 @@ class ThreadExecutor(Executor):
         # each run gets its own policy state, so one executor may run several graphs at once
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
-        rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
-                       world_size=self.ctx.world_size, kernels=self.kernels)
+
+        def run(calls: list[Call] | None) -> tuple[Recorder, list[_Log]]:  # (the inputs are checked by now)
+            rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
+                           world_size=self.ctx.world_size, kernels=self.kernels)
+            return rec, _Run(graph, units, core, calls, self, rec, cancel).execute()
         with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
             if self.kernels == "null":
                 bufs: dict[str, torch.Tensor] = {}
-                records = _Run(graph, units, core, None, self, rec, cancel).execute()
+                rec, records = run(None)
             else:
                 make = kernel_call if self.kernels == "kernel" else reference_call
                 with bound_plan(graph, make, self.ctx, inputs) as (plan, bufs):
-                    records = _Run(graph, units, core, plan.calls, self, rec, cancel).execute()
+                    rec, records = run(plan.calls)
             trace = rec.finish(columns=_by_start(graph, records, self.ctx.rank))
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
 

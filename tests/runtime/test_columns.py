@@ -184,3 +184,23 @@ def test_reference_executor_reuses_its_plan_with_new_inputs():
     assert len(g.cached("dispatch_plans", dict)) == 1
     assert not torch.equal(outs[0]["y"], outs[1]["y"])
     assert np.array_equal(outs[2]["y"].numpy(), ReferenceExecutor().run(g, _inputs(4, 2))["y"].numpy())
+
+
+@pytest.mark.parametrize("executor", [ReferenceExecutor, ThreadExecutor])
+def test_bad_inputs_keep_the_plan_and_start_no_run(executor):
+    from megaloom.runtime import ExecutionError, Observer
+
+    class Starts(Observer):
+        runs = 0
+
+        def on_run_start(self, graph, meta):
+            self.runs += 1
+    seen = Starts()
+    g = _chain(4, 4)
+    ex = executor(observers=[seen])
+    ex.run(g, _inputs(4, 0))
+    plan = next(iter(g.cached("dispatch_plans", dict).values()))
+    with pytest.raises(ExecutionError, match="input 'w' is"):
+        ex.run(g, {**_inputs(4, 1), "w": torch.ones(3, 3)})
+    assert seen.runs == 1 and next(iter(g.cached("dispatch_plans", dict).values())) is plan
+    torch.testing.assert_close(ex.run(g, _inputs(4, 2))["y"], ReferenceExecutor().run(g, _inputs(4, 2))["y"])

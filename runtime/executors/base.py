@@ -142,6 +142,12 @@ MAX_PLANS = 4
 """Plans kept per graph version (kernel modes and contexts)."""
 
 
+def drop_plans(graph: TaskGraph) -> None:
+    """Forget the graph's dispatch plans, freeing the scratch buffers they keep between runs
+    (the next run builds a plan again)."""
+    graph.cached("dispatch_plans", dict).clear()
+
+
 @contextmanager
 def bound_plan(graph: TaskGraph, make: Maker, ctx: ExecContext, inputs: Mapping[str, torch.Tensor] | None):
     """``(plan, buffers)`` for one run: the graph's cached plan for ``make`` and ``ctx``,

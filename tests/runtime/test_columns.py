@@ -179,9 +179,14 @@ def test_plan_keeps_no_caller_tensor_and_follows_a_re_registered_op():
 
 
 def test_reference_executor_reuses_its_plan_with_new_inputs():
+    from megaloom.runtime.executors import drop_plans
     g = _chain(6, 4)
     outs = [ReferenceExecutor().run(g, _inputs(4, s)) for s in range(3)]
     assert len(g.cached("dispatch_plans", dict)) == 1
+    drop_plans(g)
+    assert not g.cached("dispatch_plans", dict)
+    outs.append(ReferenceExecutor().run(g, _inputs(4, 2)))
+    assert torch.equal(outs[3]["y"], outs[2]["y"])
     assert not torch.equal(outs[0]["y"], outs[1]["y"])
     assert np.array_equal(outs[2]["y"].numpy(), ReferenceExecutor().run(g, _inputs(4, 2))["y"].numpy())
 

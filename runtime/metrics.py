@@ -84,20 +84,25 @@ def critical_path(events: list[TraceEvent]) -> float:
 
 
 def _critical_path_columns(c: Columns) -> float:
-    """:func:`critical_path` of columns: one pass in (rank, task id) order when every dependency
-    is an earlier task id (as executors and the simulator record them), else by the events."""
-    order = np.lexsort((c.task_id, c.rank)).tolist()
-    rank, tid, deps = c.column("rank"), c.column("task_id"), c.column("deps")
+    """:func:`critical_path` of columns: one pass per rank in task id order when every
+    dependency is an earlier task id (as executors and the simulator record them), else by
+    the events."""
+    tid, deps = c.column("task_id"), c.column("deps")
     if not all(d < t for t, ds in zip(tid, deps) for d in ds):
         return critical_path(Columns.events(c))
-    host = [e in HOST_ENGINES for e in c.codes("engine")[0]]
-    eng, start, end = c.engine.index.tolist(), c.column("start"), c.column("end")
-    finish: dict[tuple[int, int], float] = {}
-    for i in order:
-        r = rank[i]
-        best = max((finish[k] for k in ((r, d) for d in deps[i]) if k in finish), default=0.0)
-        finish[(r, tid[i])] = best + (0.0 if host[eng[i]] else end[i] - start[i])
-    return max(finish.values(), default=0.0)
+    names, eng = c.codes("engine")
+    host = np.isin(eng, [k for k, e in enumerate(names) if e in HOST_ENGINES])
+    weight = np.where(host, 0.0, c.end - c.start).tolist()  # host work carries dependencies only
+    order, rank = np.lexsort((c.task_id, c.rank)), c.rank
+    best = None
+    for r in np.unique(rank).tolist():
+        finish: dict[int, float] = {}
+        for i in order[rank[order] == r].tolist():
+            got = [finish[d] for d in deps[i] if d in finish]
+            finish[tid[i]] = (max(got) if got else 0.0) + weight[i]
+        top = max(finish.values())
+        best = top if best is None or top > best else best
+    return 0.0 if best is None else best
 
 
 def _tag_seconds(e: TraceEvent, key: str) -> float:

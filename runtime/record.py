@@ -47,7 +47,8 @@ def _task_rows(graph: TaskGraph) -> list[tuple]:
 
 
 def _task_table(graph: TaskGraph) -> Columns:
-    """One row per task (by task id) of the trace columns that no run changes (cached per graph version)."""
+    """One row per task (by task id) of the trace columns that no run changes (cached per graph version;
+    deps and tags copied, so that traces keep them as they were however the graph changes later)."""
     def make() -> Columns:
         rows = _task_rows(graph)
         n = len(rows)
@@ -57,7 +58,7 @@ def _task_table(graph: TaskGraph) -> Columns:
                        op=Coded.of(list(cols[2]), True), engine=Coded.of(list(cols[3]), True), unit=zeros,
                        rank=zeros, start=np.zeros(n), end=np.zeros(n), flops=np.array(cols[4], dtype=np.float64),
                        bytes=np.array(cols[5], dtype=np.float64), comm_bytes=np.array(cols[6], dtype=np.float64),
-                       deps=Coded.of(list(cols[7])), tags=Coded.of(list(cols[8])),
+                       deps=Coded.of([list(d) for d in cols[7]]), tags=Coded.of([dict(t) for t in cols[8]]),
                        precision=Coded.of(list(cols[9]), True))
     return graph.cached("trace_table", make)
 

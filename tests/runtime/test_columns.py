@@ -209,3 +209,12 @@ def test_bad_inputs_keep_the_plan_and_start_no_run(executor):
         ex.run(g, {**_inputs(4, 1), "w": torch.ones(3, 3)})
     assert seen.runs == 1 and next(iter(g.cached("dispatch_plans", dict).values())) is plan
     torch.testing.assert_close(ex.run(g, _inputs(4, 2))["y"], ReferenceExecutor().run(g, _inputs(4, 2))["y"])
+
+
+def test_a_trace_keeps_its_deps_and_tags_when_the_graph_changes_later():
+    g = _chain(3, 4)
+    trace = ReferenceExecutor().run(g, _inputs(4, 0)).trace
+    before = [(list(e.deps), dict(e.tags)) for e in Trace(meta={}, columns=trace.columns).events]
+    g.tasks[2].tags["late"] = 1
+    g.edge(g.tasks[0], g.tasks[2])
+    assert [(e.deps, e.tags) for e in trace.events] == before

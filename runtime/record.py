@@ -54,11 +54,13 @@ def _task_table(graph: TaskGraph) -> Columns:
         n = len(rows)
         cols = list(zip(*rows)) if rows else [()] * 10
         zeros = np.zeros(n, dtype=np.int64)
+        none, empty = [], {}  # shared by the tasks without deps or tags (events get their own)
         return Columns(task_id=np.arange(n, dtype=np.int64), task=Coded.of(list(cols[1])),
                        op=Coded.of(list(cols[2]), True), engine=Coded.of(list(cols[3]), True), unit=zeros,
                        rank=zeros, start=np.zeros(n), end=np.zeros(n), flops=np.array(cols[4], dtype=np.float64),
                        bytes=np.array(cols[5], dtype=np.float64), comm_bytes=np.array(cols[6], dtype=np.float64),
-                       deps=Coded.of([list(d) for d in cols[7]]), tags=Coded.of([dict(t) for t in cols[8]]),
+                       deps=Coded.of([list(d) if d else none for d in cols[7]]),
+                       tags=Coded.of([dict(t) if t else empty for t in cols[8]]),
                        precision=Coded.of(list(cols[9]), True))
     return graph.cached("trace_table", make)
 

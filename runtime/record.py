@@ -13,6 +13,7 @@ dispatch; reference counting still frees memory.
 """
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Iterable
 
 import numpy as np
@@ -50,18 +51,17 @@ def _task_table(graph: TaskGraph) -> Columns:
     """One row per task (by task id) of the trace columns that no run changes (cached per graph version;
     deps and tags copied, so that traces keep them as they were however the graph changes later)."""
     def make() -> Columns:
-        rows = _task_rows(graph)
-        n = len(rows)
-        cols = list(zip(*rows)) if rows else [()] * 10
+        tasks, costs = graph.tasks, graph.costs()
+        n = len(tasks)
+        names, ops, engines, tags = (list(map(attrgetter(f), tasks)) for f in ("name", "op", "engine", "tags"))
+        work = {f: np.fromiter(map(attrgetter(f), costs), np.float64, n) for f in ("flops", "bytes", "comm_bytes")}
         zeros = np.zeros(n, dtype=np.int64)
         none, empty = [], {}  # shared by the tasks without deps or tags (events get their own)
-        return Columns(task_id=np.arange(n, dtype=np.int64), task=Coded.of(list(cols[1])),
-                       op=Coded.of(list(cols[2]), True), engine=Coded.of(list(cols[3]), True), unit=zeros,
-                       rank=zeros, start=np.zeros(n), end=np.zeros(n), flops=np.array(cols[4], dtype=np.float64),
-                       bytes=np.array(cols[5], dtype=np.float64), comm_bytes=np.array(cols[6], dtype=np.float64),
-                       deps=Coded.of([list(d) if d else none for d in cols[7]]),
-                       tags=Coded.of([dict(t) if t else empty for t in cols[8]]),
-                       precision=Coded.of(list(cols[9]), True))
+        return Columns(task_id=np.arange(n, dtype=np.int64), task=Coded.of(names), op=Coded.of(ops, True),
+                       engine=Coded.of(engines, True), unit=zeros, rank=zeros, start=np.zeros(n), end=np.zeros(n),
+                       **work, deps=Coded.of([list(d) if d else none for d in graph.pred]),
+                       tags=Coded.of([dict(t) if t else empty for t in tags]),
+                       precision=Coded.of(list(map(attrgetter("precision"), costs)), True))
     return graph.cached("trace_table", make)
 
 

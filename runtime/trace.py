@@ -136,9 +136,9 @@ class Coded:
         """``items`` as a column; ``shared``: store each distinct (hashable) value once."""
         if not shared:
             return Coded(items, np.arange(len(items), dtype=np.int64))
-        codes: dict = {}
-        index = [codes.setdefault(x, len(codes)) for x in items]
-        return Coded(list(codes), np.array(index, dtype=np.int64))
+        values = list(dict.fromkeys(items))  # in order of first use
+        code = {v: i for i, v in enumerate(values)}
+        return Coded(values, np.fromiter(map(code.__getitem__, items), np.int64, len(items)))
 
 
 class Columns:

@@ -33,7 +33,7 @@ class Policy:
     name = "fifo"
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
-        self._engine = [t.engine for t in graph.tasks]
+        self._engine = graph.cached("task_engines", lambda: [t.engine for t in graph.tasks])
         self._queues: dict[str, deque[int]] = {e: deque() for e in units}
 
     def push(self, tid: int) -> None:
@@ -46,6 +46,13 @@ class Policy:
     def has_ready(self, engine: str) -> bool:
         return bool(self._queues[engine])
 
+    def fifo_queues(self) -> dict[str, deque[int]] | None:
+        """The per-engine deques when this policy is the plain FIFO (its methods not overridden),
+        which :class:`Core` then works on directly; else None."""
+        cls = type(self)
+        plain = all(getattr(cls, m) is getattr(Policy, m) for m in ("prepare", "push", "pop", "has_ready"))
+        return self._queues if plain and not getattr(self, "per_unit", False) else None
+
 
 class FIFO(Policy):
     """Ready tasks run in the order they became ready (ties: task id)."""
@@ -54,10 +61,12 @@ class FIFO(Policy):
 class Core:
     """Counts unmet dependencies and hands out ready tasks through a policy."""
 
-    __slots__ = ("graph", "policy", "unmet", "remaining", "_succ", "_names")
+    __slots__ = ("graph", "policy", "unmet", "remaining", "_succ", "_names", "_queues", "_push_of")
 
     def __init__(self, graph: TaskGraph, units: dict[str, int], policy: Policy | None = None):
-        missing = [e for e in graph.engines() if units.get(e, 0) <= 0]
+        engines, unmet, roots = graph.cached("core_start", lambda: (
+            graph.engines(), [len(p) for p in graph.pred], [t for t, p in enumerate(graph.pred) if not p]))
+        missing = [e for e in engines if units.get(e, 0) <= 0]
         if missing:
             raise ScheduleError(
                 f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
@@ -69,34 +78,66 @@ class Core:
         self.policy = policy if policy is not None else FIFO()
         self.policy.prepare(graph, units)
         self._succ = graph.succ
-        self.unmet = [len(p) for p in graph.pred]
-        self.remaining = len(self.unmet)
+        self.unmet = unmet.copy()  # the cached start state: predecessors per task, tasks without any
+        self.remaining = len(unmet)
+        # plain FIFO: queue operations inline, a task's push is its engine deque's append
+        self._queues = self.policy.fifo_queues()
+        self._push_of = None if self._queues is None else \
+            list(map({e: q.append for e, q in self._queues.items()}.__getitem__, self.policy._engine))
         push = self.policy.push
-        for tid, n in enumerate(self.unmet):
-            if n == 0:
-                push(tid)
+        for tid in roots:
+            push(tid)
 
     def pop(self, engine: str, unit: int = 0) -> int:
         """Hand out the next ready task for ``unit`` of ``engine``, or -1 if none."""
-        tid = self.policy.pop(engine, unit)
-        if tid >= 0:
-            self.unmet[tid] = RUNNING
+        q = self._queues
+        if q is not None:
+            q = q[engine]
+            if not q:
+                return -1
+            tid = q.popleft()
+        else:
+            tid = self.policy.pop(engine, unit)
+            if tid < 0:
+                return tid
+        self.unmet[tid] = RUNNING
         return tid
 
     def done(self, tid: int) -> None:
         """Mark a handed-out task finished and queue successors that became ready."""
+        self.done_pop(tid, None)
+
+    def done_pop(self, tid: int, engine: str | None, unit: int = 0) -> int:
+        """:meth:`done` for ``tid``, then (with ``engine``) :meth:`pop` for ``unit`` of
+        ``engine``: what a worker does between two tasks, in one call."""
         unmet = self.unmet
         if unmet[tid] != RUNNING:
             state = "already done" if unmet[tid] == DONE else "not handed out"
             raise ScheduleError(f"done() for task {self.graph.tasks[tid].name!r}, which is {state}")
         unmet[tid] = DONE
         self.remaining -= 1
+        push = self._push_of
+        if push is not None:
+            for s in self._succ[tid]:
+                n = unmet[s] - 1
+                unmet[s] = n
+                if n == 0:
+                    push[s](s)
+            if engine is None:
+                return -1
+            q = self._queues[engine]
+            if not q:
+                return -1
+            tid = q.popleft()
+            unmet[tid] = RUNNING
+            return tid
         push = self.policy.push
         for s in self._succ[tid]:
             n = unmet[s] - 1
             unmet[s] = n
             if n == 0:
                 push(s)
+        return -1 if engine is None else self.pop(engine, unit)
 
     @property
     def is_active(self) -> bool:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from megaloom.runtime.errors import TraceFormatError
-from megaloom.runtime.trace import Trace, TraceEvent
+from megaloom.runtime.trace import Columns, Trace, TraceEvent
 
 COMPUTE = ("cube", "vector")
 HOST_ENGINES = frozenset({"host"})
@@ -81,6 +83,28 @@ def critical_path(events: list[TraceEvent]) -> float:
     return max(finish.values(), default=0.0)
 
 
+def _critical_path_columns(c: Columns) -> float:
+    """:func:`critical_path` of columns: one pass per rank in task id order when every
+    dependency is an earlier task id (as executors and the simulator record them), else by
+    the events."""
+    tid, deps = c.column("task_id"), c.column("deps")
+    if not all(d < t for t, ds in zip(tid, deps) for d in ds):
+        return critical_path(Columns.events(c))
+    names, eng = c.codes("engine")
+    host = np.isin(eng, [k for k, e in enumerate(names) if e in HOST_ENGINES])
+    weight = np.where(host, 0.0, c.end - c.start).tolist()  # host work carries dependencies only
+    order, rank = np.lexsort((c.task_id, c.rank)), c.rank
+    best = None
+    for r in np.unique(rank).tolist():
+        finish: dict[int, float] = {}
+        for i in order[rank[order] == r].tolist():
+            got = [finish[d] for d in deps[i] if d in finish]
+            finish[tid[i]] = (max(got) if got else 0.0) + weight[i]
+        top = max(finish.values())
+        best = top if best is None or top > best else best
+    return 0.0 if best is None else best
+
+
 def _tag_seconds(e: TraceEvent, key: str) -> float:
     v = e.tags.get(key, 0.0)
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 else 0.0
@@ -126,8 +150,27 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
 
 def device_span(trace: Trace) -> float:
     """First device task start to last device task end (the makespan when there is no host work)."""
-    dev = [e for e in trace.events if e.engine not in HOST_ENGINES]
-    return max(e.end for e in dev) - min(e.start for e in dev) if dev else 0.0
+    return _device_span(trace.columns)
+
+
+def _device_span(c: Columns) -> float:
+    names, eng = c.codes("engine")
+    dev = ~np.isin(eng, [i for i, e in enumerate(names) if e in HOST_ENGINES])
+    return float(c.end[dev].max() - c.start[dev].min()) if dev.any() else 0.0
+
+
+def _union_of(start: np.ndarray, end: np.ndarray) -> list[tuple[float, float]]:
+    """:func:`union` of intervals given as arrays (the same merged intervals, no arithmetic)."""
+    if not len(start):
+        return []
+    o = np.lexsort((end, start))
+    a, b = start[o], end[o]
+    reach = np.maximum.accumulate(b)
+    new = np.ones(len(a), dtype=bool)
+    new[1:] = a[1:] > reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(a) - 1)
+    return list(zip(a[first].tolist(), reach[last].tolist()))
 
 
 @dataclass(slots=True)
@@ -150,26 +193,36 @@ class Metrics:
 
 def metrics(trace: Trace) -> Metrics:
     """Per-rank figures averaged over ranks; utilisation uses ``meta['units']`` when present."""
-    ev = trace.events
-    span = trace.makespan
+    c = trace.columns
+    span = float(c.end.max() - c.start.min()) if len(c) else 0.0
     units = trace.meta.get("units", {})
-    ranks = max(1, len(trace.ranks))
-    busy: dict[str, float] = {}
-    for e in ev:
-        busy[e.engine] = busy.get(e.engine, 0.0) + e.duration
+    rank_ids = np.unique(c.rank).tolist()
+    ranks = max(1, len(rank_ids))
+    names, eng = c.codes("engine")
+    n = len(c)
+    first = np.full(len(names), n)
+    np.minimum.at(first, eng, np.arange(n))
+    seen = sorted((f, k) for k, f in enumerate(first.tolist()) if f < n)  # engines in order of first use
+    sums = np.bincount(eng, weights=c.end - c.start, minlength=len(names)) if n else np.zeros(len(names))
+    busy = {names[k]: float(sums[k]) for _, k in seen}
     util = {}
-    for k, b in busy.items():
-        n = units.get(k) or len({(e.rank, e.unit) for e in ev if e.engine == k}) / ranks
-        util[k] = b / (n * ranks * span) if span > 0 and n else 0.0
+    for _, k in seen:
+        mine = eng == k
+        lanes = len(set(zip(c.rank[mine].tolist(), c.unit[mine].tolist())))
+        m = units.get(names[k]) or lanes / ranks
+        util[names[k]] = busy[names[k]] / (m * ranks * span) if span > 0 and m else 0.0
+    code = {e: k for k, e in enumerate(names)}
     comm_total = hidden = overlap = 0.0
-    for r in trace.ranks:
-        mine = [e for e in ev if e.rank == r]
-        per = {k: union([(e.start, e.end) for e in mine if e.engine == k]) for k in {e.engine for e in mine}}
-        compute = union([iv for k in COMPUTE for iv in per.get(k, [])])
-        comm = per.get("comm", [])
-        comm_total += measure(comm)
-        hidden += intersect(comm, compute)
-        overlap += intersect(per.get("cube", []), per.get("vector", []))
+    for r in rank_ids:
+        in_rank = c.rank == r
+        per = {}
+        for e in ("comm", *COMPUTE):
+            sel = in_rank & (eng == code[e]) if e in code else np.zeros(n, dtype=bool)
+            per[e] = _union_of(c.start[sel], c.end[sel])
+        compute = union(per["cube"] + per["vector"])
+        comm_total += measure(per["comm"])
+        hidden += intersect(per["comm"], compute)
+        overlap += intersect(per["cube"], per["vector"])
     return Metrics(
         makespan=span,
         busy=busy,
@@ -177,9 +230,9 @@ def metrics(trace: Trace) -> Metrics:
         comm_time=comm_total / ranks,
         comm_hidden=hidden / comm_total if comm_total > 0 else 0.0,
         cube_vector_overlap=overlap / ranks,
-        critical_path=critical_path(ev),
-        tasks=len(ev),
-        device_span=device_span(trace),
+        critical_path=_critical_path_columns(c),
+        tasks=n,
+        device_span=_device_span(c),
     )
 
 

@@ -29,26 +29,30 @@ def _track_ids(tracks: list[tuple[int, str, int]]) -> dict[tuple[str, int], int]
 
 def to_chrome(trace: Trace) -> dict[str, Any]:
     """The trace as a Chrome Trace Event JSON object (timestamps in microseconds, to 1 ns)."""
-    t0 = min((e.start for e in trace.events), default=0.0)
+    c = trace.columns
+    rank, unit, task_id = c.column("rank"), c.column("unit"), c.column("task_id")
+    engine, start, end = c.column("engine"), c.column("start"), c.column("end")
+    t0 = min(start, default=0.0)
     out: list[dict[str, Any]] = []
-    tracks = sorted({(e.rank, e.engine, e.unit) for e in trace.events})
+    tracks = sorted(set(zip(rank, engine, unit)))
     tid_of = _track_ids(tracks)
-    for rank in sorted({r for r, _, _ in tracks}):
-        out.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-        out.append({"ph": "M", "name": "process_sort_index", "pid": rank, "tid": 0, "args": {"sort_index": rank}})
-    for rank, engine, unit in tracks:
-        tid = tid_of[engine, unit]
-        out.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": f"{engine}.{unit}"}})
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid, "args": {"sort_index": tid}})
-    for e in trace.events:
-        args: dict[str, Any] = {"task_id": e.task_id, "op": e.op, **{str(k): v for k, v in e.tags.items()}}
-        for k in ("flops", "bytes", "comm_bytes"):
-            if getattr(e, k):
-                args[k] = getattr(e, k)
+    for r in sorted({r for r, _, _ in tracks}):
+        out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
+        out.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
+    for r, e, u in tracks:
+        tid = tid_of[e, u]
+        out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": f"{e}.{u}"}})
+        out.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
+    work = [c.column(k) for k in ("flops", "bytes", "comm_bytes")]
+    for i, (name, op, tags) in enumerate(zip(c.column("task"), c.column("op"), c.column("tags"))):
+        args: dict[str, Any] = {"task_id": task_id[i], "op": op, **{str(k): v for k, v in tags.items()}}
+        for k, col in zip(("flops", "bytes", "comm_bytes"), work):
+            if col[i]:
+                args[k] = col[i]
         # start and end are rounded alike, so back-to-back tasks share a boundary exactly
-        ts, end = round((e.start - t0) * _US, 3), round((e.end - t0) * _US, 3)
-        out.append({"ph": "X", "name": e.task, "cat": e.op, "pid": e.rank, "tid": tid_of[e.engine, e.unit],
-                    "ts": ts, "dur": max(0.0, round(end - ts, 3)), "args": args})
+        ts, te = round((start[i] - t0) * _US, 3), round((end[i] - t0) * _US, 3)
+        out.append({"ph": "X", "name": name, "cat": op, "pid": rank[i], "tid": tid_of[engine[i], unit[i]],
+                    "ts": ts, "dur": max(0.0, round(te - ts, 3)), "args": args})
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {k: str(v) for k, v in trace.meta.items()}}
 
 

@@ -1,23 +1,31 @@
-"""Traces: one event per task run, saved as versioned msgpack.
+"""Traces: one event per task run, held as columns, saved as versioned msgpack.
 
 Each event carries its task's predecessors (task ids within the same rank), so a
 trace alone is enough to compute the critical path and to replay the run.
+
+A :class:`Trace` made by an executor or the simulator holds :class:`Columns` (NumPy arrays
+for numbers; repeated values such as op and engine names as a list of distinct values and
+an index per event). ``trace.events`` makes the :class:`TraceEvent` objects the first time
+it is read; from then on the event list is the trace (edits to events show everywhere).
+Metrics, the Perfetto export and :meth:`Trace.save` read the columns.
 """
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
+import numpy as np
 
 from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write, gc_paused, read_msgpack
 
 TRACE_FORMAT = "megaloom-trace"
-TRACE_VERSION = 3  # 2: events carry their precision; 3: ``tid`` renamed ``task_id`` (older files still load)
+TRACE_VERSION = 4  # 2: events carry their precision; 3: ``tid`` renamed ``task_id``; 4: stored by column
+# ("data": one list per column; files of row lists, "events", still load, as do older versions)
 _RENAMED = {"tid": "task_id"}  # columns of version 2 and before under their current names
 
 
@@ -104,56 +112,207 @@ def meta_problem(meta: Any) -> str | None:
     return None
 
 
+_NUMBERS = {"task_id": np.int64, "unit": np.int64, "rank": np.int64, "start": np.float64, "end": np.float64,
+            "flops": np.float64, "bytes": np.float64, "comm_bytes": np.float64}
+_SHARED = ("op", "engine", "precision")  # few distinct values: kept as codes
+
+
 @dataclass(slots=True)
+class Coded:
+    """A column as a list of values and, per event, the index of its value."""
+
+    values: list
+    index: np.ndarray
+
+    def tolist(self) -> list:
+        v = self.values
+        return [v[i] for i in self.index.tolist()]
+
+    def take(self, rows: np.ndarray) -> Coded:
+        return Coded(self.values, self.index[rows])
+
+    @staticmethod
+    def of(items: list, shared: bool = False) -> Coded:
+        """``items`` as a column; ``shared``: store each distinct (hashable) value once."""
+        if not shared:
+            return Coded(items, np.arange(len(items), dtype=np.int64))
+        values = list(dict.fromkeys(items))  # in order of first use
+        code = {v: i for i, v in enumerate(values)}
+        return Coded(values, np.fromiter(map(code.__getitem__, items), np.int64, len(items)))
+
+
+class Columns:
+    """Events as columns: a NumPy array per number field (:data:`_NUMBERS`) and a
+    :class:`Coded` column each for ``task``, ``op``, ``engine``, ``deps``, ``tags``, ``precision``."""
+
+    __slots__ = tuple(_COLUMNS)
+
+    def __init__(self, **cols: Any):
+        for c in _COLUMNS:
+            setattr(self, c, cols[c])
+
+    def __len__(self) -> int:
+        return len(self.task_id)
+
+    def column(self, name: str) -> list:
+        """The values of one column as a Python list."""
+        return getattr(self, name).tolist()
+
+    def codes(self, name: str) -> tuple[list, np.ndarray]:
+        """``(distinct values, index per event)`` of a shared column (``op``, ``engine``, ``precision``)."""
+        c = getattr(self, name)
+        return c.values, c.index
+
+    def take(self, rows: np.ndarray) -> Columns:
+        """The events at ``rows`` (an index array), in that order."""
+        return Columns(**{c: getattr(self, c)[rows] if c in _NUMBERS else getattr(self, c).take(rows)
+                          for c in _COLUMNS})
+
+    def events(self) -> list[TraceEvent]:
+        """The events as :class:`TraceEvent` objects, each with its own ``deps`` and ``tags``."""
+        cols = [self.column(c) for c in _COLUMNS]
+        cols[11] = [list(d) for d in cols[11]]
+        cols[12] = [dict(t) if t else {} for t in cols[12]]
+        return list(map(TraceEvent, *cols))
+
+    @staticmethod
+    def of_lists(cols: Sequence[list]) -> Columns:
+        """Columns of one Python list per field, in :data:`_COLUMNS` order (values checked already)."""
+        out = {}
+        for c, v in zip(_COLUMNS, cols):
+            out[c] = np.array(v, dtype=_NUMBERS[c]) if c in _NUMBERS else Coded.of(list(v), c in _SHARED)
+        return Columns(**out)
+
+    @staticmethod
+    def of_events(events: Sequence[TraceEvent]) -> Columns:
+        if not events:
+            return Columns.of_lists([[] for _ in _COLUMNS])
+        return Columns.of_lists(list(zip(*([getattr(e, c) for c in _COLUMNS] for e in events))))
+
+    @staticmethod
+    def concat(parts: Sequence[Columns]) -> Columns:
+        out = {}
+        for c in _COLUMNS:
+            if c in _NUMBERS:
+                out[c] = np.concatenate([getattr(p, c) for p in parts]) if parts else np.zeros(0, _NUMBERS[c])
+            else:
+                out[c] = Coded.of([x for p in parts for x in p.column(c)], c in _SHARED)
+        return Columns(**out)
+
+
+def _columns_ok(cols: list[list]) -> bool:
+    """True when every value of ``cols`` (lists in :data:`_COLUMNS` order) passes :func:`row_problem`;
+    checked by column, so that a large trace needs no check per event."""
+    for name, col in zip(_COLUMNS, cols):
+        types = set(map(type, col))
+        if not types <= set(FIELD_TYPES[name]):
+            return False
+        check = FIELD_CHECKS.get(name)
+        if check is None or not col:
+            continue
+        if name in _NUMBERS:
+            try:
+                if float in types and not np.isfinite(np.array(col, dtype=np.float64)).all():
+                    return False
+                if check(min(col)) or check(max(col)):
+                    return False
+            except OverflowError:
+                return False
+        elif any(map(check, col)):
+            return False
+    return not cols[0] or bool((np.array(cols[7], dtype=np.float64) >= np.array(cols[6], dtype=np.float64)).all())
+
+
 class Trace:
     """Events of one run (or several ranks merged) plus metadata.
 
+    ``Trace(events, meta)`` holds a list of events; ``Trace(columns=..., meta=...)`` holds
+    :class:`Columns` and makes the events when :attr:`events` is first read.
     ``meta`` keys: ``graph``, ``mode`` (reference / execute / simulate), ``clock``
     (wall / virtual), ``units`` (engine kind -> unit count), ``world_size``, ``profile``.
     """
 
-    events: list[TraceEvent]
-    meta: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("meta", "_events", "_columns")
+
+    def __init__(self, events: list[TraceEvent] | None = None, meta: dict[str, Any] | None = None, *,
+                 columns: Columns | None = None):
+        self.meta = meta if meta is not None else {}
+        self._events = events if events is not None or columns is not None else []
+        self._columns = columns if events is None else None
+
+    @property
+    def events(self) -> list[TraceEvent]:
+        if self._events is None:
+            with gc_paused():  # many small objects, no cycles: collections would cost more than the making
+                self._events, self._columns = self._columns.events(), None
+        return self._events
+
+    @property
+    def columns(self) -> Columns:
+        """The events as columns (made from the event list, when the trace holds one)."""
+        return self._columns if self._columns is not None else Columns.of_events(self._events)
+
+    def __len__(self) -> int:
+        return len(self._columns) if self._columns is not None else len(self._events)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Trace) and self.meta == other.meta and self.events == other.events
+
+    def __repr__(self) -> str:
+        return f"Trace({len(self)} events, meta={self.meta!r})"
 
     @property
     def makespan(self) -> float:
-        if not self.events:
-            return 0.0
-        return max(e.end for e in self.events) - min(e.start for e in self.events)
+        if self._columns is None:
+            ev = self._events
+            return max(e.end for e in ev) - min(e.start for e in ev) if ev else 0.0
+        c = self._columns
+        return float(c.end.max() - c.start.min()) if len(c) else 0.0
 
     @property
     def ranks(self) -> list[int]:
-        return sorted({e.rank for e in self.events})
+        if self._columns is None:
+            return sorted({e.rank for e in self._events})
+        return np.unique(self._columns.rank).tolist()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any earlier file intact. Only what
         :meth:`load` reads back is written: a bad value (``inf``, say) raises TraceFormatError."""
         with gc_paused():
-            rows = [[getattr(e, c) for c in _COLUMNS] for e in self.events]
-            bad = meta_problem(self.meta) or next((f"event {i} {why}" for i, r in enumerate(rows)
-                                                   if (why := row_problem(_COLUMNS, r))), None)
+            if self._columns is not None:
+                data = [self._columns.column(c) for c in _COLUMNS]
+            else:
+                data = [[getattr(e, c) for e in self._events] for c in _COLUMNS]
+            bad = meta_problem(self.meta) or _data_problem(data)
             if bad:
                 raise TraceFormatError(f"{path}: not written: {bad}")
             try:
-                data = msgpack.packb({"format": TRACE_FORMAT, "version": TRACE_VERSION, "meta": self.meta,
-                                      "columns": _COLUMNS, "events": rows}, use_bin_type=True)
+                raw = msgpack.packb({"format": TRACE_FORMAT, "version": TRACE_VERSION, "meta": self.meta,
+                                     "columns": _COLUMNS, "data": data}, use_bin_type=True)
             except (TypeError, ValueError) as e:  # ValueError: UnicodeEncodeError of a lone surrogate
                 raise TraceFormatError(f"{path}: trace meta or tags are not msgpack-encodable: {e}") from e
-        atomic_write(path, data)
+        atomic_write(path, raw)
 
     @staticmethod
     def load(path: str | os.PathLike) -> Trace:
         """Read a trace; a corrupt, truncated or newer file raises TraceFormatError."""
         with gc_paused():
             data = read_msgpack(path, TRACE_FORMAT, TRACE_VERSION, TraceFormatError)
-            cols, rows, meta = data.get("columns"), data.get("events"), data.get("meta", {})
+            cols, meta = data.get("columns"), data.get("meta", {})
+            rows, by_col = data.get("events"), data.get("data")
             if data["version"] < 3 and isinstance(cols, list):
                 cols = [_RENAMED.get(c, c) for c in cols]
+            stored = rows if rows is not None or data["version"] < 4 else by_col
             if not isinstance(cols, list) or len(cols) < REQUIRED_COLUMNS or cols != _COLUMNS[: len(cols)] \
-                    or not isinstance(rows, list):
+                    or not isinstance(stored, list) or (stored is by_col and len(by_col) != len(cols)):
                 raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r:.80})")
             if why := meta_problem(meta):
                 raise TraceFormatError(f"{path}: trace meta {why}")
+            if stored is by_col:  # stored by column
+                if why := _data_problem(by_col, cols):
+                    raise TraceFormatError(f"{path}: {why}")
+                defaults = [[getattr(_DEFAULT, c)] * len(by_col[0]) for c in _COLUMNS[len(cols):]]
+                return Trace(meta=meta, columns=Columns.of_lists(by_col + defaults))
             events = []
             for i, row in enumerate(rows):
                 if why := row_problem(cols, row):
@@ -162,10 +321,30 @@ class Trace:
             return Trace(events, meta)
 
 
+_DEFAULT = TraceEvent(0, "", "", "", 0, 0, 0.0, 0.0)
+
+
+def _data_problem(data: list, cols: list[str] = _COLUMNS) -> str | None:
+    """Why columns ``data`` (one list per name in ``cols``) are not valid events, or None."""
+    if not all(isinstance(c, list) for c in data) or len({len(c) for c in data}) > 1:
+        return "bad trace layout (columns of different lengths)"
+    full = data + [[getattr(_DEFAULT, c)] * len(data[0]) for c in _COLUMNS[len(cols):]]
+    if _columns_ok(full):
+        return None
+    for i, row in enumerate(zip(*data)):  # find and name the first bad event
+        if why := row_problem(cols, list(row)):
+            return f"event {i} {why}"
+    return None
+
+
 def merge(traces: Iterable[Trace]) -> Trace:
     """One trace of several ranks' traces (events keep their rank)."""
     traces = list(traces)
-    events = [e for t in traces for e in t.events]
     meta = dict(traces[0].meta) if traces else {}
+    if traces and all(t._columns is not None for t in traces):  # noqa: SLF001  (columns stay columns)
+        cols = Columns.concat([t._columns for t in traces])
+        meta["world_size"] = len(np.unique(cols.rank))
+        return Trace(meta=meta, columns=cols.take(np.lexsort((cols.task_id, cols.rank, cols.start))))
+    events = [e for t in traces for e in t.events]
     meta["world_size"] = len({e.rank for e in events})
     return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.task_id)), meta)

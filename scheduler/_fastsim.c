@@ -8,12 +8,13 @@
  * instant retired, in (finish, sequence) order, before dispatching again. Finish times
  * are `now + dur[t]` in IEEE double, as in Python, so the results are bit-identical.
  *
- * run(pred, succ, engines, index, dur, keys, units, progress, every)
+ * run(pred, succ, engines, index, dur, keys, units, progress, every[, raw])
  *   pred, succ: lists of lists of task ids; engines: engine name per task; index: dict
  *   engine name -> engine number (units order); dur: durations; keys: None (FIFO) or one
  *   number per task; units: unit count per engine number; progress: None or a callable
  *   called as progress(done, total) every `every` dispatches and at the end.
- * Returns (start: list[float], unit: list[int], order: list[int], done: int), or None
+ * Returns (start: list[float], unit: list[int], order: list[int], done: int) (with a tenth argument
+ * `raw` true: start, unit and order as bytes of float64, int32 and int32 values), or None
  * when the inputs are outside what the loop reproduces exactly (an engine missing from
  * index or without units, a NaN duration or key, a key that is not an int or float, an
  * int key beyond 2**53): the caller then runs the Python loop.
@@ -302,6 +303,15 @@ static int sim_loop(Sim *s, PyObject *progress, Py_ssize_t every, int64_t *ndone
     return 0;
 }
 
+/* (start, unit, order, done) as bytes: float64 start and int32 unit per task, int32 task ids in
+ * dispatch order (`done` of them), for NumPy to read without a Python object per entry. */
+static PyObject *sim_result_raw(Sim *s, int64_t ndone) {
+    Py_ssize_t n = s->n;
+    return Py_BuildValue("y#y#y#L", (const char *)s->start, (Py_ssize_t)(n * sizeof(double)),
+                         (const char *)s->unit, (Py_ssize_t)(n * sizeof(int32_t)),
+                         (const char *)s->order, (Py_ssize_t)(ndone * sizeof(int32_t)), (long long)ndone);
+}
+
 /* (start, unit, order, done); at the end every dispatched task is done, so `order` has `done` entries. */
 static PyObject *sim_result(Sim *s, int64_t ndone) {
     Py_ssize_t n = s->n;
@@ -327,9 +337,10 @@ fail:
 static PyObject *fastsim_run(PyObject *self, PyObject *args) {
     PyObject *pred, *succ, *engines, *index, *dur, *keys, *units, *progress;
     Py_ssize_t every;
+    int raw = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOn:run", &pred, &succ, &engines, &index, &dur, &keys, &units,
-                          &progress, &every))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOn|p:run", &pred, &succ, &engines, &index, &dur, &keys, &units,
+                          &progress, &every, &raw))
         return NULL;
     if (progress != Py_None && !PyCallable_Check(progress)) {
         PyErr_SetString(PyExc_TypeError, "progress must be callable or None");
@@ -352,7 +363,7 @@ static PyObject *fastsim_run(PyObject *self, PyObject *args) {
     memset(s.start, 0, (n + 1) * sizeof(double));
     memset(s.unit, 0, (n + 1) * sizeof(int32_t));
     int64_t ndone = 0;
-    if (sim_loop(&s, progress, every, &ndone) == 0) out = sim_result(&s, ndone);
+    if (sim_loop(&s, progress, every, &ndone) == 0) out = raw ? sim_result_raw(&s, ndone) : sim_result(&s, ndone);
     sim_free(&s);
     return out;
 }

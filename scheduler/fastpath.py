@@ -15,6 +15,8 @@ and the simulator runs its Python loop.
 from __future__ import annotations
 
 from operator import attrgetter
+
+import numpy as np
 from typing import Callable, Sequence
 
 from megaloom.runtime.core import Policy
@@ -45,19 +47,24 @@ def ready_order(policy: Policy) -> str | None:
 
 
 def run(graph: TaskGraph, units: dict[str, int], policy: Policy, dur: list[float],
-        progress: Callable[[int, int], None] | None, every: int) -> tuple[list[float], list[int], list[int]] | None:
-    """``(start, unit, order)`` of the compiled loop, or None when it does not apply (no
-    extension, a policy it cannot replay, an engine without units, NaN durations or keys,
-    keys that are not exact doubles, or a stall, which the Python loop then reports)."""
+        progress: Callable[[int, int], None] | None, every: int,
+        arrays: bool = False) -> tuple[Sequence, Sequence, Sequence] | None:
+    """``(start, unit, order)`` of the compiled loop (lists; NumPy arrays with ``arrays``), or
+    None when it does not apply (no extension, a policy it cannot replay, an engine without
+    units, NaN durations or keys, keys that are not exact doubles, or a stall, which the
+    Python loop then reports)."""
     kind = ready_order(policy)
     if _fastsim is None or kind is None:
         return None
     keys = policy.keys(graph) if kind == "keyed" else None
     engines = list(map(attrgetter("engine"), graph.tasks))
     index = {e: i for i, e in enumerate(units)}
-    out = _fastsim.run(graph.pred, graph.succ, engines, index, dur, keys, list(units.values()), progress, every)
+    out = _fastsim.run(graph.pred, graph.succ, engines, index, dur, keys, list(units.values()), progress, every,
+                       arrays)
     if out is None or out[3] != len(dur):
         return None
+    if arrays:
+        return tuple(np.frombuffer(b, dtype=t) for b, t in zip(out[:3], (np.float64, np.int32, np.int32)))
     return out[0], out[1], out[2]
 
 

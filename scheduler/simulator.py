@@ -25,16 +25,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from heapq import heappop, heappush
+from itertools import count
+from operator import attrgetter
 from typing import Callable, Iterable, Mapping
+
+import numpy as np
 
 from megaloom.runtime.core import MAX_UNITS, Core, Policy
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.plugins import parse_options
-from megaloom.runtime.record import Observer, Recorder, gc_paused
+from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 from megaloom.scheduler import fastpath
-from megaloom.scheduler.cost import CostModel
+from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 
@@ -105,17 +109,23 @@ class Simulator:
 
     def schedule(self, graph: TaskGraph, durations: list[float] | None = None) -> Schedule:
         """Simulate ``graph``; the schedule as flat lists (no trace events are built)."""
-        dur = durations if durations is not None else self.cost_model.durations(graph)
+        start, unit, order, dur = self._simulate(graph, durations, arrays=False)
+        return Schedule(start, dur, unit, order)
+
+    def _simulate(self, graph: TaskGraph, durations: list[float] | None, arrays: bool) -> tuple:
+        """``(start, unit, order, durations)``; the first three as NumPy arrays with ``arrays``
+        when the compiled loop ran (lists otherwise)."""
+        dur = durations if durations is not None else task_durations(self.cost_model, graph)
         if len(dur) != len(graph.tasks):
             raise ScheduleError(f"graph {graph.name!r} has {len(graph.tasks)} tasks but {len(dur)} durations")
         if self.fast:
             if isinstance(self.policy, DurationAware):
                 self.policy.use_durations(dur)
             with gc_paused():
-                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
+                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every, arrays)
             if out is not None:
                 self.last_loop = "compiled"
-                return Schedule(out[0], dur, out[1], out[2])
+                return (*out, dur)
         self.last_loop = "python"
         if isinstance(self.policy, DurationAware):
             self.policy.use_durations(dur)
@@ -125,7 +135,7 @@ class Simulator:
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")
-        return Schedule(start, dur, unit, order)
+        return start, unit, order, dur
 
     def _loop(self, core: Core, graph: TaskGraph, dur: list[float]) -> tuple[list[float], list[int], list[int]]:
         n = len(dur)
@@ -195,9 +205,46 @@ class Simulator:
             graph.validate()
         rec = Recorder(graph, self.observers, mode="simulate", clock="virtual", units=self.units,
                        profile=self.profile.name, policy=self.policy.name)
-        sched = self.schedule(graph, durations)
-        start, dur, unit = sched.start, sched.duration, sched.unit
+        start, unit, order, dur = self._simulate(graph, durations, arrays=True)
+        order = np.asarray(order, dtype=np.int64)
+        start = np.asarray(start, dtype=np.float64)[order]
+        end = start + np.asarray(dur, dtype=np.float64)[order]
         with gc_paused():
-            trace = rec.finish([(tid, unit[tid], start[tid], start[tid] + dur[tid]) for tid in sched.order], replay=True)
+            cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, end, 0)
+            trace = rec.finish(columns=cols, replay=True)
         return RunResult({}, trace)
+
+
+_FIELDS = attrgetter("op", "engine", "tags", "attrs")
+
+
+def task_durations(model: CostModel, graph: TaskGraph) -> list[float]:
+    """``model.durations(graph)``, asking the model once per distinct (op, engine, link, cost)
+    rather than once per task (the tasks' keys are kept per graph version, as its costs are).
+    A model overriding ``durations`` or ``task_duration`` is asked as is."""
+    cls = type(model)
+    if cls.durations is not CostModel.durations or cls.task_duration is not CostModel.task_duration:
+        return model.durations(graph)
+    keys, first = graph.cached("duration_keys", lambda: _duration_keys(graph))
+    tasks, costs = graph.tasks, graph.costs()
+    by_value: dict[tuple, float] = {}  # distinct Cost objects of equal work: computed once
+    memo = {}
+    for key, i in first.items():
+        if isinstance(key, int):
+            memo[key] = model.task_duration(graph, tasks[i])
+            continue
+        c = costs[i]
+        vkey = (*key[:3], c.flops, c.bytes, c.comm_bytes, c.precision)
+        d = by_value.get(vkey)
+        memo[key] = d if d is not None else by_value.setdefault(vkey, model.task_duration(graph, tasks[i]))
+    return list(map(memo.__getitem__, keys))
+
+
+def _duration_keys(graph: TaskGraph) -> tuple[list, dict]:
+    """Per task (op, engine, link, id of its Cost), or its id when it carries a measured duration;
+    and a task id of each distinct key."""
+    keys = [(op, engine, tags.get("link", "intra") if tags else "intra", id(c))
+            if not (attrs and DURATION_ATTR in attrs) else i
+            for i, (op, engine, tags, attrs), c in zip(count(), map(_FIELDS, graph.tasks), graph.costs())]
+    return keys, dict(zip(keys, count()))
 

@@ -4,7 +4,7 @@
 ``threaded`` (also ``thread``); plug-ins add theirs through the ``megaloom.executors``
 entry-point group (each entry point loads an Executor class).
 """
-from megaloom.runtime.executors.base import ExecContext, Executor, Observer, RunResult
+from megaloom.runtime.executors.base import ExecContext, Executor, Observer, RunResult, drop_plans
 from megaloom.runtime.executors.reference import ReferenceExecutor
 from megaloom.runtime.executors.threaded import ThreadExecutor
 from megaloom.runtime.plugins import Registry
@@ -14,4 +14,5 @@ EXECUTORS.register(ReferenceExecutor.name, ReferenceExecutor)
 EXECUTORS.register(ThreadExecutor.name, ThreadExecutor)
 EXECUTORS.register("thread", ThreadExecutor)  # the name configurations use
 
-__all__ = ["EXECUTORS", "ExecContext", "Executor", "Observer", "ReferenceExecutor", "RunResult", "ThreadExecutor"]
+__all__ = ["EXECUTORS", "ExecContext", "Executor", "Observer", "ReferenceExecutor", "RunResult", "ThreadExecutor",
+           "drop_plans"]

@@ -2,16 +2,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from functools import partial
+from typing import Any, Callable, Mapping
 
 import torch
 
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.errors import ExecutionError
-from megaloom.runtime.graph import Task, TaskGraph
+from megaloom.runtime.graph import Buffer, Task, TaskGraph
 from megaloom.runtime.record import Observer  # noqa: F401  (executors take observers; re-exported here)
-from megaloom.runtime.region import overlaps, to_slices
+from megaloom.runtime.region import full_box, overlaps, to_slices
+from megaloom.runtime.registry import OpDef, get_op, run_reference
 from megaloom.runtime.trace import Trace
 
 
@@ -37,37 +41,173 @@ class RunResult:
         return self.outputs[name]
 
 
-def allocate(graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None, device: torch.device) -> dict[str, torch.Tensor]:
-    """One tensor per buffer: inputs checked and (for in-out buffers) copied, the rest empty."""
-    inputs = dict(inputs or {})
+def _check_inputs(graph: TaskGraph, inputs: Mapping[str, torch.Tensor]) -> None:
+    """Every input buffer given, as a tensor of its shape and dtype; no unknown names."""
     unknown = sorted(set(inputs) - {b.name for b in graph.inputs})
     if unknown:
         raise ExecutionError(f"graph {graph.name!r} has no input buffer named {', '.join(map(repr, unknown))}")
-    out: dict[str, torch.Tensor] = {}
-    for b in graph.buffers.values():
+    for b in graph.inputs:
+        if b.name not in inputs:
+            raise ExecutionError(f"graph {graph.name!r}: input {b.name!r} {b.shape} {b.dtype} was not given")
+        x = inputs[b.name]
+        if not isinstance(x, torch.Tensor):
+            raise ExecutionError(f"input {b.name!r} must be a torch.Tensor, got {type(x).__name__}")
         dt = torch_dtype(b.dtype)
-        if b.is_input:
-            if b.name not in inputs:
-                raise ExecutionError(f"graph {graph.name!r}: input {b.name!r} {b.shape} {b.dtype} was not given")
-            x = inputs[b.name]
-            if not isinstance(x, torch.Tensor):
-                raise ExecutionError(f"input {b.name!r} must be a torch.Tensor, got {type(x).__name__}")
-            if tuple(x.shape) != b.shape or x.dtype != dt:
-                raise ExecutionError(
-                    f"input {b.name!r} is {tuple(x.shape)} {x.dtype}, graph {graph.name!r} expects {b.shape} {dt}"
-                )
-            x = x.to(device)
-            out[b.name] = x.clone() if b.is_output else x
-        else:
-            out[b.name] = torch.empty(b.shape, dtype=dt, device=device)
-    return out
+        if tuple(x.shape) != b.shape or x.dtype != dt:
+            raise ExecutionError(
+                f"input {b.name!r} is {tuple(x.shape)} {x.dtype}, graph {graph.name!r} expects {b.shape} {dt}")
 
 
-def views(task: Task, bufs: dict[str, torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The tensors a task reads and writes: views of the buffers' storage."""
-    ins = [bufs[r.buffer.name][to_slices(r.box)] for r in task.inputs]
-    outs = [bufs[r.buffer.name][to_slices(r.box)] for r in task.outputs]
-    return ins, outs
+def _caller_tensor(b: Buffer, inputs: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensor of a buffer the caller sees: its input (copied when the run updates it) or a new output."""
+    if b.is_input:
+        x = inputs[b.name].to(device)
+        return x.clone() if b.is_output else x
+    return torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
+
+
+def _view(x: torch.Tensor, box: tuple) -> torch.Tensor:
+    """The region ``box`` of ``x``: ``x`` itself when the box covers it (no view object per call)."""
+    return x if box == full_box(tuple(x.shape)) else x[to_slices(box)]
+
+
+Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
+"""A task ready to run: ``fn(ins, outs)`` with its argument lists."""
+Maker = Callable[[Task, OpDef, Any], Callable[[list, list], None]]
+"""Makes a task's ``fn(ins, outs)`` from the task, its op and the run context: :func:`kernel_call`, :func:`reference_call`."""
+
+
+class Plan:
+    """A graph's tasks with ready arguments: ``calls[task id] = (fn, ins, outs)``.
+
+    Built once per (graph version, kernel mode, context, device) and kept on the graph
+    (:meth:`TaskGraph.cached`). Scratch buffers are the plan's own, reused by every run;
+    views of them are made once. Views of the caller's buffers (inputs, outputs) are made
+    per run, once per distinct region, and put into the argument lists (:meth:`bind`).
+    A plan serves one run at a time (``lock``); a run finding it busy builds its own.
+    """
+
+    __slots__ = ("calls", "scratch", "slots", "ops", "lock")
+
+    def __init__(self, graph: TaskGraph, make: Maker, ctx: Any, device: torch.device):
+        self.ops = {name: get_op(name) for name in dict.fromkeys(t.op for t in graph.tasks)}
+        self.scratch = {b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
+                        for b in graph.buffers.values() if not (b.is_input or b.is_output)}
+        # caller buffer -> region box -> the (argument list, index) pairs that take its view
+        self.slots: dict[str, dict[tuple, list[tuple[list, int]]]] = {}
+        made: dict[tuple[str, tuple], torch.Tensor] = {}
+        self.calls: list[Call] = []
+        for t in graph.tasks:
+            args: tuple[list, list] = ([], [])
+            for lst, regions in zip(args, (t.inputs, t.outputs)):
+                for i, r in enumerate(regions):
+                    name = r.buffer.name
+                    if name in self.scratch:
+                        v = made.get((name, r.box))
+                        if v is None:
+                            v = made[name, r.box] = _view(self.scratch[name], r.box)
+                        lst.append(v)
+                    else:
+                        lst.append(None)
+                        self.slots.setdefault(name, {}).setdefault(r.box, []).append((lst, i))
+            self.calls.append((make(t, self.ops[t.op], ctx), *args))
+        self.lock = threading.Lock()
+
+    def bind(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
+             device: torch.device) -> dict[str, torch.Tensor]:
+        """Check ``inputs``, put views of the caller's tensors into the argument lists; every buffer's tensor."""
+        inputs = dict(inputs or {})
+        _check_inputs(graph, inputs)
+        bufs = {}
+        for b in graph.buffers.values():
+            x = self.scratch.get(b.name)
+            if x is None:
+                x = _caller_tensor(b, inputs, device)
+                for box, places in self.slots.get(b.name, {}).items():
+                    v = _view(x, box)
+                    for lst, i in places:
+                        lst[i] = v
+            bufs[b.name] = x
+        return bufs
+
+    def unbind(self) -> None:
+        """Drop the views of the caller's tensors, so the plan keeps none of them alive."""
+        for boxes in self.slots.values():
+            for places in boxes.values():
+                for lst, i in places:
+                    lst[i] = None
+
+
+MAX_PLANS = 4
+"""Plans kept per graph version (kernel modes and contexts)."""
+
+
+def drop_plans(graph: TaskGraph) -> None:
+    """Forget the graph's dispatch plans, freeing the scratch buffers they keep between runs
+    (the next run builds a plan again)."""
+    graph.cached("dispatch_plans", dict).clear()
+
+
+@contextmanager
+def bound_plan(graph: TaskGraph, make: Maker, ctx: ExecContext, inputs: Mapping[str, torch.Tensor] | None):
+    """``(plan, buffers)`` for one run: the graph's cached plan for ``make`` and ``ctx``,
+    bound to ``inputs``. A re-registered op, or a plan busy with another run, gets a new one;
+    a run that raises discards its plan (an abandoned kernel may still use it)."""
+    plans = graph.cached("dispatch_plans", dict)
+    # equal contexts share a plan; it holds ctx and so its communicator, whose id stays unique
+    key = (make, ctx.rank, ctx.world_size, id(ctx.comm), str(ctx.device))
+    plan = plans.get(key)
+    if plan is None or any(get_op(name) is not op for name, op in plan.ops.items()):
+        while len(plans) >= MAX_PLANS:  # the oldest goes
+            del plans[next(iter(plans))]
+        plan = plans[key] = Plan(graph, make, ctx, ctx.device)
+    if not plan.lock.acquire(blocking=False):
+        plan = Plan(graph, make, ctx, ctx.device)
+        plan.lock.acquire()
+    try:
+        bufs = plan.bind(graph, inputs, ctx.device)
+    except BaseException:  # bad inputs: the plan stays good
+        plan.unbind()
+        plan.lock.release()
+        raise
+    try:
+        yield plan, bufs
+    except BaseException:  # a kernel of a failed run may still hold the plan's lists: drop the plan
+        if plans.get(key) is plan:
+            del plans[key]
+        raise
+    plan.unbind()
+    plan.lock.release()
+
+
+def reference_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
+    """``fn(ins, outs)`` running the op's torch reference and copying its results into ``outs``."""
+    attrs = task.attrs
+
+    def run(ins: list, outs: list) -> None:
+        results = run_reference(op, ins, attrs, ctx)
+        check_results(task, results, outs)
+        for o, r in zip(outs, results):
+            o.copy_(r)
+    return run
+
+
+def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
+    """``fn(ins, outs)`` running the op's kernel (copying inputs it writes over), or its reference."""
+    if op.kernel is None:
+        return reference_call(task, op, ctx)
+    kw = {**task.attrs, **({"ctx": ctx} if op.context else {})}
+    fn = partial(op.kernel, **kw) if kw else op.kernel
+    copies = aliased_inputs(task, op.extra.get("in_place", False))
+    if not copies:
+        return fn
+
+    def run(ins: list, outs: list) -> None:
+        ins = list(ins)
+        for i in copies:
+            ins[i] = ins[i].clone()
+        fn(ins, outs)
+    return run
 
 
 def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:

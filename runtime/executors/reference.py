@@ -8,10 +8,9 @@ import torch
 
 from megaloom.runtime.core import Core
 from megaloom.runtime.errors import ExecutionError
-from megaloom.runtime.executors.base import ExecContext, Executor, RunResult, allocate, check_results, fail, views
+from megaloom.runtime.executors.base import ExecContext, Executor, RunResult, bound_plan, fail, reference_call
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.record import Observer, Recorder
-from megaloom.runtime.registry import get_op, run_reference
 
 
 class ReferenceExecutor(Executor):
@@ -25,28 +24,23 @@ class ReferenceExecutor(Executor):
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
         graph.validate()
-        bufs = allocate(graph, inputs, self.ctx.device)
-        units = {e: 1 for e in graph.engines()}
-        rec = Recorder(graph, self.observers, mode="reference", clock="wall", units=units, rank=self.ctx.rank,
-                       world_size=self.ctx.world_size)
+        units = {e: 1 for e in graph.cached("engines", graph.engines)}
         core = Core(graph, units)
         engines = list(units)
-        while core.is_active:
-            tid = next(t for t in (core.pop(e) for e in engines) if t >= 0)  # FIFO: a valid DAG always has one
-            task = graph.tasks[tid]
-            op = get_op(task.op)
-            ins, outs = views(task, bufs)
-            t0 = time.perf_counter()
-            try:
-                results = run_reference(op, ins, task.attrs, self.ctx)
-                check_results(task, results, outs)
-                for o, r in zip(outs, results):
-                    o.copy_(r)
-            except ExecutionError:
-                raise
-            except Exception as e:
-                raise fail(task, e) from e
-            rec.task(tid, 0, t0, time.perf_counter())
-            core.done(tid)
+        with bound_plan(graph, reference_call, self.ctx, inputs) as (plan, bufs):
+            rec = Recorder(graph, self.observers, mode="reference", clock="wall", units=units, rank=self.ctx.rank,
+                           world_size=self.ctx.world_size)
+            calls = plan.calls
+            while core.is_active:
+                tid = next(t for t in (core.pop(e) for e in engines) if t >= 0)  # FIFO: a valid DAG always has one
+                fn, ins, outs = calls[tid]
+                t0 = time.perf_counter()
+                try:
+                    fn(ins, outs)
+                except ExecutionError:
+                    raise
+                except Exception as e:
+                    raise fail(graph.tasks[tid], e) from e
+                rec.task(tid, 0, t0, time.perf_counter())
+                core.done(tid)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs}, rec.finish(), bufs)
-

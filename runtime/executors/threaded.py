@@ -18,23 +18,22 @@ import asyncio
 import copy
 import threading
 import time
+from array import array
 from contextlib import contextmanager
-from operator import itemgetter
 from typing import Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 from megaloom.runtime.core import FIFO, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, MegaloomError, ScheduleError
 from megaloom.runtime.executors.base import (
-    ExecContext, Executor, RunResult, aliased_inputs, allocate, check_results, fail, views,
+    Call, ExecContext, Executor, RunResult, bound_plan, fail, kernel_call, reference_call,
 )
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.record import Observer, Recorder, gc_paused
-from megaloom.runtime.registry import get_op, run_reference
+from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 
 KERNEL_MODES = ("kernel", "reference", "null")
-_BY_START = itemgetter(2, 0)  # records are (task id, unit, start, end)
 
 
 class ThreadExecutor(Executor):
@@ -102,18 +101,38 @@ class ThreadExecutor(Executor):
     def _run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
              cancel: threading.Event | None) -> RunResult:
         graph.validate()
-        units = self.units if self.units is not None else {e: 1 for e in graph.engines()}
+        units = self.units if self.units is not None else {e: 1 for e in graph.cached("engines", graph.engines)}
         # each run gets its own policy state, so one executor may run several graphs at once
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
-        bufs = allocate(graph, inputs, self.ctx.device) if self.kernels != "null" else {}
-        rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
-                       world_size=self.ctx.world_size, kernels=self.kernels)
+
+        def run(calls: list[Call] | None) -> tuple[Recorder, list[_Log]]:  # (the inputs are checked by now)
+            rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
+                           world_size=self.ctx.world_size, kernels=self.kernels)
+            return rec, _Run(graph, units, core, calls, self, rec, cancel).execute()
         with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
-            records = _Run(graph, units, core, bufs, self, rec, cancel).execute()
-            records.sort(key=_BY_START)
-            trace = rec.finish(records)
+            if self.kernels == "null":
+                bufs: dict[str, torch.Tensor] = {}
+                rec, records = run(None)
+            else:
+                make = kernel_call if self.kernels == "kernel" else reference_call
+                with bound_plan(graph, make, self.ctx, inputs) as (plan, bufs):
+                    rec, records = run(plan.calls)
+            trace = rec.finish(columns=_by_start(graph, records, self.ctx.rank))
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
+
+
+def _by_start(graph: TaskGraph, records: list[_Log], rank: int):
+    """Trace columns of the workers' logs, ordered by start (ties: task id)."""
+    tid, start, end = (np.concatenate([np.frombuffer(r[k], dtype=r[k].typecode) for r in records] or [np.zeros(0)])
+                       for k in (1, 2, 3))
+    unit = np.concatenate([np.full(len(r[1]), r[0], dtype=np.int64) for r in records] or [np.zeros(0)])
+    order = np.lexsort((tid, start))
+    return columns_of(graph, tid[order], unit[order], start[order], end[order], rank)
+
+
+_Log = tuple[int, array, array, array]
+"""One worker's runs: its unit, then task ids, starts and ends (array columns)."""
 
 
 @contextmanager
@@ -150,9 +169,9 @@ class _Run:
     IDLE_POLL = 0.05  # seconds a parked worker sleeps before it looks again by itself
     ABANDON_AFTER = 0.5  # seconds a cancelled or interrupted run waits for kernels before leaving them
 
-    def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, bufs, ex: ThreadExecutor,
-                 rec: Recorder, cancel: threading.Event | None = None):
-        self.graph, self.units, self.core, self.bufs, self.ex, self.rec = graph, dict(units), core, bufs, ex, rec
+    def __init__(self, graph: TaskGraph, units: Mapping[str, int], core: Core, calls: list[Call] | None,
+                 ex: ThreadExecutor, rec: Recorder, cancel: threading.Event | None = None):
+        self.graph, self.units, self.core, self.calls, self.ex, self.rec = graph, dict(units), core, calls, ex, rec
         self.cancel = cancel
         self.lock = threading.Lock()
         self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
@@ -161,23 +180,19 @@ class _Run:
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.finished = threading.Event()
         self.last_progress = time.perf_counter()
-        self.ops = [get_op(t.op) for t in graph.tasks] if ex.kernels != "null" else []
-        # inputs a kernel must see copied, since the task writes over them (by task id)
-        self.copy_in = [aliased_inputs(t, op.extra.get("in_place", False)) for t, op in zip(graph.tasks, self.ops)] \
-            if ex.kernels == "kernel" else []
         self.per_unit = getattr(core.policy, "per_unit", False)
         # OpenMP thread counts are per thread: workers take the caller's (set by intra_op_threads)
         self.threads = torch.get_num_threads()
 
-    def execute(self) -> list[tuple[int, int, float, float]]:
-        """Run every task; return ``(task id, unit, start, end)`` records, unordered."""
+    def execute(self) -> list[_Log]:
+        """Run every task; return each worker's log."""
         if not self.core.is_active:
             return []
-        records: list[list[tuple[int, int, float, float]]] = []
+        records: list[_Log] = []
         threads = []
         for engine, n in self.units.items():
             for unit in range(n):
-                rec: list[tuple[int, int, float, float]] = []
+                rec = (unit, array("q"), array("d"), array("d"))
                 records.append(rec)
                 threads.append(threading.Thread(target=self._worker, args=(engine, unit, rec),
                                                 name=f"megaloom-{engine}.{unit}", daemon=True))
@@ -210,7 +225,7 @@ class _Run:
             self._report_abandoned([th for th in threads if th.is_alive()])
         if self.error is not None:
             raise self.error
-        return [r for rec in records for r in rec]
+        return records
 
     def _report_abandoned(self, stuck: list[threading.Thread]) -> None:
         """Name the workers left inside a kernel (daemon threads: they end when it returns)."""
@@ -248,33 +263,36 @@ class _Run:
             if not every:
                 return
 
-    def _worker(self, engine: str, unit: int, rec: list) -> None:
+    def _worker(self, engine: str, unit: int, rec: _Log) -> None:
         core, lock, parked = self.core, self.lock, self.parked
         mine = parked[engine]
-        pop, done, has_ready = core.pop, core.done, core.policy.has_ready
+        pop, done_pop, has_ready = core.pop, core.done_pop, core.policy.has_ready
         engines = list(parked)
         wake = self._wake
         every = self.per_unit  # per-unit queues: any unit may be the one with work
-        run_task = None if self.ex.kernels == "null" else self._run_task
+        calls = self.calls
         perf = time.perf_counter
-        append = rec.append
+        log_tid, log_start, log_end = rec[1].append, rec[2].append, rec[3].append
         show = self.rec.task if self.rec.observers else None
         me = _Parker()
         torch.set_num_threads(self.threads)
         lock.acquire()
         try:
+            tid = -1
             while self.error is None and core.remaining:
-                tid = pop(engine, unit)
                 if tid < 0:
-                    self._park(me, mine)
-                    continue
+                    tid = pop(engine, unit)
+                    if tid < 0:
+                        self._park(me, mine)
+                        continue
                 if mine and has_ready(engine):  # chain: more work of this kind is ready
                     wake(engine, every)
                 lock.release()
                 try:
                     t0 = perf()
-                    if run_task is not None:
-                        run_task(tid)
+                    if calls is not None:
+                        fn, ins, outs = calls[tid]
+                        fn(ins, outs)
                     t1 = perf()
                     if show is not None:
                         show(tid, unit, t0, t1, keep=False)
@@ -283,8 +301,10 @@ class _Run:
                     self._stop(e if isinstance(e, ExecutionError) else fail(self.graph.tasks[tid], e))
                     return
                 lock.acquire()
-                append((tid, unit, t0, t1))
-                done(tid)
+                log_tid(tid)
+                log_start(t0)
+                log_end(t1)
+                tid = done_pop(tid, engine, unit)  # the next task of this unit, if one is ready
                 self.last_progress = t1
                 if not core.remaining:
                     self._stop()
@@ -315,19 +335,3 @@ class _Run:
             self.n_parked -= 1
         elif not got:  # a wake-up raced with the timeout: consume it
             me.park.acquire(False)
-
-    def _run_task(self, tid: int) -> None:
-        task, op = self.graph.tasks[tid], self.ops[tid]
-        ins, outs = views(task, self.bufs)
-        if self.ex.kernels == "kernel" and op.kernel is not None:
-            for i in self.copy_in[tid]:
-                ins[i] = ins[i].clone()
-            if op.context:
-                op.kernel(ins, outs, **task.attrs, ctx=self.ex.ctx)
-            else:
-                op.kernel(ins, outs, **task.attrs)
-            return
-        results = run_reference(op, ins, task.attrs, self.ex.ctx)
-        check_results(task, results, outs)
-        for o, r in zip(outs, results):
-            o.copy_(r)

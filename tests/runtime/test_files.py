@@ -146,17 +146,23 @@ def test_trace_round_trip(tmp_path):
 def test_bad_trace_files(tmp_path, mutate, needle):
     p = tmp_path / "t.mlt"
     _trace().save(p)
-    d = msgpack.unpackb(p.read_bytes())
+    d = _as_rows(msgpack.unpackb(p.read_bytes()))
     mutate(d)
     _write(p, d)
     with pytest.raises(TraceFormatError, match=needle):
         Trace.load(p)
 
 
+def _as_rows(d: dict) -> dict:
+    """A saved trace (stored by column) rewritten as a row file, which every version reads."""
+    d["events"] = [list(row) for row in zip(*d.pop("data"))]
+    return d
+
+
 def test_older_trace_without_optional_columns_loads(tmp_path):
     p = tmp_path / "t.mlt"
     _trace().save(p)
-    d = msgpack.unpackb(p.read_bytes())
+    d = _as_rows(msgpack.unpackb(p.read_bytes()))
     d["columns"] = d["columns"][:8]
     d["events"] = [row[:8] for row in d["events"]]
     _write(p, d)
@@ -168,8 +174,8 @@ def test_older_trace_without_optional_columns_loads(tmp_path):
 def test_trace_of_an_older_schema_loads_under_the_new_names(tmp_path, version):
     p = tmp_path / "t.mlt"
     _trace().save(p)
-    d = msgpack.unpackb(p.read_bytes())
-    assert d["version"] == TRACE_VERSION == 3 and d["columns"][0] == "task_id"
+    d = _as_rows(msgpack.unpackb(p.read_bytes()))
+    assert d["version"] == TRACE_VERSION == 4 and d["columns"][0] == "task_id"
     d["version"], d["columns"][0] = version, "tid"  # the task id column's name before version 3
     if version == 1:  # version 1 had no precision column
         d["columns"] = d["columns"][:-1]
@@ -180,6 +186,26 @@ def test_trace_of_an_older_schema_loads_under_the_new_names(tmp_path, version):
     d["version"] = 3  # a current file must use the current names
     _write(p, d)
     with pytest.raises(TraceFormatError, match="bad trace layout"):
+        Trace.load(p)
+
+
+@pytest.mark.parametrize("mutate, needle", [
+    (lambda d: d["data"][6].__setitem__(1, "x"), "event 1 field 'start' has type str"),
+    (lambda d: d["data"][7].__setitem__(0, -1.0), "event 0 ends"),
+    (lambda d: d["data"][4].__setitem__(1, -2), "event 1 field 'unit'"),
+    (lambda d: d["data"][11].__setitem__(1, [True]), "event 1 field 'deps'"),
+    (lambda d: d["data"][3].pop(), "columns of different lengths"),
+    (lambda d: d["data"].pop(), "bad trace layout"),
+    (lambda d: d.update(version=3), "bad trace layout"),  # before version 4 a file held rows
+])
+def test_bad_columns_name_the_event_and_field(tmp_path, mutate, needle):
+    p = tmp_path / "t.mlt"
+    _trace().save(p)
+    d = msgpack.unpackb(p.read_bytes())
+    assert d["version"] == 4 and len(d["data"]) == len(d["columns"]) and "events" not in d
+    mutate(d)
+    _write(p, d)
+    with pytest.raises(TraceFormatError, match=needle):
         Trace.load(p)
 
 

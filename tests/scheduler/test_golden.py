@@ -1,6 +1,8 @@
 """Golden simulated traces: a fixed set of graphs under two policies (``fifo``, which takes
 the compiled loop, and ``expert_interleave``, which takes the Python loop over the Core),
-saved byte for byte under ``tests/golden/``. A refactor leaves every file identical.
+saved under ``tests/golden/``. A refactor leaves every event identical (every field, floats
+exactly) and the metadata too. The files are of trace schema version 3 (rows), written before
+traces were stored by column (version 4), so they also check that older files still load.
 
 A change meant to move a schedule (a cost-model fix, a profile figure, a builder's tiling)
 rewrites them: ``python -m pytest tests/scheduler/test_golden.py --update-golden``, then
@@ -34,7 +36,8 @@ def _first_difference(got: Trace, want: Trace) -> str:
         if a != b:
             field = next(f for f in a.__slots__ if getattr(a, f) != getattr(b, f))
             return f"event {i} ({a.task!r}) differs in {field}: {getattr(a, field)!r} != {getattr(b, field)!r}"
-    return f"{len(got.events)} events != {len(want.events)}" if len(got.events) != len(want.events) else "bytes differ"
+    return f"{len(got.events)} events != {len(want.events)}" if len(got.events) != len(want.events) \
+        else "the trace read back from its file differs"
 
 
 @pytest.mark.parametrize("graph, policy", CASES)
@@ -47,8 +50,9 @@ def test_simulated_trace_is_byte_identical(tmp_path, update_golden, graph, polic
         golden.write_bytes(fresh.read_bytes())
         return
     assert golden.exists(), f"{golden} is missing: run with --update-golden and commit it"
-    if fresh.read_bytes() != golden.read_bytes():
-        pytest.fail(f"{golden.name}: {_first_difference(trace, Trace.load(golden))} (a schedule change? "
+    want = Trace.load(golden)
+    if trace != want or Trace.load(fresh) != want:
+        pytest.fail(f"{golden.name}: {_first_difference(trace, want)} (a schedule change? "
                     "see this module's docstring)")
 
 

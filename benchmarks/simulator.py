@@ -1,69 +1,107 @@
-"""Simulated tasks per second of the discrete-event Simulator on a >= 1,000,000-task graph.
+"""The discrete-event Simulator on a >= 1,000,000-task graph against a heapq list scheduler:
+end to end from the graph's columns, cold and warm, and peak memory.
 
-Side by side in one run, on the same random DAG and the same durations:
+Every candidate works from the same random DAG given as columns (CSR predecessors, an engine
+code and a cost code per task: what a generator hands over), with the same durations:
 
-* ``simulator.schedule.python``: the Python event loop driven by the microkernel Core and
-  a policy (the specification; ``Simulator(..., fast=False)``);
-* ``simulator.schedule.compiled``: the compiled event loop (``megaloom.scheduler._fastsim``)
-  the Simulator picks for key-ordered policies; its schedule is checked identical to the
-  Python loop's (start, unit, dispatch order), and its line gives the speed-up over it;
-* ``simulator.run.cold``: the first ``Simulator.run`` on the new graph (task costs, duration
-  keys, durations, event loop, trace columns), and ``end_to_end``: build + validate + that run;
-* ``simulator.run``: later runs (durations asked once per distinct (op, engine, cost), the
-  loop, the trace columns), with the loop the Simulator picks;
-* ``baseline.heapq`` (FIFO only): a ~40-line stand-alone heapq list scheduler with its own
-  counters and deques (no Core, no policy object, no trace) given the durations; its start,
-  unit and dispatch order per task must equal the simulator's (checked), and its line gives
-  ``Simulator.run``'s speed-up over it.
+* ``end_to_end.megaloom``: ``TaskGraph.from_arrays`` of the columns, then ``Simulator.run``
+  (validate, durations, event loop, trace columns): ``cold`` on the new graph, ``warm``
+  a second run on the same graph;
+* ``end_to_end.heapq``: a ~40-line stand-alone heapq list scheduler as a user would write it:
+  Python lists from the same columns (successor lists, unmet counts, engine per task, a
+  duration per task from a table of the cost model's duration per cost code), then its loop
+  (``warm``: the loop alone, given those lists). Its start, unit and dispatch order per task
+  must equal the simulator's (checked every round);
+* ``end_to_end.megaloom_task``: the same graph built with ``TaskGraph.task()`` one by one,
+  then ``Simulator.run`` (one round: the builder dominates);
+* ``memory``: peak RSS of a fresh process that builds and simulates the graph with each
+  candidate, alone (``--memory-sizes``), and its peak above the RSS after imports;
+* ``loops``: the simulator's Python loop against its compiled loop (identical schedule
+  checked), each on the durations alone.
 
-Timings are the best of ``--repeat`` runs, as wall time and as process CPU time (the
-machine may be shared). One JSON line per figure; ``meets_target`` reads CPU time.
+The end-to-end candidates run in interleaved rounds (each round times each once, the order
+alternating); medians and ranges of wall time over ``--rounds``, process CPU time beside.
+One JSON line per figure.
 
-    python benchmarks/simulator.py [--tasks 1000000] [--repeat 3] [--profile ascend-910b] [--policy fifo]
+    python benchmarks/simulator.py [--tasks 1000000] [--rounds 5] [--memory-sizes 1000000,4000000]
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
-import random
+import os
+import statistics
+import subprocess
+import sys
 import time
 from collections import deque
 from heapq import heappop, heappush
 
+import numpy as np
+
 import megaloom.ops  # noqa: F401  (registers the built-in ops)
 from megaloom.runtime import Cost, TaskGraph
-from megaloom.scheduler import Simulator, fastpath
+from megaloom.scheduler import Simulator
 
-ENGINES = ("cube", "vector", "comm")
-TARGET = 1_000_000  # simulated tasks per second
+ENGINES = ["cube", "vector", "comm"]
+COSTS = ([Cost(flops=2.0 * m * 128 * 128, bytes=2.0 * (2 * m * 128 + 128 * 128), precision="bf16")
+          for m in (16, 32, 64, 128, 256, 512, 1024, 2048)]
+         + [Cost(flops=4.0 * m * 128, bytes=4.0 * m * 128, precision="bf16") for m in range(64, 64 * 9, 64)]
+         + [Cost(comm_bytes=2.0 * m * 128) for m in range(256, 256 * 9, 256)])
+PROFILE = "ascend-910b"
 
 
-def random_graph(n: int, seed: int = 0, max_preds: int = 3, window: int = 64) -> TaskGraph:
-    """``n`` no-op tasks, each waiting for up to ``max_preds`` of the ``window`` tasks before
-    it, on a random engine kind, with one of 24 costs (matmul-like on cube, element-wise on
-    vector, transfers on comm)."""
-    rng = random.Random(seed)
-    costs = {
-        "cube": [Cost(flops=2.0 * m * 128 * 128, bytes=2.0 * (m * 128 + 128 * 128 + m * 128), precision="bf16")
-                 for m in (16, 32, 64, 128, 256, 512, 1024, 2048)],
-        "vector": [Cost(flops=4.0 * m * 128, bytes=4.0 * m * 128, precision="bf16") for m in range(64, 64 * 9, 64)],
-        "comm": [Cost(comm_bytes=2.0 * m * 128) for m in range(256, 256 * 9, 256)],
-    }
+def random_dag(n: int, seed: int = 0, max_preds: int = 3, window: int = 64) -> dict[str, np.ndarray]:
+    """Columns of ``n`` tasks: CSR predecessors (each task waits for 0..``max_preds`` distinct
+    tasks among the ``window`` before it, ascending), an engine code, and a cost code matching
+    the engine (8 costs per engine kind)."""
+    rng = np.random.default_rng(seed)
+    k = rng.integers(0, max_preds + 1, n)
+    back = np.cumsum(rng.integers(1, window // max_preds + 1, (n, max_preds)), axis=1)[:, ::-1]
+    ids = np.arange(n)[:, None] - back
+    keep = (np.arange(max_preds)[::-1] < k[:, None]) & (ids >= 0)
+    indptr = np.zeros(n + 1, np.int64)
+    np.cumsum(keep.sum(axis=1), out=indptr[1:])
+    engine = rng.integers(0, 3, n).astype(np.int8)
+    cost = (engine * 8 + rng.integers(0, 8, n)).astype(np.int8)
+    return {"indptr": indptr, "indices": ids[keep], "engine": engine, "cost": cost}
+
+
+def megaloom_graph(dag: dict[str, np.ndarray]) -> TaskGraph:
+    n = len(dag["engine"])
+    return TaskGraph.from_arrays((["noop"], np.zeros(n, np.int8)), (dag["indptr"], dag["indices"]),
+                                 engines=(ENGINES, dag["engine"]), costs=(COSTS, dag["cost"]), name="bench-sim")
+
+
+def task_graph(dag: dict[str, np.ndarray]) -> TaskGraph:
+    """The same graph added task by task."""
     g = TaskGraph("bench-sim")
-    tasks = g.tasks
-    for i in range(n):
-        k = rng.randint(0, min(max_preds, i))
-        preds = rng.sample(range(max(0, i - window), i), k) if k else ()
-        e = ENGINES[rng.randrange(3)]
-        g.task("noop", name=f"t{i}", engine=e, cost=costs[e][rng.randrange(8)], after=[tasks[p] for p in sorted(preds)])
+    tasks, ptr, idx = g.tasks, dag["indptr"].tolist(), dag["indices"].tolist()
+    for i, (e, c) in enumerate(zip(dag["engine"].tolist(), dag["cost"].tolist())):
+        g.task("noop", engine=ENGINES[e], cost=COSTS[c], after=[tasks[p] for p in idx[ptr[i]:ptr[i + 1]]])
     return g
 
 
-def heapq_baseline(graph: TaskGraph, dur: list[float], units: dict[str, int]):
-    """The same FIFO list schedule with inline counters and deques: (start, unit, order) per task."""
-    succ, engine = graph.succ, [t.engine for t in graph.tasks]
-    unmet = [len(p) for p in graph.pred]
+def heapq_lists(dag: dict[str, np.ndarray], cost_seconds: list[float]):
+    """What a heapq scheduler needs, as Python lists: successors, unmet counts, engine, duration."""
+    ptr, idx = dag["indptr"].tolist(), dag["indices"].tolist()
+    n = len(ptr) - 1
+    succ: list[list[int]] = [[] for _ in range(n)]
+    unmet = [0] * n
+    for b in range(n):
+        preds = idx[ptr[b]:ptr[b + 1]]
+        unmet[b] = len(preds)
+        for a in preds:
+            succ[a].append(b)
+    engine = [ENGINES[e] for e in dag["engine"].tolist()]
+    dur = [cost_seconds[c] for c in dag["cost"].tolist()]
+    return succ, unmet, engine, dur
+
+
+def heapq_schedule(succ, unmet, engine, dur, units: dict[str, int]):
+    """The FIFO list schedule with inline counters and deques: (start, unit, order) per task."""
+    unmet = list(unmet)
     ready = {e: deque() for e in units}
     for tid, k in enumerate(unmet):
         if k == 0:
@@ -96,73 +134,138 @@ def heapq_baseline(graph: TaskGraph, dur: list[float], units: dict[str, int]):
                     ready[engine[s]].append(s)
 
 
-def timed(fn, repeat: int):
-    """(result, best wall seconds, best CPU seconds) of ``repeat`` calls."""
-    best_wall = best_cpu = float("inf")
-    result = None
-    for _ in range(repeat):
-        result = None  # free the previous result outside the timed region
-        gc.collect()
-        w, c = time.perf_counter(), time.process_time()
-        result = fn()
-        best_wall, best_cpu = min(best_wall, time.perf_counter() - w), min(best_cpu, time.process_time() - c)
-    return result, best_wall, best_cpu
+def cost_seconds(sim: Simulator) -> list[float]:
+    """The cost model's duration of each cost code on its engine kind (8 costs per kind)."""
+    return [sim.cost_model.duration(c, ENGINES[i // 8], op="noop") for i, c in enumerate(COSTS)]
 
 
-def emit(figure: str, n: int, wall: float, cpu: float, **extra) -> None:
-    print(json.dumps({"figure": figure, "tasks": n, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
-                      "tasks_per_s_wall": round(n / wall), "tasks_per_s_cpu": round(n / cpu), **extra}), flush=True)
+def same_schedule(trace, base) -> bool:
+    """True when the trace (events in dispatch order) has the heapq schedule's start, unit and order."""
+    start, unit, order = base
+    c = trace.columns
+    tid = c.task_id
+    return bool(np.array_equal(tid, np.asarray(order)) and np.array_equal(c.start, np.asarray(start)[tid])
+                and np.array_equal(c.unit, np.asarray(unit)[tid]))
+
+
+def _timed(fn):
+    gc.collect()
+    w, c = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - w, time.process_time() - c
+
+
+def _summary(wall: list[float], cpu: list[float], n: int) -> dict:
+    return {"median_s": round(statistics.median(wall), 4), "range_s": [round(min(wall), 4), round(max(wall), 4)],
+            "median_cpu_s": round(statistics.median(cpu), 4), "tasks_per_s": round(n / statistics.median(wall))}
+
+
+def end_to_end(n: int, rounds: int) -> None:
+    dag = random_dag(n)
+    sim = Simulator(PROFILE)
+    secs = cost_seconds(sim)
+    runs: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in
+                                                        ("megaloom.cold", "megaloom.warm", "heapq.cold", "heapq.warm")}
+
+    def heapq_round():
+        lists, w, c = _timed(lambda: heapq_lists(dag, secs))
+        base, w2, c2 = _timed(lambda: heapq_schedule(*lists, sim.units))
+        for k, (a, b) in (("heapq.cold", (w + w2, c + c2)), ("heapq.warm", (w2, c2))):
+            runs[k][0].append(a)
+            runs[k][1].append(b)
+        return base
+
+    def megaloom_round():
+        (g, res), w, c = _timed(lambda: (lambda g: (g, sim.run(g)))(megaloom_graph(dag)))
+        res2, w2, c2 = _timed(lambda: sim.run(g))
+        for k, (a, b) in (("megaloom.cold", (w, c)), ("megaloom.warm", (w2, c2))):
+            runs[k][0].append(a)
+            runs[k][1].append(b)
+        return res.trace
+
+    for r in range(rounds):
+        if r % 2:
+            trace, base = megaloom_round(), heapq_round()
+        else:
+            base, trace = heapq_round(), megaloom_round()
+        if not same_schedule(trace, base):
+            raise SystemExit("the heapq scheduler's schedule differs from the simulator's")
+        ref_start = trace.columns.start
+        del trace, base
+    out = {k: _summary(*v, n) for k, v in runs.items()}
+    ratio = {k: [a / b for a, b in zip(runs[f"megaloom.{k}"][0], runs[f"heapq.{k}"][0])] for k in ("cold", "warm")}
+    print(json.dumps({"figure": "end_to_end", "tasks": n, "edges": int(dag["indptr"][-1]), "rounds": rounds,
+                      "loop": sim.last_loop, "identical_schedule": True, **out,
+                      **{f"megaloom_vs_heapq.{k}": {"median": round(statistics.median(v), 3),
+                                                    "range": [round(min(v), 3), round(max(v), 3)]}
+                         for k, v in ratio.items()}, "target_cold": 0.8}), flush=True)
+    (g, res), w, c = _timed(lambda: (lambda g: (g, sim.run(g)))(task_graph(dag)))
+    print(json.dumps({"figure": "end_to_end.megaloom_task", "tasks": n, "wall_s": round(w, 3), "cpu_s": round(c, 3),
+                      "vs_heapq_cold_median": round(w / statistics.median(runs["heapq.cold"][0]), 2),
+                      "identical_schedule": bool(np.array_equal(res.trace.columns.start, ref_start))}), flush=True)
+
+
+def loops(n: int) -> None:
+    """The Python loop (the specification) against the compiled loop, on the durations alone."""
+    g = megaloom_graph(random_dag(n))
+    dur = Simulator(PROFILE).cost_model.durations(g)
+    out = {}
+    for name, fast in (("python", False), ("compiled", True)):
+        sim = Simulator(PROFILE, fast=fast)
+        out[name], w, c = _timed(lambda: sim.schedule(g, dur))
+        print(json.dumps({"figure": f"loops.{name}", "tasks": n, "loop": sim.last_loop, "wall_s": round(w, 3),
+                          "cpu_s": round(c, 3)}), flush=True)
+    a, b = out["python"], out["compiled"]
+    if (a.start, a.unit, a.order) != (b.start, b.unit, b.order):
+        raise SystemExit("the compiled loop's schedule differs from the Python loop's")
+
+
+def child(kind: str, n: int) -> None:
+    """Build and simulate with one candidate; print peak RSS and RSS after imports (MiB). The
+    peak is reset after the imports (torch's import peaks above what it keeps)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_mib("VmRSS")
+    dag = random_dag(n)
+    sim = Simulator(PROFILE)
+    if kind == "heapq":
+        result = heapq_schedule(*heapq_lists(dag, cost_seconds(sim)), sim.units)
+    else:
+        result = sim.run(megaloom_graph(dag)).trace
+    print(json.dumps({"peak_mib": round(_status_mib("VmHWM")), "after_imports_mib": round(base), "kept": len(result)}))
+
+
+def _status_mib(key: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
+
+
+def memory(sizes: list[int]) -> None:
+    for n in sizes:
+        line = {"figure": "memory", "tasks": n}
+        for kind in ("heapq", "megaloom"):
+            done = subprocess.run([sys.executable, __file__, "--child", kind, "--tasks", str(n)],
+                                  capture_output=True, text=True, check=True)
+            got = json.loads(done.stdout.strip().splitlines()[-1])
+            line[kind] = {"peak_mib": got["peak_mib"], "above_imports_mib": got["peak_mib"] - got["after_imports_mib"]}
+        line["megaloom_vs_heapq_peak"] = round(line["megaloom"]["peak_mib"] / line["heapq"]["peak_mib"], 3)
+        print(json.dumps(line), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--profile", default="ascend-910b")
-    ap.add_argument("--policy", default="fifo")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--memory-sizes", default="1000000,4000000", help="comma-separated; empty: skip")
+    ap.add_argument("--child", choices=("heapq", "megaloom"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    graph, b_wall, b_cpu = timed(lambda: random_graph(args.tasks).validate(), 1)
-    n = len(graph)
-    emit("graph.build_and_validate", n, b_wall, b_cpu, edges=sum(map(len, graph.succ)), builder="TaskGraph.task")
-    _, k_wall, k_cpu = timed(graph.costs, 1)
-    emit("graph.costs", n, k_wall, k_cpu, note="every task's Cost, computed once per graph version")
-    sim = Simulator(args.profile, policy=args.policy)
-    _, c_wall, c_cpu = timed(lambda: sim.run(graph, validate=False), 1)
-    emit("simulator.run.cold", n, c_wall, c_cpu, loop=sim.last_loop, note="duration keys + durations + "
-         "event loop + trace columns, first run on the graph")
-    e_wall, e_cpu = b_wall + k_wall + c_wall, b_cpu + k_cpu + c_cpu
-    emit("end_to_end", n, e_wall, e_cpu, note="build + validate + costs + first Simulator.run",
-         target_tasks_per_s=TARGET, meets_target=n / e_cpu >= TARGET,
-         without_build_tasks_per_s_cpu=round(n / (k_cpu + c_cpu)))
-    dur, wall, cpu = timed(lambda: sim.cost_model.durations(graph), args.repeat)
-    emit("cost_model.durations", n, wall, cpu, note="one cost-model call per task")
-    py_sim = Simulator(args.profile, policy=args.policy, fast=False)
-    sched, s_wall, s_cpu = timed(lambda: py_sim.schedule(graph, dur), args.repeat)
-    emit("simulator.schedule.python", n, s_wall, s_cpu, policy=args.policy, profile=args.profile,
-         makespan_s=sched.makespan)
-    fast, f_wall, f_cpu = timed(lambda: sim.schedule(graph, dur), args.repeat)
-    if sim.last_loop != "compiled":
-        print(json.dumps({"figure": "simulator.schedule.compiled", "available": fastpath.AVAILABLE,
-                          "note": f"compiled loop not used (extension built: {fastpath.AVAILABLE}, policy "
-                                  f"{args.policy!r}); the Simulator ran its Python loop"}), flush=True)
-    else:
-        if (fast.start, fast.unit, fast.order) != (sched.start, sched.unit, sched.order):
-            raise SystemExit("the compiled loop's schedule differs from the Python loop's")
-        emit("simulator.schedule.compiled", n, f_wall, f_cpu, policy=args.policy, identical_to_python=True,
-             speedup_vs_python_cpu=round(s_cpu / f_cpu, 2), speedup_vs_python_wall=round(s_wall / f_wall, 2))
-    res, r_wall, r_cpu = timed(lambda: sim.run(graph, validate=False), args.repeat)
-    if len(res.trace) != n:
-        raise SystemExit("the trace misses tasks")
-    emit("simulator.run", n, r_wall, r_cpu, loop=sim.last_loop, target_tasks_per_s=TARGET,
-         meets_target=n / r_cpu >= TARGET, note="durations + event loop + trace columns")
-    if args.policy == "fifo":
-        base, h_wall, h_cpu = timed(lambda: heapq_baseline(graph, dur, sim.units), args.repeat)
-        if base != (sched.start, sched.unit, sched.order):
-            raise SystemExit("the heapq baseline's schedule differs from the simulator's")
-        emit("baseline.heapq", n, h_wall, h_cpu, identical_schedule=True,
-             run_speedup_vs_baseline_cpu=round(h_cpu / r_cpu, 2), run_speedup_vs_baseline_wall=round(h_wall / r_wall, 2),
-             cold_run_speedup_vs_baseline_cpu=round(h_cpu / c_cpu, 2))
+    if args.child:
+        return child(args.child, args.tasks)
+    print(json.dumps({"figure": "machine", "cpus": os.cpu_count(), "load_avg": os.getloadavg()}), flush=True)
+    end_to_end(args.tasks, args.rounds)
+    loops(args.tasks)
+    memory([int(s) for s in args.memory_sizes.split(",") if s])
+    print(json.dumps({"figure": "machine.after", "load_avg": os.getloadavg()}), flush=True)
 
 
 if __name__ == "__main__":

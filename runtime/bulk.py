@@ -112,15 +112,23 @@ def _per_task(value: Any, n: int, what: str) -> list:
     return values
 
 
-def _costs(costs: Any, n: int) -> list[Cost | None]:
+def _costs(g: TaskGraph, costs: Any, n: int) -> np.ndarray:
+    """The graph's cost code per task (0: none given), the distinct costs added to its table."""
     if costs is None or isinstance(costs, Cost):
-        return [costs] * n
-    table, codes = _column(costs, n, "costs") if isinstance(costs, tuple) else (_per_task(costs, n, "costs"), None)
-    if not set(map(type, table)) <= {Cost, type(None)}:
-        bad = next((c for c in table if c is not None and not isinstance(c, Cost)), None)
-        if bad is not None:
-            raise GraphError(f"from_arrays costs: {bad!r} is not a Cost (or None)")
-    return table if codes is None else list(map(table.__getitem__, codes.tolist()))
+        table, codes = [costs], np.zeros(n, np.int64)
+    elif isinstance(costs, tuple):
+        table, codes = _column(costs, n, "costs")
+    else:
+        values = _per_task(costs, n, "costs")
+        distinct = {id(c): c for c in values}  # Cost objects are not hashable: by identity
+        index = {k: i for i, k in enumerate(distinct)}
+        table = list(distinct.values())
+        codes = np.fromiter(map(index.__getitem__, map(id, values)), np.int64, n)
+    bad = next((c for c in table if c is not None and not isinstance(c, Cost)), None)
+    if bad is not None:
+        raise GraphError(f"from_arrays costs: {bad!r} is not a Cost (or None)")
+    remap = np.array([0 if c is None else g._cost_code(c) for c in table] or [0], np.uint32)
+    return remap[codes]
 
 
 def _intern(g: TaskGraph, column: int, table: list, codes: np.ndarray, what: str) -> np.ndarray:
@@ -135,7 +143,8 @@ def _intern(g: TaskGraph, column: int, table: list, codes: np.ndarray, what: str
     return remap[codes]
 
 
-def _engine_of(op: str) -> str:
+def default_engine(op: str) -> str:
+    """The op's default engine kind ("vector" for an unknown op, which validate() reports)."""
     try:
         return get_op(op).engine
     except GraphError:
@@ -188,10 +197,10 @@ def from_arrays(g: TaskGraph, ops: Any, preds: Any, *, engines: Any = None, cost
     n = len(ptr) - 1
     op = _intern(g, 0, *_column(ops, n, "ops"), "ops")
     if engines is None:
-        eng = _intern(g, 1, [_engine_of(o) for o in g._op_names], op.astype(np.int64), "engines")
+        eng = _intern(g, 1, [default_engine(o) for o in g._op_names], op.astype(np.int64), "engines")
     else:
         eng = _intern(g, 1, *_column(engines, n, "engines"), "engines")
-    cost = _costs(costs, n)
+    cost = _costs(g, costs, n)
     given = _names(names, n)
 
     def name(i: int) -> str:
@@ -212,8 +221,8 @@ def from_arrays(g: TaskGraph, ops: Any, preds: Any, *, engines: Any = None, cost
             raise GraphError(f"from_arrays priorities: {n} integers expected (one per task)")
         nz = np.flatnonzero(prio)
         g._prio = dict(zip(nz.tolist(), prio[nz].tolist()))
-    g._op, g._eng, g._pptr, g._pidx = _fill("I", op), _fill("I", eng), _fill("q", ptr), _fill("i", idx)
-    g._cost = cost
+    g._op, g._eng, g._cost = _fill("I", op), _fill("I", eng), _fill("I", cost)
+    g._pptr, g._pidx = _fill("q", ptr), _fill("i", idx)
     if given is not None:
         g._names = [None if s == f"{g._op_names[c]}#{i}" else s for i, (s, c) in enumerate(zip(given, g._op))]
         g._by_name = {s: i for i, s in enumerate(g._names) if s is not None}

@@ -1,4 +1,4 @@
-"""Graph IR: buffers, regions of buffers, tasks, and the task graph builder.
+"""The task graph: tasks over buffers, with dependencies derived from what they access.
 
 Dependencies are derived from the regions each task reads and writes, in the order
 tasks are added (sequential task flow, as StarPU's access modes): a read depends on
@@ -11,271 +11,68 @@ writes (WAW). Explicit control edges can be added with ``precede``/``succeed``.
     h = g.buffer("h", (128, 32))
     g.task("matmul", [x, w], [h], engine="cube")
     g.task("silu", [h], [y])
+
+Buffers and regions live in :mod:`megaloom.runtime.buffers`, the task view in
+:mod:`megaloom.runtime.task`, access tracking in :mod:`megaloom.runtime.access`, the edges
+in :mod:`megaloom.runtime.dag`.
 """
 from __future__ import annotations
 
-import operator
 import os
-import threading
-from array import array
 from collections import Counter
-from dataclasses import dataclass
-from graphlib import CycleError, TopologicalSorter
-from itertools import accumulate, chain
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
-from megaloom.runtime.bulk import GraphArrays, from_arrays, graph_arrays, split_rows
+import numpy as np
+
+from megaloom.runtime.access import Frontier, Gap, derive
+from megaloom.runtime.buffers import Buffer, Region, integer
+from megaloom.runtime.bulk import GraphArrays, default_engine, from_arrays, graph_arrays
 from megaloom.runtime.compose import Composed, compose
+from megaloom.runtime.costs import cost_columns
 from megaloom.runtime.dot import to_dot
-from megaloom.runtime.dtypes import dtype_name, itemsize
+from megaloom.runtime.dtypes import dtype_name
+from megaloom.runtime.dag import DAG, MAKING
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
-from megaloom.runtime.region import Box, BoxIndex, box_shape, box_size, full_box, in_bounds
-from megaloom.runtime.registry import Cost, TensorSpec, get_op
+from megaloom.runtime.region import in_bounds
+from megaloom.runtime.registry import Cost
 from megaloom.runtime.serialize import fill_graph, graph_to_dict, read_graph, save_graph
+from megaloom.runtime.task import Task
 from megaloom.runtime.validate import validate
 
-
-@dataclass(eq=False, slots=True)
-class Buffer:
-    """A named tensor slot. ``is_input``: the caller provides it; ``is_output``: returned."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    is_input: bool = False
-    is_output: bool = False
-
-    @property
-    def full(self) -> Region:
-        """The region covering the whole buffer."""
-        return Region(self, full_box(self.shape))
-
-    @property
-    def nbytes(self) -> int:
-        return box_size(full_box(self.shape)) * itemsize(self.dtype)
-
-    def __getitem__(self, index: Any) -> Region:
-        return self.full[index]
-
-    def region(self, box: Box) -> Region:
-        """The region of this buffer covering ``box`` (one (start, stop) pair per dim)."""
-        return Region(self, tuple(tuple(b) for b in box))
-
-    def split(self, dim: int, size: int) -> list[Region]:
-        """Tiles of at most ``size`` elements along ``dim`` (the last may be shorter)."""
-        return self.full.split(dim, size)
-
-    def __repr__(self) -> str:
-        return f"Buffer({self.name!r}, {self.shape}, {self.dtype})"
+__all__ = ["Buffer", "Region", "Task", "TaskGraph"]
 
 
-@dataclass(frozen=True, slots=True)
-class Region:
-    """A box of a buffer: one (start, stop) pair per dim."""
-
-    buffer: Buffer
-    box: Box
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return box_shape(self.box)
-
-    @property
-    def dtype(self) -> str:
-        return self.buffer.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return box_size(self.box) * itemsize(self.buffer.dtype)
-
-    def __getitem__(self, index: Any) -> Region:
-        """Sub-region by integer-free basic slicing, e.g. ``buf[0:64, :]``."""
-        if not isinstance(index, tuple):
-            index = (index,)
-        if len(index) > len(self.box):
-            raise GraphError(f"too many indices for {self}")
-        box = list(self.box)
-        for d, ix in enumerate(index):
-            if not isinstance(ix, slice) or ix.step not in (None, 1):
-                raise GraphError(f"regions take unit-step slices only, got {ix!r} for {self}")
-            lo, hi = box[d]
-            try:
-                start, stop, _ = ix.indices(hi - lo)
-            except TypeError:
-                raise GraphError(f"regions take integer slice bounds, got {ix!r} for {self}") from None
-            box[d] = (lo + start, lo + max(start, stop))
-        return Region(self.buffer, tuple(box))
-
-    def split(self, dim: int, size: int) -> list[Region]:
-        """Tiles of at most ``size`` elements along ``dim``."""
-        dim, size = _integer(dim, f"split dim of {self}"), _integer(size, f"tile size of {self}")
-        if not 0 <= dim < len(self.box):
-            raise GraphError(f"cannot split {self} along dim {dim}: it has {len(self.box)} dims")
-        if size <= 0:
-            raise GraphError(f"tile size must be positive, got {size}")
-        lo, hi = self.box[dim]
-        out = []
-        for a in range(lo, hi, size):
-            box = list(self.box)
-            box[dim] = (a, min(a + size, hi))
-            out.append(Region(self.buffer, tuple(box)))
-        return out
-
-    def __repr__(self) -> str:
-        if self.box == full_box(self.buffer.shape):
-            return self.buffer.name
-        return f"{self.buffer.name}[{', '.join(f'{a}:{b}' for a, b in self.box)}]"
-
-
-RegionLike = "Buffer | Region"
-
-
-class Task:
-    """One node: an op run on one unit of one engine kind.
-
-    A light view of row ``id`` of its graph's columns (op, engine, cost, edges; regions,
-    attrs, tags and priority kept only for the tasks that have them); the graph makes one
-    view per task, on first use, and hands out that same object every time. ``attrs`` and
-    ``tags`` are the task's own dicts (an empty one is stored in the graph on its first change).
-    Builder methods return the task, so calls chain: ``a.precede(b, c)``.
-    """
-
-    __slots__ = ("graph", "id", "op", "engine")
-
-    def __init__(self, graph: TaskGraph, tid: int, op: str, engine: str):
-        self.graph, self.id, self.op, self.engine = graph, tid, op, engine
-
-    @property
-    def name(self) -> str:
-        names = self.graph._names
-        name = names[self.id] if names is not None else None
-        return name if name is not None else f"{self.op}#{self.id}"
-
-    @property
-    def inputs(self) -> tuple[Region, ...]:
-        return self.graph._io.get(self.id, _NO_IO)[0]
-
-    @property
-    def outputs(self) -> tuple[Region, ...]:
-        return self.graph._io.get(self.id, _NO_IO)[1]
-
-    @property
-    def attrs(self) -> dict[str, Any]:
-        d = self.graph._attrs.get(self.id)
-        return d if d is not None else _unstored(self.graph._attrs, self.id)
-
-    @property
-    def tags(self) -> dict[str, Any]:
-        d = self.graph._tags.get(self.id)
-        return d if d is not None else _unstored(self.graph._tags, self.id)
-
-    @property
-    def priority(self) -> int:
-        return self.graph._prio.get(self.id, 0)
-
-    @property
-    def cost(self) -> Cost | None:
-        """The cost given when the task was added (None: the op's cost function decides)."""
-        return self.graph._cost[self.id]
-
-    def precede(self, *tasks: Task) -> Task:
-        """Make every task in ``tasks`` wait for this one."""
-        for t in tasks:
-            self.graph.edge(self, t)
-        return self
-
-    def succeed(self, *tasks: Task) -> Task:
-        """Make this task wait for every task in ``tasks``."""
-        for t in tasks:
-            self.graph.edge(t, self)
-        return self
-
-    @property
-    def successors(self) -> list[Task]:
-        return [self.graph.tasks[i] for i in self.graph.succ[self.id]]
-
-    @property
-    def predecessors(self) -> list[Task]:
-        return [self.graph.tasks[i] for i in self.graph.preds_of(self.id)]
-
-    def __repr__(self) -> str:
-        return f"Task({self.name!r}, op={self.op!r}, engine={self.engine!r})"
-
-
-_NO_IO: tuple[tuple, tuple] = ((), ())
-_MAKING = threading.RLock()  # making task views or edge lists on first use
-
-
-class _Unstored(dict):
-    """The empty attrs or tags of a task that has none: a dict that joins the graph's column
-    on its first change, so reading them costs no memory."""
-
-    __slots__ = ("column", "tid")
-
-
-def _changes(method: str):
-    def change(self: _Unstored, *args, **kw):
-        stored = self.column.setdefault(self.tid, self)
-        if stored is not self:  # another view of the same task's dict was stored first
-            getattr(stored, method)(*args, **kw)
-        return getattr(dict, method)(self, *args, **kw)
-    return change
-
-
-for _m in ("__setitem__", "__delitem__", "__ior__", "update", "setdefault", "pop", "popitem", "clear"):
-    setattr(_Unstored, _m, _changes(_m))
-
-
-def _unstored(column: dict[int, dict], tid: int) -> dict[str, Any]:
-    d = _Unstored()
-    d.column, d.tid = column, tid
-    return d
-
-
-def _integer(v: Any, what: str) -> int:
-    """``v`` as an int (Python or NumPy integer); a float, string or bool raises GraphError."""
-    if isinstance(v, bool) or not hasattr(type(v), "__index__"):
-        raise GraphError(f"{what} must be an integer, got {v!r}")
-    return operator.index(v)
-
-
-class TaskGraph:
+class TaskGraph(DAG):
     """A DAG of tasks over buffers; the same graph runs on every executor.
 
-    Per-task state is columns: op and engine as indices into name tables, the cost given
-    (or None), and the edges as predecessor lists in CSR form, appended to as tasks are
-    added; regions, attrs, tags, priorities and non-default names are kept only for the
-    tasks that have them. ``tasks``, ``pred`` and ``succ`` are made from the columns on
-    first use (:class:`Task` views, lists of ids) and kept up to date from then on; an
-    edge into an earlier task turns the edges into those lists for good. :meth:`from_arrays`
-    builds a large graph from arrays at once; :meth:`arrays` gives the columns back.
+    Per-task state is columns: op, engine and cost as indices into tables (cost 0: none
+    given, the op's cost function decides), and the edges (:class:`~megaloom.runtime.dag.DAG`);
+    regions, attrs, tags, priorities and non-default names are kept only for the tasks that
+    have them. ``tasks`` holds a :class:`Task` view per task, made on first use.
+    :meth:`from_arrays` builds a large graph from arrays at once; :meth:`arrays` gives the
+    columns back.
     """
 
     def __init__(self, name: str = "graph"):
-        self.name = name
+        super().__init__()
+        self.name = name  # (the edge columns, ``_op``, ``_eng`` and ``_cost`` come from DAG)
         self.buffers: dict[str, Buffer] = {}
         self._op_names: list[str] = []
         self._eng_names: list[str] = []
         self._codes: tuple[dict[str, int], dict[str, int]] = ({}, {})  # op, engine name -> index
-        self._op, self._eng = array("I"), array("I")
-        self._cost: list[Cost | None] = []
+        self._cost_table: list[Cost | None] = [None]
+        self._cost_codes: dict[int, int] = {}  # id of a Cost in the table -> its index
         self._io: dict[int, tuple[tuple[Region, ...], tuple[Region, ...]]] = {}  # tasks with regions
         self._attrs: dict[int, dict[str, Any]] = {}
         self._tags: dict[int, dict[str, Any]] = {}
         self._prio: dict[int, int] = {}
         self._names: list[str | None] | None = None  # given names (None: "op#id"); None until one is given
         self._by_name: dict[str, int] = {}  # given names only
-        self._pptr: array | None = array("q", [0])  # CSR predecessors; None once the edges are lists
-        self._pidx: array | None = array("i")
-        self._pl: list[list[int]] | None = None  # predecessor and successor lists, made on first use
-        self._sl: list[list[int]] | None = None
         self._views: list[Task] = []
-        self._accesses: dict[str, tuple[BoxIndex, BoxIndex]] = {}  # buffer -> (reads, writes)
-        self._forward_only = True
-        self._hazards_ordered = True  # edges include the derived ones (not so for a loaded file)
-        self._version = 0  # bumped by every change; keys the caches below
+        self._frontiers: dict[str, Frontier] = {}
+        self._gaps: list[Gap] = []  # reads of data no earlier task writes (the first ten)
         self._cache: dict[str, tuple[int, object]] = {}
 
     def cached(self, key: str, make):
@@ -287,18 +84,6 @@ class TaskGraph:
         value = make()
         self._cache[key] = (self._version, value)
         return value
-
-    @property
-    def forward_only(self) -> bool:
-        """True when every edge goes from a task to a later-added one (task ids are then a
-        topological order)."""
-        return self._forward_only
-
-    @property
-    def hazards_derived(self) -> bool:
-        """True when the edges include every hazard derived from buffer accesses; False for a
-        graph whose edges were set as a file states them (:meth:`set_edges`)."""
-        return self._hazards_ordered
 
     @staticmethod
     def as_region(x: Buffer | Region) -> Region:
@@ -319,12 +104,12 @@ class TaskGraph:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
         if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
             raise GraphError(f"buffer {name!r}: shape must be a sequence of integers, got {shape!r}")
-        shape = tuple(_integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
+        shape = tuple(integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
         if any(s < 0 for s in shape):
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
         buf = Buffer(name, shape, dtype_name(dtype), inp, out)
         self.buffers[name] = buf
-        self._accesses[name] = (BoxIndex(), BoxIndex())
+        self._frontiers[name] = Frontier()
         self._version += 1
         return buf
 
@@ -385,36 +170,26 @@ class TaskGraph:
         """
         if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
             raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
-        priority = _integer(priority, f"task {name or op!r}: priority")
-        ins = tuple(self.as_region(r) for r in inputs)
-        outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self._op)
-        default = f"{op}#{tid}"
-        if name is None:
-            name = default
-        if name in self._by_name or (name is not default and self.task_id(name) is not None):
-            raise GraphError(f"task name {name!r} is used twice in graph {self.name!r}", tasks=(name,))
-        for r in ins + outs:
-            if self.buffers.get(r.buffer.name) is not r.buffer:
-                raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
-            if not in_bounds(r.box, r.buffer.shape):
-                raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
-        waits = []
-        for a in after:
-            ta = self[a] if isinstance(a, str) else a
-            if ta.graph is not self:
-                raise GraphError(f"edge {ta.name!r} -> {name!r} joins tasks of different graphs")
-            waits.append(ta.id)
+        if priority:
+            priority = integer(priority, f"task {name or op!r}: priority")
+        given = None if name is None or name == f"{op}#{tid}" else name
+        if given is not None and (given in self._by_name or self.task_id(given) is not None):
+            raise GraphError(f"task name {given!r} is used twice in graph {self.name!r}", tasks=(given,))
+        ins = tuple(map(self.as_region, inputs)) if inputs else ()
+        outs = tuple(map(self.as_region, outputs)) if outputs else ()
+        if ins or outs:
+            self._check_regions(ins + outs, name or f"{op}#{tid}")
+        waits = [self._own(a, name or f"{op}#{tid}").id for a in after] if after else ()
+        op_code = self._codes[0].get(op)
+        if op_code is None:
+            op_code = self._code(0, op)
         if engine is None:
-            try:
-                engine = get_op(op).engine
-            except GraphError:
-                engine = "vector"  # unknown ops are reported by validate()
-        code = self._codes[0].get(op)
-        self._op.append(code if code is not None else self._code(0, op))
-        code = self._codes[1].get(engine)
-        self._eng.append(code if code is not None else self._code(1, engine))
-        self._cost.append(cost)
+            engine = default_engine(op)
+        eng_code = self._codes[1].get(engine)
+        self._op.append(op_code)
+        self._eng.append(eng_code if eng_code is not None else self._code(1, engine))
+        self._cost.append(0 if cost is None else self._cost_code(cost))
         if ins or outs:
             self._io[tid] = (ins, outs)
         if attrs:
@@ -423,14 +198,29 @@ class TaskGraph:
             self._tags[tid] = dict(tags)
         if priority:
             self._prio[tid] = priority
-        if name != default or self._names is not None:
-            self._name(tid, None if name == default else name)
+        if given is not None or self._names is not None:
+            self._name(tid, given)
         self._version += 1
-        preds = self._derive(tid, ins, outs)
+        preds = derive(self._frontiers, tid, ins, outs, self._gaps) if ins or outs else []
         self._add_row(list(dict.fromkeys(preds + waits)) if waits else preds)  # control edges after derived ones
         if len(self._views) == tid:
             self._views.append(Task(self, tid, op, engine))
-        return self.tasks[tid]
+        return self._views[tid]
+
+    def _check_regions(self, regions: tuple[Region, ...], name: str) -> None:
+        for r in regions:
+            if self.buffers.get(r.buffer.name) is not r.buffer:
+                raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
+            if not in_bounds(r.box, r.buffer.shape):
+                raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
+
+    def _own(self, t: Task | str, then: str) -> Task:
+        """``t`` (a task or its name), checked to be a task of this graph (``then``: the task
+        that is to wait for it, for the error)."""
+        t = self[t] if isinstance(t, str) else t
+        if getattr(t, "graph", None) is not self:
+            raise GraphError(f"edge {getattr(t, 'name', t)!r} -> {then!r} joins tasks of different graphs")
+        return t
 
     def _code(self, column: int, name: str) -> int:
         """The index of ``name`` in the op (0) or engine (1) name table, added if new."""
@@ -441,63 +231,22 @@ class TaskGraph:
             (self._op_names, self._eng_names)[column].append(name)
         return code
 
+    def _cost_code(self, cost: Cost) -> int:
+        """The index of ``cost`` (this object) in the cost table, added if new."""
+        code = self._cost_codes.get(id(cost))
+        if code is None:
+            if not isinstance(cost, Cost):
+                raise GraphError(f"a task's cost must be a Cost, got {cost!r:.80}")
+            code = self._cost_codes[id(cost)] = len(self._cost_table)
+            self._cost_table.append(cost)  # kept, so its id stays its own
+        return code
+
     def _name(self, tid: int, name: str | None) -> None:
         if self._names is None:
             self._names = [None] * tid
         self._names.append(name)
         if name is not None:
             self._by_name[name] = tid
-
-    def _derive(self, tid: int, ins: tuple[Region, ...], outs: tuple[Region, ...]) -> list[int]:
-        """The new task's predecessors by its accesses, in id order; records the accesses."""
-        acc = self._accesses
-        before: set[int] = set()
-        for r in ins:
-            before.update(o for _, o in acc[r.buffer.name][1].overlapping(r.box))  # RAW: after earlier writes
-        for r in outs:
-            reads, writes = acc[r.buffer.name]
-            before.update(o for _, o in reads.overlapping(r.box))   # WAR: after earlier reads
-            before.update(o for _, o in writes.overlapping(r.box))  # WAW: after earlier writes
-        before.discard(tid)
-        for r in ins:
-            acc[r.buffer.name][0].add(r.box, tid)
-        for r in outs:
-            reads, writes = acc[r.buffer.name]
-            # earlier accesses inside this write are ordered before it, so it stands for them
-            reads.drop_inside(r.box, tid)
-            writes.drop_inside(r.box, tid)
-            writes.add(r.box, tid)
-        return sorted(before)
-
-    def _add_row(self, preds: list[int]) -> None:
-        """The edges of the newest task (its predecessors, all earlier tasks)."""
-        tid = len(self._op) - 1
-        if self._pptr is not None:
-            self._pidx.extend(preds)
-            self._pptr.append(len(self._pidx))
-        if self._pl is not None:
-            self._pl.append(preds)
-            self._sl.append([])
-            for a in preds:
-                self._sl[a].append(tid)
-        if preds:
-            self._version += 1
-
-    def _link(self, a: int, b: int) -> None:
-        if a in self.preds_of(b):
-            return
-        if a >= b:
-            self._forward_only = False
-        if self._pptr is not None and b != len(self._op) - 1:  # into an earlier task: the edges become lists
-            self._lists()
-            self._pptr = self._pidx = None
-        if self._pptr is not None:  # into the newest task: its CSR row is the last
-            self._pidx.append(a)
-            self._pptr[-1] += 1
-        if self._pl is not None:
-            self._pl[b].append(a)
-            self._sl[a].append(b)
-        self._version += 1
 
     def edge(self, a: Task | str, b: Task | str) -> None:
         """Control edge: ``b`` waits for ``a``."""
@@ -518,14 +267,16 @@ class TaskGraph:
                 return int(k)
         return tid
 
+    def task_name(self, tid: int) -> str:
+        """The name of task ``tid`` (given, or ``op#id``)."""
+        name = self._names[tid] if self._names is not None else None
+        return name if name is not None else f"{self._op_names[self._op[tid]]}#{tid}"
+
     def __getitem__(self, name: str) -> Task:
         tid = self.task_id(name) if isinstance(name, str) else None
         if tid is None:
             raise GraphError(f"graph {self.name!r} has no task {name!r}")
         return self.tasks[tid]
-
-    def __len__(self) -> int:
-        return len(self._op)
 
     def __iter__(self):
         return iter(self.tasks)
@@ -535,71 +286,21 @@ class TaskGraph:
         """Every task, by id: one :class:`Task` view each (made on first use, then kept)."""
         views = self._views
         if len(views) < len(self._op):
-            with _MAKING:  # worker threads may ask at once: the views are made once, in order
+            with MAKING:  # worker threads may ask at once: the views are made once, in order
                 k, ops, engines = len(views), self._op_names, self._eng_names
                 views.extend(Task(self, i, ops[o], engines[e]) for i, o, e in zip(range(k, len(self._op)),
                                                                                  self._op[k:], self._eng[k:]))
         return views
 
-    # -- structure -------------------------------------------------------------------
-    @property
-    def pred(self) -> list[list[int]]:
-        """``pred[b]``: the ids of the tasks task ``b`` waits for, in the order the edges came."""
-        return self._lists()[0]
-
-    @property
-    def succ(self) -> list[list[int]]:
-        """``succ[a]``: the ids of the tasks waiting for task ``a``, in the order the edges came."""
-        return self._lists()[1]
-
-    def preds_of(self, b: int) -> Sequence[int]:
-        """``pred[b]`` without making every task's list."""
-        if self._pl is not None:
-            return self._pl[b]
-        return self._pidx[self._pptr[b]:self._pptr[b + 1]]
-
-    def _lists(self) -> tuple[list[list[int]], list[list[int]]]:
-        if self._pl is None:
-            with _MAKING:
-                if self._pl is None:
-                    a = self.arrays()
-                    self._sl = split_rows(a.succ_ptr, a.succ_idx)
-                    self._pl = split_rows(a.pred_ptr, a.pred_idx)  # last: it says both are there
-        return self._pl, self._sl
-
+    # -- columns ---------------------------------------------------------------------
     def arrays(self) -> GraphArrays:
         """The graph's columns as read-only NumPy arrays (see :class:`GraphArrays`), for code
         that walks every task: one call per graph version, the same object until a change."""
         return self.cached("arrays", lambda: graph_arrays(self))
 
-    def topological_order(self) -> list[int]:
-        """Task ids in an order that respects every edge; a cycle raises GraphError."""
-        if self._forward_only:
-            return list(range(len(self)))
-        ts = TopologicalSorter({i: p for i, p in enumerate(self.pred)})
-        try:
-            return list(ts.static_order())
-        except CycleError as e:
-            cyc = tuple(self.tasks[i].name for i in e.args[1])
-            raise GraphError(f"cycle in graph {self.name!r}: {' -> '.join(cyc)}", tasks=cyc, cycle=cyc) from None
-
     def engines(self) -> list[str]:
         """Engine kinds used by the graph, in first-use order."""
         return [self._eng_names[c] for c in dict.fromkeys(self._eng)]
-
-    def reaches(self, a: int, b: int) -> bool:
-        """True when task ``b`` transitively depends on task ``a``."""
-        if a == b:
-            return True
-        seen, stack = {b}, [b]
-        while stack:
-            for p in self.preds_of(stack.pop()):
-                if p == a:
-                    return True
-                if p not in seen and (not self._forward_only or p > a):
-                    seen.add(p)
-                    stack.append(p)
-        return False
 
     def validate(self) -> TaskGraph:
         """Check every rule; raise GraphError naming the tasks of the first broken rule. A graph
@@ -612,52 +313,29 @@ class TaskGraph:
         """True when :meth:`validate` passed on the graph as it is now."""
         return self._cache.get("validated", (None,))[0] == self._version
 
+    def cost_columns(self) -> tuple[list[Cost], np.ndarray]:
+        """Every task's cost as ``(table, codes)``: task ``i`` costs ``table[codes[i]]`` (see
+        :func:`megaloom.runtime.costs.cost_columns`; computed once per graph version)."""
+        return self.cached("cost_columns", lambda: cost_columns(self))
+
     def costs(self) -> list[Cost]:
-        """Every task's cost, by task id (computed once per graph version; tasks of one op with
-        no regions and no attrs share one Cost object)."""
-        return self.cached("costs", self._compute_costs)
+        """Every task's cost, by task id (tasks of equal work share one Cost object)."""
+        table, codes = self.cost_columns()
+        return list(map(table.__getitem__, codes.tolist()))
 
     def task_cost(self, t: Task) -> Cost:
         """The task's cost: its own override, else the op's cost function."""
-        return self.costs()[t.id]
-
-    def _compute_costs(self) -> list[Cost]:
-        out, bare = list(self._cost), {}
-        for i in [i for i, c in enumerate(out) if c is None]:
-            op = self._op_names[self._op[i]]
-            if i in self._io or i in self._attrs:
-                ins, outs = self._io.get(i, _NO_IO)
-                out[i] = get_op(op).cost([TensorSpec(r.shape, r.dtype) for r in ins],
-                                         [TensorSpec(r.shape, r.dtype) for r in outs], self._attrs.get(i, {}))
-            else:
-                out[i] = bare.get(op) or bare.setdefault(op, get_op(op).cost([], [], {}))
-        return out
+        table, codes = self.cost_columns()
+        return table[codes[t.id]]
 
     def summary(self) -> str:
         """A short text table: tasks per engine and op, buffers, edges."""
         by_engine = Counter(self._eng_names[c] for c in self._eng)
         by_op = Counter(self._op_names[c] for c in self._op)
-        n_edges = len(self._pidx) if self._pidx is not None else sum(map(len, self._pl))
-        lines = [f"graph {self.name!r}: {len(self)} tasks, {n_edges} edges, {len(self.buffers)} buffers"]
+        lines = [f"graph {self.name!r}: {len(self)} tasks, {self.edge_count()} edges, {len(self.buffers)} buffers"]
         lines += [f"  engine {k:<8} {v:>8} tasks" for k, v in sorted(by_engine.items())]
         lines += [f"  op     {k:<20} {v:>8}" for k, v in sorted(by_op.items())]
         return "\n".join(lines)
-
-    def set_edges(self, pred: Sequence[Sequence[int]]) -> None:
-        """Replace every edge: ``pred[b]`` lists the ids of the tasks task ``b`` waits for,
-        as a saved file states them. The edges no longer come from buffer accesses, so
-        :meth:`validate` then checks the reads and double writes against them."""
-        n = len(self)
-        if len(pred) != n or not all(isinstance(a, int) and 0 <= a < n for p in pred for a in p):
-            raise GraphError(f"graph {self.name!r}: edges must list predecessors by task id (0..{n - 1}) for each "
-                             f"of the {n} tasks")
-        rows = [list(dict.fromkeys(p)) for p in pred]  # in one pass: linear however many edges a task has
-        self._pptr = array("q", accumulate(map(len, rows), initial=0))
-        self._pidx = array("i", chain.from_iterable(rows))
-        self._pl = self._sl = None
-        self._forward_only = all(a < b for b, preds in enumerate(rows) for a in preds)
-        self._hazards_ordered = False
-        self._version += 1
 
     @classmethod
     def from_arrays(cls, ops: Any, preds: Any, *, engines: Any = None, costs: Any = None, priorities: Any = None,

@@ -10,15 +10,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator
 
+from megaloom.runtime.access import Frontier
+from megaloom.runtime.costs import operand_key, specs
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.region import BoxIndex, uncovered
-from megaloom.runtime.registry import TensorSpec, get_op
 from megaloom.runtime.files import gc_paused
+from megaloom.runtime.region import uncovered
+from megaloom.runtime.registry import get_op
+from megaloom.runtime.task import NO_IO
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import Region, TaskGraph
 
 Problem = tuple[str, str]  # (task name or "", message)
+BUDGET_PER_TASK = 64
+"""Search steps per task and edge allowed to check a loaded graph's order of accesses."""
 
 
 def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
@@ -48,7 +53,7 @@ def _engine(g: TaskGraph) -> Iterator[Problem]:
 
 def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> str | None:
     try:
-        want = get_op(op).shape([TensorSpec(r.shape, r.dtype) for r in ins], attrs)
+        want = get_op(op).shape(specs(ins), attrs)
     except Exception as e:  # a shape rule given operands it does not expect may raise anything
         return str(e) if isinstance(e, GraphError) else f"shape rule of op {op!r} failed: {type(e).__name__}: {e}"
     if len(want) != len(outs):
@@ -60,22 +65,27 @@ def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], a
 
 
 def _shapes(g: TaskGraph) -> Iterator[Problem]:
-    # a task with no regions and no attrs is checked once per op; the others one by one
+    # a task with no regions and no attrs is checked once per op; the others once per operand key
     own = set(g._io).union(g._attrs)
     bare = set(g._op) if not own else {c for i, c in enumerate(g._op) if i not in own}
     bad = {c: why for c in bare if (why := _shape_problem(g._op_names[c], (), (), {}))}
+    memo: dict = {}
     for i in (range(len(g)) if bad else sorted(own)):
         if i in own:
-            ins, outs = g._io.get(i, ((), ()))
-            why = _shape_problem(g._op_names[g._op[i]], ins, outs, g._attrs.get(i, {}))
+            key = operand_key(g, i)
+            if key not in memo:
+                memo[key] = _shape_problem(g._op_names[g._op[i]], *g._io.get(i, NO_IO), g._attrs.get(i, {}))
+            why = memo[key]
         else:
             why = bad.get(g._op[i])
         if why:
-            name = g.tasks[i].name
+            name = g.task_name(i)
             yield name, f"task {name!r}: {why}"
 
 
 def _cycles(g: TaskGraph) -> Iterator[Problem]:
+    if g.forward_only:
+        return
     try:
         g.topological_order()
     except GraphError as e:
@@ -85,71 +95,105 @@ def _cycles(g: TaskGraph) -> Iterator[Problem]:
 
 def _ordered(g: TaskGraph):
     """``before(a, b)``: whether task ``a`` is ordered before task ``b`` by the graph's edges.
+
     A direct edge answers at once (a file megaloom wrote holds every derived edge, so almost
-    every question is one); otherwise the edges are searched backwards from ``b``."""
-    sets: dict[int, set[int]] = {}  # predecessor sets of tasks with many predecessors
+    every question is one). Otherwise the edges are searched backwards from ``b``, never past
+    tasks placed before ``a`` in a topological order, remembering per ``a`` the tasks found to
+    follow it (every task on a path found) and those found not to: a task is searched at most
+    once per ``a``, so reads ordered through chains of other tasks stay linear. The search is
+    bounded by a budget proportional to the graph's size (a file crafted so that each question
+    needs a long search of its own is refused, never checked for minutes)."""
+    pos = range(len(g)) if g.forward_only else _positions(g)
+    follows: dict[int, set[int]] = {}
+    not_after: dict[int, set[int]] = {}
+    budget = [BUDGET_PER_TASK * (len(g) + g.edge_count()) + 100_000]
 
     def before(a: int, b: int) -> bool:
-        preds = g.preds_of(b)
-        if len(preds) > 8:
-            preds = sets.get(b) or sets.setdefault(b, set(preds))
-        return a in preds or g.reaches(a, b)
+        if g.waits_for(b, a):
+            return True
+        yes, no, lo = follows.setdefault(a, set()), not_after.setdefault(a, set()), pos[a]
+        stack = [(b, iter(g.preds_of(b)))]
+        while stack:
+            for p in stack[-1][1]:
+                if p == a or p in yes:
+                    yes.update(t for t, _ in stack)
+                    return True
+                if p not in no and pos[p] > lo:
+                    budget[0] -= 1
+                    if budget[0] < 0:
+                        raise GraphError(f"graph {g.name!r}: the order of the accesses of task {g.task_name(b)!r} "
+                                         f"could not be checked: too many are ordered only through long chains of "
+                                         f"other tasks (more than {BUDGET_PER_TASK} steps per task and edge)",
+                                         tasks=(g.task_name(b),))
+                    stack.append((p, iter(g.preds_of(p))))
+                    break
+            else:
+                no.add(stack.pop()[0])
+        return False
 
     return before
 
 
+def _positions(g: TaskGraph) -> list[int]:
+    pos = [0] * len(g)
+    for k, t in enumerate(g.topological_order()):
+        pos[t] = k
+    return pos
+
+
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:
-    yield from _sweep(g)[0]
+    if not g.hazards_derived:
+        yield from _sweep(g)[0]
+        return
+    for tid, r, gap in g._gaps:  # (recorded as the tasks were added)
+        name = g.task_name(tid)
+        yield name, (f"task {name!r} reads {r}, but no task ordered before it writes {r.buffer.region(gap)}, "
+                     "and it is not a graph input")
 
 
 def _sweep(g: TaskGraph) -> tuple[list[Problem], list[Problem]]:
     """Reads of unwritten regions, and accesses the edges leave unordered (the first ten of
-    each): derivation replayed in a topological order, an index of the earlier reads and
-    writes per buffer (a write drops the accesses it covers, as derivation does), each access
-    checked against the earlier ones it meets (RAW, WAR, WAW). With derived edges every one
-    of those is ordered before it (an edge against insertion order would close a cycle), so
-    only coverage is checked; a loaded graph's stored edges are asked. Linear in tasks when
-    the edges include the derived ones; computed once per graph version."""
+    each), in a graph whose edges were set as a file states them: derivation replayed in a
+    topological order, each access checked against the earlier ones it meets (RAW, WAR, WAW);
+    the stored edges are asked whether they order them (:func:`_ordered`). Computed once per
+    graph version."""
     def make() -> tuple[list[Problem], list[Problem]]:
-        ids = g._io if g.forward_only else [i for i in g.topological_order() if i in g._io]  # tasks with regions
-        trusted = g.hazards_derived
-        before = (lambda a, b: True) if trusted else _ordered(g)
-        reads: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
-        writes: dict[str, BoxIndex] = {b: BoxIndex() for b in g.buffers}
+        ids = sorted(g._io) if g.forward_only else [i for i in g.topological_order() if i in g._io]
+        before = _ordered(g)
+        frontiers = {b: Frontier() for b in g.buffers}
         gaps, races = [], []
         for tid in ids:
-            t = g.tasks[tid]
+            name = g.task_name(tid)
             ins, outs = g._io[tid]
             for r in ins:
-                found = writes[r.buffer.name].overlapping(r.box)
-                racing = [g.tasks[w].name for _, w in found if w != tid and not before(w, tid)]
-                left = [] if r.buffer.is_input else [gap for gap in uncovered(
-                    r.box, [box for box, w in found if before(w, tid)]) if all(b > a for a, b in gap)]
-                if left:
+                found = frontiers[r.buffer.name].writes_over(r.box)
+                racing = [g.task_name(w) for _, w in found if w != tid and not before(w, tid)]
+                left = None if r.buffer.is_input else \
+                    frontiers[r.buffer.name].gap(r.box, [(box, w) for box, w in found if before(w, tid)])
+                if left is not None:
                     why = f" (task {racing[0]!r} writes it with no order between them)" if racing \
                         else ", and it is not a graph input"
-                    gaps.append((t.name, f"task {t.name!r} reads {r}, but no task ordered before it writes "
-                                         f"{r.buffer.region(left[0])}{why}"))
+                    gaps.append((name, f"task {name!r} reads {r}, but no task ordered before it writes "
+                                       f"{r.buffer.region(left)}{why}"))
                 elif racing:
-                    races.append((t.name, f"task {t.name!r} reads {r} while task {racing[0]!r} writes it, "
-                                          "with no order between them"))
-            for r in outs if not trusted else ():
-                for _, w in writes[r.buffer.name].overlapping(r.box):
+                    races.append((name, f"task {name!r} reads {r} while task {racing[0]!r} writes it, "
+                                        "with no order between them"))
+            for r in outs:
+                f = frontiers[r.buffer.name]
+                for _, w in f.writes_over(r.box):
                     if w != tid and not before(w, tid):
-                        ta, tb = (g.tasks[i].name for i in sorted((w, tid)))
+                        ta, tb = (g.task_name(i) for i in sorted((w, tid)))
                         races.append((ta, f"tasks {ta!r} and {tb!r} both write buffer {r.buffer.name!r} "
                                           "with no order between them"))
-                for _, rd in reads[r.buffer.name].overlapping(r.box):
+                for _, rd in f.reads_over(r.box):
                     if rd != tid and not before(rd, tid):
-                        races.append((t.name, f"task {t.name!r} writes {r} while task {g.tasks[rd].name!r} "
-                                              "reads it, with no order between them"))
+                        races.append((name, f"task {name!r} writes {r} while task {g.task_name(rd)!r} "
+                                            "reads it, with no order between them"))
             for r in ins:
-                reads[r.buffer.name].add(r.box, tid)
+                frontiers[r.buffer.name].read(r.box, tid)
             for r in outs:  # an access inside this write is ordered before it (checked above)
-                reads[r.buffer.name].drop_inside(r.box, tid)
-                writes[r.buffer.name].drop_inside(r.box, tid)
-                writes[r.buffer.name].add(r.box, tid)
-            if len(gaps) >= 10 and (trusted or len(races) >= 10):
+                frontiers[r.buffer.name].write(r.box, tid)
+            if len(gaps) >= 10 and len(races) >= 10:
                 break
         return gaps[:10], races[:10]
 
@@ -175,7 +219,8 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _unordered_writes(g: TaskGraph) -> Iterator[Problem]:
-    yield from _sweep(g)[1]
+    if not g.hazards_derived:  # derived edges order every access
+        yield from _sweep(g)[1]
 
 
 RULES: list[tuple[str, Callable[[TaskGraph], Iterator[Problem]]]] = [

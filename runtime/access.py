@@ -34,6 +34,10 @@ class Frontier:
         self.reads: BoxIndex | None = None  # the general form, once tiles overlap
         self.writes: BoxIndex | None = None
 
+    def known(self, box: Box) -> bool:
+        """True when ``box`` is one of the tiles (each checked to lie in the buffer when first seen)."""
+        return self.slots is not None and box in self.slots
+
     def _slot(self, box: Box) -> list[int] | None:
         """The slot of tile ``box`` (made if new); None for an empty box, or once the frontier
         is general (which a box partly overlapping a tile makes it)."""
@@ -108,21 +112,23 @@ def derive(frontiers: dict[str, Frontier], tid: int, ins: tuple[Region, ...], ou
            gaps: list[Gap]) -> list[int]:
     """The predecessors of task ``tid`` by its accesses, in id order; records the accesses, and
     each read of a graph-internal buffer that no earlier write covers in ``gaps`` (the first ten)."""
-    before: set[int] = set()
+    before: list[int] = []
     for r in ins:
-        found = frontiers[r.buffer.name].writes_over(r.box)  # read after write
-        before.update(t for _, t in found)
-        if not r.buffer.is_input and len(gaps) < 10:
-            gap = frontiers[r.buffer.name].gap(r.box, found)
-            if gap is not None:
-                gaps.append((tid, r, gap))
+        f = frontiers[r.buffer.name]
+        slot = f.slots.get(r.box) if f.slots is not None else None
+        found = [(r.box, slot[0])] if slot is not None and slot[0] >= 0 else f.writes_over(r.box)  # read after write
+        before += [t for _, t in found]
+        if not r.buffer.is_input and len(gaps) < 10 and (gap := f.gap(r.box, found)) is not None:
+            gaps.append((tid, r, gap))
     for r in outs:
         f = frontiers[r.buffer.name]
-        before.update(t for _, t in f.reads_over(r.box))   # write after read
-        before.update(t for _, t in f.writes_over(r.box))  # write after write
-    before.discard(tid)
+        slot = f.slots.get(r.box) if f.slots is not None else None
+        if slot is not None:  # a known tile: its last writer and the reads since
+            before += slot[1:] if slot[0] < 0 else slot
+        else:
+            before += [t for _, t in f.reads_over(r.box)] + [t for _, t in f.writes_over(r.box)]
     for r in ins:
         frontiers[r.buffer.name].read(r.box, tid)
     for r in outs:
         frontiers[r.buffer.name].write(r.box, tid)
-    return sorted(before)
+    return sorted(set(before) - {tid})

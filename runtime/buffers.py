@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from megaloom.runtime.dtypes import itemsize
@@ -24,11 +24,14 @@ class Buffer:
     dtype: str
     is_input: bool = False
     is_output: bool = False
+    _full: Region | None = field(default=None, repr=False)
 
     @property
     def full(self) -> Region:
         """The region covering the whole buffer."""
-        return Region(self, full_box(self.shape))
+        if self._full is None:
+            self._full = Region(self, full_box(self.shape))
+        return self._full
 
     @property
     def nbytes(self) -> int:

@@ -10,7 +10,7 @@ predecessors, ``0`` is ready (queued), ``RUNNING`` was handed out, ``DONE`` fini
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from megaloom.runtime.errors import DeadlockError, ScheduleError
 
@@ -33,7 +33,7 @@ class Policy:
     name = "fifo"
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
-        self._engine = graph.cached("task_engines", lambda: [t.engine for t in graph.tasks])
+        self._engine = task_engines(graph)
         self._queues: dict[str, deque[int]] = {e: deque() for e in units}
 
     def push(self, tid: int) -> None:
@@ -52,6 +52,14 @@ class Policy:
         cls = type(self)
         plain = all(getattr(cls, m) is getattr(Policy, m) for m in ("prepare", "push", "pop", "has_ready"))
         return self._queues if plain and not getattr(self, "per_unit", False) else None
+
+
+def task_engines(graph: TaskGraph) -> list[str]:
+    """The engine kind of each task, by id (kept per graph version)."""
+    def make() -> list[str]:
+        a = graph.arrays()
+        return list(map(a.engine_names.__getitem__, a.engine.tolist()))
+    return graph.cached("task_engines", make)
 
 
 class FIFO(Policy):
@@ -113,7 +121,7 @@ class Core:
         unmet = self.unmet
         if unmet[tid] != RUNNING:
             state = "already done" if unmet[tid] == DONE else "not handed out"
-            raise ScheduleError(f"done() for task {self.graph.tasks[tid].name!r}, which is {state}")
+            raise ScheduleError(f"done() for task {self.graph.task_name(tid)!r}, which is {state}")
         unmet[tid] = DONE
         self.remaining -= 1
         push = self._push_of
@@ -147,17 +155,17 @@ class Core:
     def blocked(self) -> dict[str, list[str]]:
         """Every task not done, with the predecessors it still waits for; a task that
         waits for none is ``["(running)"]`` or ``["(ready, no unit took it)"]``."""
-        tasks, unmet = self.graph.tasks, self.unmet
+        name, unmet = self.graph.task_name, self.unmet
         out: dict[str, list[str]] = {}
         for tid, n in enumerate(unmet):
             if n == DONE:
                 continue
             if n == RUNNING:
-                out[tasks[tid].name] = ["(running)"]
+                out[name(tid)] = ["(running)"]
             elif n == 0:
-                out[tasks[tid].name] = ["(ready, no unit took it)"]
+                out[name(tid)] = ["(ready, no unit took it)"]
             else:
-                out[tasks[tid].name] = [tasks[p].name for p in self.graph.pred[tid] if unmet[p] != DONE]
+                out[name(tid)] = [name(p) for p in self.graph.preds_of(tid) if unmet[p] != DONE]
         return out
 
     def deadlock(self, why: str, shown: int = 20) -> DeadlockError:
@@ -167,6 +175,3 @@ class Core:
         lines = [f"{t} waits for {', '.join(w) or 'nothing'}" for t, w in list(blocked.items())[:shown]]
         more = f"\n  ... and {len(blocked) - shown} more" if len(blocked) > shown else ""
         return DeadlockError(f"{why}:\n  " + "\n  ".join(lines) + more, blocked)
-
-    def states(self) -> Sequence[int]:
-        return self.unmet

@@ -13,7 +13,6 @@ dispatch; reference counting still frees memory.
 """
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import Any, Iterable
 
 import numpy as np
@@ -39,62 +38,83 @@ class Observer:
         pass
 
 
-def _task_rows(graph: TaskGraph) -> list[tuple]:
-    """Per task, the trace-event fields that no run changes (cached per graph version)."""
-    def make() -> list[tuple]:
-        return [(t.id, t.name, t.op, t.engine, c.flops, c.bytes, c.comm_bytes, graph.pred[t.id], t.tags, c.precision)
-                for t, c in zip(graph.tasks, graph.costs())]
-    return graph.cached("trace_rows", make)
+class _Names:
+    """Task names by task id, made when read: given, or ``op#id``."""
+
+    __slots__ = ("ops", "op", "given")
+
+    def __init__(self, graph: TaskGraph, op: np.ndarray):
+        self.ops, self.op, self.given = graph._op_names, op, graph._names  # existing entries never change
+
+    def __getitem__(self, tid: int) -> str:
+        name = self.given[tid] if self.given is not None else None
+        return name if name is not None else f"{self.ops[self.op[tid]]}#{tid}"
 
 
-def _task_table(graph: TaskGraph) -> Columns:
-    """One row per task (by task id) of the trace columns that no run changes (cached per graph version;
-    deps and tags copied, so that traces keep them as they were however the graph changes later)."""
-    def make() -> Columns:
-        tasks, costs = graph.tasks, graph.costs()
-        n = len(tasks)
-        names, ops, engines, tags = (list(map(attrgetter(f), tasks)) for f in ("name", "op", "engine", "tags"))
-        work = {f: np.fromiter(map(attrgetter(f), costs), np.float64, n) for f in ("flops", "bytes", "comm_bytes")}
-        zeros = np.zeros(n, dtype=np.int64)
-        none, empty = [], {}  # shared by the tasks without deps or tags (events get their own)
-        return Columns(task_id=np.arange(n, dtype=np.int64), task=Coded.of(names), op=Coded.of(ops, True),
-                       engine=Coded.of(engines, True), unit=zeros, rank=zeros, start=np.zeros(n), end=np.zeros(n),
-                       **work, deps=Coded.of([list(d) if d else none for d in graph.pred]),
-                       tags=Coded.of([dict(t) if t else empty for t in tags]),
-                       precision=Coded.of(list(map(attrgetter("precision"), costs)), True))
+class _Rows:
+    """Rows of a CSR array as lists, made when read."""
+
+    __slots__ = ("ptr", "idx")
+
+    def __init__(self, ptr: np.ndarray, idx: np.ndarray):
+        self.ptr, self.idx = ptr, idx
+
+    def __getitem__(self, i: int) -> list[int]:
+        return self.idx[self.ptr[i]:self.ptr[i + 1]].tolist()
+
+
+class _Sparse(dict):
+    """Values by task id for the tasks that have one, ``{}`` for the others."""
+
+    def __missing__(self, tid: int) -> dict:
+        return _EMPTY
+
+
+_EMPTY: dict = {}
+
+
+def _task_table(graph: TaskGraph) -> dict[str, Any]:
+    """Per task (by id), the trace columns no run changes, as columns: op, engine and precision
+    codes, work figures, and names, dependencies and tags read when asked (tags copied, so
+    traces keep them as they were however the graph changes later). Cached per graph version."""
+    def make() -> dict[str, Any]:
+        a = graph.arrays()
+        table, codes = graph.cost_columns()
+        precisions = list(dict.fromkeys(c.precision for c in table))
+        out = {f: np.array([getattr(c, f) for c in table], dtype=np.float64)[codes]
+               for f in ("flops", "bytes", "comm_bytes")}
+        prec = np.array([precisions.index(c.precision) for c in table], dtype=np.int64)[codes]
+        return {**out, "op": a.op.astype(np.int64), "engine": a.engine.astype(np.int64), "precision": prec,
+                "precisions": precisions, "names": _Names(graph, a.op), "deps": _Rows(a.pred_ptr, a.pred_idx),
+                "tags": _Sparse({i: dict(t) for i, t in graph.task_tags.items()}), "arrays": a}
     return graph.cached("trace_table", make)
 
 
 def columns_of(graph: TaskGraph, task_id: np.ndarray, unit: np.ndarray, start: np.ndarray, end: np.ndarray,
                rank: int) -> Columns:
     """Trace columns of task runs given as arrays (task id, unit, start, end per run)."""
-    cols = _task_table(graph).take(np.asarray(task_id, dtype=np.int64))
-    cols.unit = np.asarray(unit, dtype=np.int64)
-    cols.rank = np.full(len(cols.unit), rank, dtype=np.int64)
-    cols.start, cols.end = np.asarray(start, dtype=np.float64), np.asarray(end, dtype=np.float64)
-    return cols
+    t = _task_table(graph)
+    tid = np.asarray(task_id, dtype=np.int64)
+    return Columns(task_id=tid, task=Coded(t["names"], tid), op=Coded(list(t["arrays"].op_names), t["op"][tid]),
+                   engine=Coded(list(t["arrays"].engine_names), t["engine"][tid]),
+                   unit=np.asarray(unit, dtype=np.int64), rank=np.full(len(tid), rank, dtype=np.int64),
+                   start=np.asarray(start, dtype=np.float64), end=np.asarray(end, dtype=np.float64),
+                   flops=t["flops"][tid], bytes=t["bytes"][tid], comm_bytes=t["comm_bytes"][tid],
+                   deps=Coded(t["deps"], tid), tags=Coded(t["tags"], tid),
+                   precision=Coded(t["precisions"], t["precision"][tid]))
 
 
 def records_columns(graph: TaskGraph, records: Iterable[Record], rank: int) -> Columns:
     """Trace columns of ``records``, in record order."""
     recs = records if isinstance(records, list) else list(records)
-    if not recs:
-        z = np.zeros(0)
-        return columns_of(graph, z, z, z, z, rank)
-    tid, unit, start, end = zip(*recs)
+    tid, unit, start, end = zip(*recs) if recs else ((), (), (), ())
     return columns_of(graph, np.array(tid, dtype=np.int64), np.array(unit, dtype=np.int64), np.array(start),
                       np.array(end), rank)
 
 
 def events_of(graph: TaskGraph, records: Iterable[Record], rank: int) -> list[TraceEvent]:
     """Trace events of ``records``, in record order."""
-    rows = _task_rows(graph)
-    out = []
-    for tid, unit, start, end in records:
-        i, name, op, engine, flops, nbytes, comm, deps, tags, prec = rows[tid]
-        out.append(TraceEvent(i, name, op, engine, unit, rank, start, end, flops, nbytes, comm, list(deps),
-                              dict(tags) if tags else {}, prec))
-    return out
+    return records_columns(graph, records, rank).events()
 
 
 class Recorder:
@@ -122,7 +142,7 @@ class Recorder:
         if keep:
             self.records.append((tid, unit, start, end))
         if self.observers:
-            event = events_of(self.graph, ((tid, unit, start, end),), self.rank)[0]
+            event = columns_of(self.graph, [tid], [unit], [start], [end], self.rank).events()[0]
             for o in self.observers:
                 o.on_task(event)
 

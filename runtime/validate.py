@@ -11,12 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from megaloom.runtime.access import Frontier
-from megaloom.runtime.costs import operand_key, specs
+from megaloom.runtime.costs import per_operands, specs
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered
 from megaloom.runtime.registry import get_op
-from megaloom.runtime.task import NO_IO
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import Region, TaskGraph
@@ -65,19 +64,13 @@ def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], a
 
 
 def _shapes(g: TaskGraph) -> Iterator[Problem]:
-    # a task with no regions and no attrs is checked once per op; the others once per operand key
+    # a task with no regions and no attrs is checked once per op; the others once per operands
     own = set(g._io).union(g._attrs)
     bare = set(g._op) if not own else {c for i, c in enumerate(g._op) if i not in own}
     bad = {c: why for c in bare if (why := _shape_problem(g._op_names[c], (), (), {}))}
-    memo: dict = {}
+    found = per_operands(g, sorted(own), _shape_problem)
     for i in (range(len(g)) if bad else sorted(own)):
-        if i in own:
-            key = operand_key(g, i)
-            if key not in memo:
-                memo[key] = _shape_problem(g._op_names[g._op[i]], *g._io.get(i, NO_IO), g._attrs.get(i, {}))
-            why = memo[key]
-        else:
-            why = bad.get(g._op[i])
+        why = found[i] if i in own else bad.get(g._op[i])
         if why:
             name = g.task_name(i)
             yield name, f"task {name!r}: {why}"

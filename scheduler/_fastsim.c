@@ -8,16 +8,15 @@
  * instant retired, in (finish, sequence) order, before dispatching again. Finish times
  * are `now + dur[t]` in IEEE double, as in Python, so the results are bit-identical.
  *
- * run(pred, succ, engines, index, dur, keys, units, progress, every[, raw])
- *   pred, succ: lists of lists of task ids; engines: engine name per task; index: dict
- *   engine name -> engine number (units order); dur: durations; keys: None (FIFO) or one
- *   number per task; units: unit count per engine number; progress: None or a callable
- *   called as progress(done, total) every `every` dispatches and at the end.
- * Returns (start: list[float], unit: list[int], order: list[int], done: int) (with a tenth argument
- * `raw` true: start, unit and order as bytes of float64, int32 and int32 values), or None
- * when the inputs are outside what the loop reproduces exactly (an engine missing from
- * index or without units, a NaN duration or key, a key that is not an int or float, an
- * int key beyond 2**53): the caller then runs the Python loop.
+ * run(pred_ptr, succ_ptr, succ_idx, engine, dur, keys, units, progress, every)
+ *   buffers (NumPy arrays): pred_ptr, int64[n + 1], CSR offsets of the predecessors (only the
+ *   counts are read); succ_ptr, int64[n + 1], and succ_idx, int32, the successors in CSR form;
+ *   engine, int32[n], the engine number of each task (units order); dur, float64[n]; keys,
+ *   None (FIFO) or float64[n]. units: a list of unit counts per engine number; progress: None
+ *   or a callable called as progress(done, total) every `every` dispatches and at the end.
+ * Returns (start, unit, order, done): the bytes of float64 start and int32 unit per task and
+ * int32 task ids in dispatch order (`done` of them). The caller checks what the loop must not
+ * be given (NaN durations or keys, engines without units); bad sizes raise ValueError.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -66,28 +65,9 @@ static inline int rd_less(const Ready *a, const Ready *b) {
 HEAP_FUNCS(Event, ev_less)
 HEAP_FUNCS(Ready, rd_less)
 
-#define TWO53 9007199254740992.0
-
-/* The number `o` as a double when exactly representable; 0 = not, -1 = Python error. */
-static int exact_double(PyObject *o, double *out) {
-    if (PyFloat_Check(o)) {
-        *out = PyFloat_AS_DOUBLE(o);
-        return !isnan(*out);
-    }
-    if (PyLong_Check(o)) {
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-        if (v == -1 && PyErr_Occurred()) return -1;
-        if (overflow || v > (long long)TWO53 || v < -(long long)TWO53) return 0;
-        *out = (double)v;
-        return 1;
-    }
-    return 0;
-}
-
 typedef struct {
     Py_ssize_t n, ne;
-    int64_t *off;      /* CSR successors: succ of t is adj[off[t]:off[t+1]] */
+    int64_t *off;      /* CSR successors: succ of t is adj[off[t]:off[t+1]] (borrowed, as eng, dur, key) */
     int32_t *adj;
     int64_t *unmet;    /* unmet predecessors per task */
     int32_t *eng;      /* engine number per task */
@@ -103,8 +83,7 @@ typedef struct {
 } Sim;
 
 static void sim_free(Sim *s) {
-    PyMem_Free(s->off); PyMem_Free(s->adj); PyMem_Free(s->unmet); PyMem_Free(s->eng);
-    PyMem_Free(s->dur); PyMem_Free(s->key); PyMem_Free(s->qbase); PyMem_Free(s->qhead);
+    PyMem_Free(s->unmet); PyMem_Free(s->qbase); PyMem_Free(s->qhead);
     PyMem_Free(s->qlen); PyMem_Free(s->q); PyMem_Free(s->rq); PyMem_Free(s->fbase);
     PyMem_Free(s->ftop); PyMem_Free(s->fu); PyMem_Free(s->heap); PyMem_Free(s->unit);
     PyMem_Free(s->order); PyMem_Free(s->start);
@@ -135,129 +114,74 @@ static inline void retire(Sim *s, int32_t t) {
     }
 }
 
-/* A list of task ids (a list or tuple) as a borrowed fast sequence; -1 on error. */
-static int task_ids(PyObject *seq, Py_ssize_t n, const char *what, PyObject **fast) {
-    *fast = PySequence_Fast(seq, what);
-    if (*fast == NULL) return -1;
-    if (PySequence_Fast_GET_SIZE(*fast) != n) {
-        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zd", what, PySequence_Fast_GET_SIZE(*fast), n);
+/* Check that buffer `b` holds `n` items of `size` bytes; -1 (ValueError) when not. */
+static int sized(Py_buffer *b, Py_ssize_t n, Py_ssize_t size, const char *what) {
+    if (b->len != n * size) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd bytes, expected %zd", what, b->len, n * size);
         return -1;
     }
     return 0;
 }
 
-/* Fill the Sim from the Python inputs; 1 = ok, 0 = decline (use the Python loop), -1 = error. */
-static int sim_load(Sim *s, PyObject *pred, PyObject *succ, PyObject *engines, PyObject *index,
-                    PyObject *dur, PyObject *keys, PyObject *units) {
-    PyObject *fp = NULL, *fs = NULL, *fe = NULL, *fd = NULL, *fk = NULL, *fu = NULL;
-    int rc = -1;
+/* Fill the Sim from the buffers; 0 = ok, -1 = error. */
+static int sim_load(Sim *s, Py_buffer *pred_ptr, Py_buffer *succ_ptr, Py_buffer *succ_idx, Py_buffer *engine,
+                    Py_buffer *dur, Py_buffer *keys, PyObject *units) {
     Py_ssize_t n = s->n, ne;
-    if (task_ids(succ, n, "succ", &fs) < 0 || task_ids(pred, n, "pred", &fp) < 0 ||
-        task_ids(engines, n, "engines", &fe) < 0 || task_ids(dur, n, "dur", &fd) < 0)
-        goto done;
-    if (keys != Py_None && task_ids(keys, n, "keys", &fk) < 0) goto done;
-    if (!PyDict_Check(index)) { PyErr_SetString(PyExc_TypeError, "index must be a dict"); goto done; }
-    fu = PySequence_Fast(units, "units");
-    if (fu == NULL) goto done;
+    PyObject *fu = PySequence_Fast(units, "units");
+    if (fu == NULL) return -1;
     ne = s->ne = PySequence_Fast_GET_SIZE(fu);
-    if (n >= INT32_MAX) { rc = 0; goto done; }
-
-    s->off = PyMem_Malloc((n + 1) * sizeof(int64_t));
+    if (sized(pred_ptr, n + 1, 8, "pred_ptr") < 0 || sized(succ_ptr, n + 1, 8, "succ_ptr") < 0 ||
+        sized(engine, n, 4, "engine") < 0 || sized(dur, n, 8, "dur") < 0 || (keys && sized(keys, n, 8, "keys") < 0))
+        goto fail;
+    const int64_t *pp = pred_ptr->buf, *sp = succ_ptr->buf;
+    int64_t edges = sp[n];
+    if (sized(succ_idx, edges, 4, "succ_idx") < 0) goto fail;
+    s->off = (int64_t *)sp;
+    s->adj = (int32_t *)succ_idx->buf;
+    s->eng = (int32_t *)engine->buf;
+    s->dur = (double *)dur->buf;
+    s->key = keys ? (double *)keys->buf : NULL;
     s->unmet = PyMem_Malloc((n + 1) * sizeof(int64_t));
-    s->eng = PyMem_Malloc((n + 1) * sizeof(int32_t));
-    s->dur = PyMem_Malloc((n + 1) * sizeof(double));
     s->qbase = PyMem_Calloc(ne + 1, sizeof(int64_t));
     s->qhead = PyMem_Calloc(ne + 1, sizeof(int64_t));
     s->qlen = PyMem_Calloc(ne + 1, sizeof(int64_t));
     s->fbase = PyMem_Calloc(ne + 1, sizeof(int64_t));
     s->ftop = PyMem_Calloc(ne + 1, sizeof(int64_t));
-    s->unit = PyMem_Malloc((n + 1) * sizeof(int32_t));
+    s->unit = PyMem_Calloc(n + 1, sizeof(int32_t));  /* tasks that never start (a stall) keep 0 */
     s->order = PyMem_Malloc((n + 1) * sizeof(int32_t));
-    s->start = PyMem_Malloc((n + 1) * sizeof(double));
-    if (!s->off || !s->unmet || !s->eng || !s->dur || !s->qbase || !s->qhead || !s->qlen || !s->fbase ||
-        !s->ftop || !s->unit || !s->order || !s->start) { PyErr_NoMemory(); goto done; }
-
-    /* units: free-unit stacks, unit 0 on top */
-    int64_t total_units = 0;
+    s->start = PyMem_Calloc(n + 1, sizeof(double));
+    if (keys) s->rq = PyMem_Malloc((n + 1) * sizeof(Ready));
+    else s->q = PyMem_Malloc((n + 1) * sizeof(int32_t));
+    if (!s->unmet || !s->qbase || !s->qhead || !s->qlen || !s->fbase || !s->ftop || !s->unit || !s->order ||
+        !s->start || (!s->rq && !s->q)) { PyErr_NoMemory(); goto fail; }
+    int64_t total_units = 0;  /* free-unit stacks, unit 0 on top */
     for (Py_ssize_t e = 0; e < ne; e++) {
         long long u = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fu, e));
-        if (u == -1 && PyErr_Occurred()) goto done;
-        if (u <= 0 || u > INT32_MAX) { rc = 0; goto done; }
+        if (u == -1 && PyErr_Occurred()) goto fail;
+        if (u <= 0 || u > INT32_MAX) { PyErr_SetString(PyExc_ValueError, "unit counts must be positive"); goto fail; }
         s->fbase[e] = total_units;
         s->ftop[e] = u;
         total_units += u;
     }
     s->fu = PyMem_Malloc((total_units + 1) * sizeof(int32_t));
     s->heap = PyMem_Malloc((total_units + 1) * sizeof(Event));
-    if (!s->fu || !s->heap) { PyErr_NoMemory(); goto done; }
+    if (!s->fu || !s->heap) { PyErr_NoMemory(); goto fail; }
     for (Py_ssize_t e = 0; e < ne; e++)
         for (int64_t i = 0; i < s->ftop[e]; i++) s->fu[s->fbase[e] + i] = (int32_t)(s->ftop[e] - 1 - i);
-
-    /* per task: engine number, duration, key, unmet count; CSR offsets */
-    PyObject **ev = PySequence_Fast_ITEMS(fe), **dv = PySequence_Fast_ITEMS(fd);
-    PyObject **pv = PySequence_Fast_ITEMS(fp), **sv = PySequence_Fast_ITEMS(fs);
-    if (fk) {
-        s->key = PyMem_Malloc((n + 1) * sizeof(double));
-        if (!s->key) { PyErr_NoMemory(); goto done; }
-    }
-    int64_t edges = 0;
-    PyObject *last_name = NULL;
-    long last_e = -1;
     for (Py_ssize_t t = 0; t < n; t++) {
-        if (ev[t] != last_name) {  /* engine names repeat: skip the dict lookup for the same object */
-            PyObject *ix = PyDict_GetItemWithError(index, ev[t]);
-            if (ix == NULL) { rc = PyErr_Occurred() ? -1 : 0; goto done; }
-            last_e = PyLong_AsLong(ix);
-            if (last_e == -1 && PyErr_Occurred()) goto done;
-            if (last_e < 0 || last_e >= ne) { rc = 0; goto done; }
-            last_name = ev[t];
-        }
-        s->eng[t] = (int32_t)last_e;
-        s->qbase[last_e + 1]++;  /* count tasks per engine; prefix-summed below */
-        double d;
-        if (PyFloat_CheckExact(dv[t])) d = PyFloat_AS_DOUBLE(dv[t]);
-        else {
-            d = PyFloat_AsDouble(dv[t]);
-            if (d == -1.0 && PyErr_Occurred()) goto done;
-        }
-        if (isnan(d)) { rc = 0; goto done; }
-        s->dur[t] = d;
-        if (fk) {
-            int ok = exact_double(PySequence_Fast_GET_ITEM(fk, t), &s->key[t]);
-            if (ok <= 0) { rc = ok; goto done; }
-        }
-        if (!PyList_Check(pv[t]) || !PyList_Check(sv[t])) {
-            PyErr_Format(PyExc_TypeError, "pred and succ of task %zd must be lists", t);
-            goto done;
-        }
-        s->unmet[t] = PyList_GET_SIZE(pv[t]);
-        s->off[t] = edges;
-        edges += PyList_GET_SIZE(sv[t]);
+        int32_t e = s->eng[t];
+        if (e < 0 || e >= ne) { PyErr_Format(PyExc_ValueError, "task %zd has engine %d", t, e); goto fail; }
+        s->qbase[e + 1]++;  /* tasks per engine; prefix-summed below */
+        s->unmet[t] = pp[t + 1] - pp[t];
     }
-    s->off[n] = edges;
-    s->adj = PyMem_Malloc((edges + 1) * sizeof(int32_t));
-    if (!s->adj) { PyErr_NoMemory(); goto done; }
-    for (Py_ssize_t t = 0; t < n; t++) {
-        PyObject *lst = sv[t];
-        Py_ssize_t m = PyList_GET_SIZE(lst);
-        for (Py_ssize_t k = 0; k < m; k++) {
-            long v = PyLong_AsLong(PyList_GET_ITEM(lst, k));
-            if (v == -1 && PyErr_Occurred()) goto done;
-            if (v < 0 || v >= n) {
-                PyErr_Format(PyExc_ValueError, "successor %ld of task %zd is not a task id", v, t);
-                goto done;
-            }
-            s->adj[s->off[t] + k] = (int32_t)v;
-        }
-    }
+    for (int64_t k = 0; k < edges; k++)
+        if (s->adj[k] < 0 || s->adj[k] >= n) { PyErr_Format(PyExc_ValueError, "successor %d is not a task id", s->adj[k]); goto fail; }
     for (Py_ssize_t e = 0; e < ne; e++) s->qbase[e + 1] += s->qbase[e];
-    if (fk) s->rq = PyMem_Malloc((n + 1) * sizeof(Ready));
-    else s->q = PyMem_Malloc((n + 1) * sizeof(int32_t));
-    if (!s->rq && !s->q) { PyErr_NoMemory(); goto done; }
-    rc = 1;
-done:
-    Py_XDECREF(fp); Py_XDECREF(fs); Py_XDECREF(fe); Py_XDECREF(fd); Py_XDECREF(fk); Py_XDECREF(fu);
-    return rc;
+    Py_DECREF(fu);
+    return 0;
+fail:
+    Py_DECREF(fu);
+    return -1;
 }
 
 /* The event loop; 0 = ok, -1 = the progress callback raised. */
@@ -312,60 +236,41 @@ static PyObject *sim_result_raw(Sim *s, int64_t ndone) {
                          (const char *)s->order, (Py_ssize_t)(ndone * sizeof(int32_t)), (long long)ndone);
 }
 
-/* (start, unit, order, done); at the end every dispatched task is done, so `order` has `done` entries. */
-static PyObject *sim_result(Sim *s, int64_t ndone) {
-    Py_ssize_t n = s->n;
-    PyObject *start = PyList_New(n), *unit = PyList_New(n), *order = PyList_New((Py_ssize_t)ndone);
-    if (!start || !unit || !order) goto fail;
-    for (Py_ssize_t t = 0; t < n; t++) {
-        PyObject *a = PyFloat_FromDouble(s->start[t]), *b = PyLong_FromLong(s->unit[t]);
-        if (!a || !b) { Py_XDECREF(a); Py_XDECREF(b); goto fail; }
-        PyList_SET_ITEM(start, t, a);
-        PyList_SET_ITEM(unit, t, b);
-    }
-    for (int64_t i = 0; i < ndone; i++) {
-        PyObject *c = PyLong_FromLong(s->order[i]);
-        if (!c) goto fail;
-        PyList_SET_ITEM(order, (Py_ssize_t)i, c);
-    }
-    return Py_BuildValue("NNNL", start, unit, order, (long long)ndone);
-fail:
-    Py_XDECREF(start); Py_XDECREF(unit); Py_XDECREF(order);
-    return NULL;
-}
-
 static PyObject *fastsim_run(PyObject *self, PyObject *args) {
-    PyObject *pred, *succ, *engines, *index, *dur, *keys, *units, *progress;
+    Py_buffer pp, sp, si, eng, dur, keys = {0};
+    PyObject *keys_obj, *units, *progress, *out = NULL;
     Py_ssize_t every;
-    int raw = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOn|p:run", &pred, &succ, &engines, &index, &dur, &keys, &units,
-                          &progress, &every, &raw))
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*OOOn:run", &pp, &sp, &si, &eng, &dur, &keys_obj, &units, &progress, &every))
         return NULL;
-    if (progress != Py_None && !PyCallable_Check(progress)) {
-        PyErr_SetString(PyExc_TypeError, "progress must be callable or None");
-        return NULL;
-    }
-    if (every < 1) every = 1;
-    Py_ssize_t n = PyObject_Length(succ);
-    if (n < 0) return NULL;
     Sim s;
     memset(&s, 0, sizeof s);
-    s.n = n;
-    PyObject *out = NULL;
-    int rc = sim_load(&s, pred, succ, engines, index, dur, keys, units);
-    if (rc <= 0) {
-        sim_free(&s);
-        if (rc < 0) return NULL;
-        Py_RETURN_NONE;
+    s.n = eng.len / 4;
+    if (progress != Py_None && !PyCallable_Check(progress))
+        PyErr_SetString(PyExc_TypeError, "progress must be callable or None");
+    else if (s.n >= INT32_MAX)
+        PyErr_SetString(PyExc_ValueError, "too many tasks");
+    else if (keys_obj == Py_None || PyObject_GetBuffer(keys_obj, &keys, PyBUF_SIMPLE) == 0) {
+        int64_t ndone = 0;
+        if (sim_load(&s, &pp, &sp, &si, &eng, &dur, keys.obj ? &keys : NULL, units) == 0 &&
+            sim_loop(&s, progress, every < 1 ? 1 : every, &ndone) == 0)
+            out = sim_result_raw(&s, ndone);
+        if (keys.obj) PyBuffer_Release(&keys);
     }
-    /* start and unit of tasks that never start (a stall) stay 0, as in the Python loop */
-    memset(s.start, 0, (n + 1) * sizeof(double));
-    memset(s.unit, 0, (n + 1) * sizeof(int32_t));
-    int64_t ndone = 0;
-    if (sim_loop(&s, progress, every, &ndone) == 0) out = raw ? sim_result_raw(&s, ndone) : sim_result(&s, ndone);
     sim_free(&s);
+    PyBuffer_Release(&pp); PyBuffer_Release(&sp); PyBuffer_Release(&si); PyBuffer_Release(&eng); PyBuffer_Release(&dur);
     return out;
+}
+
+/* A list of task ids (a list or tuple) as a borrowed fast sequence; -1 on error. */
+static int task_ids(PyObject *seq, Py_ssize_t n, const char *what, PyObject **fast) {
+    *fast = PySequence_Fast(seq, what);
+    if (*fast == NULL) return -1;
+    if (PySequence_Fast_GET_SIZE(*fast) != n) {
+        PyErr_Format(PyExc_ValueError, "%s has %zd entries, expected %zd", what, PySequence_Fast_GET_SIZE(*fast), n);
+        return -1;
+    }
+    return 0;
 }
 
 /* upward_rank(succ, order, dur): rank[t] = dur[t] + max(rank[s] for s in succ[t]) (0.0 when

@@ -14,10 +14,9 @@ and the simulator runs its Python loop.
 """
 from __future__ import annotations
 
-from operator import attrgetter
+from typing import Callable, Sequence
 
 import numpy as np
-from typing import Callable, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.graph import TaskGraph
@@ -46,26 +45,34 @@ def ready_order(policy: Policy) -> str | None:
     return None
 
 
-def run(graph: TaskGraph, units: dict[str, int], policy: Policy, dur: list[float],
-        progress: Callable[[int, int], None] | None, every: int,
-        arrays: bool = False) -> tuple[Sequence, Sequence, Sequence] | None:
-    """``(start, unit, order)`` of the compiled loop (lists; NumPy arrays with ``arrays``), or
-    None when it does not apply (no extension, a policy it cannot replay, an engine without
-    units, NaN durations or keys, keys that are not exact doubles, or a stall, which the
+def run(graph: TaskGraph, units: dict[str, int], policy: Policy, dur: np.ndarray,
+        progress: Callable[[int, int], None] | None, every: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(start, unit, order)`` of the compiled loop as NumPy arrays, read from the graph's
+    columns, or None when it does not apply (no extension, a policy it cannot replay, an engine
+    without units, NaN durations or keys, keys that are not exact doubles, or a stall, which the
     Python loop then reports)."""
     kind = ready_order(policy)
-    if _fastsim is None or kind is None:
+    if _fastsim is None or kind is None or np.isnan(dur).any():
         return None
-    keys = policy.keys(graph) if kind == "keyed" else None
-    engines = list(map(attrgetter("engine"), graph.tasks))
-    index = {e: i for i, e in enumerate(units)}
-    out = _fastsim.run(graph.pred, graph.succ, engines, index, dur, keys, list(units.values()), progress, every,
-                       arrays)
-    if out is None or out[3] != len(dur):
+    keys = _exact(policy.keys(graph)) if kind == "keyed" else None
+    a = graph.arrays()
+    engine = np.array([list(units).index(e) if e in units else -1 for e in a.engine_names] or [0], np.int32)[a.engine]
+    if (kind == "keyed" and keys is None) or (engine < 0).any():
         return None
-    if arrays:
-        return tuple(np.frombuffer(b, dtype=t) for b, t in zip(out[:3], (np.float64, np.int32, np.int32)))
-    return out[0], out[1], out[2]
+    out = _fastsim.run(a.pred_ptr, a.succ_ptr, a.succ_idx, engine, dur, keys, list(units.values()), progress, every)
+    if out[3] != len(dur):
+        return None
+    return tuple(np.frombuffer(b, dtype=t) for b, t in zip(out[:3], (np.float64, np.int32, np.int32)))
+
+
+def _exact(keys: Sequence) -> np.ndarray | None:
+    """``keys`` as float64 when each is an int or float a double holds exactly (not NaN), else None."""
+    k = np.asarray(keys)
+    if k.ndim != 1:
+        return None
+    if k.dtype.kind in "iub" and (k.size == 0 or np.abs(k).max() <= 2**53):
+        return k.astype(np.float64)
+    return k.astype(np.float64) if k.dtype.kind == "f" and not np.isnan(k).any() else None
 
 
 def upward_rank(succ: list[list[int]], order: list[int], durations: Sequence[float]) -> list[float]:

@@ -18,7 +18,7 @@ from collections import deque
 from heapq import heappop, heappush
 from typing import Any, Callable, Sequence
 
-from megaloom.runtime.core import FIFO, Policy
+from megaloom.runtime.core import FIFO, Policy, task_engines
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.plugins import Registry
@@ -32,7 +32,7 @@ class _Keyed(Policy):
         raise NotImplementedError
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
-        self._engine = [t.engine for t in graph.tasks]
+        self._engine = task_engines(graph)
         self._key = self.keys(graph)
         self._heaps: dict[str, list] = {e: [] for e in units}
 

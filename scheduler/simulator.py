@@ -23,18 +23,16 @@ the Python loop; :attr:`Simulator.last_loop` says which loop the last run used.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from heapq import heappop, heappush
-from itertools import count
-from operator import attrgetter
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from megaloom.runtime.core import MAX_UNITS, Core, Policy
+from megaloom.runtime.core import MAX_UNITS, Core, Policy, task_engines
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import RunResult
-from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.plugins import parse_options
 from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 from megaloom.scheduler import fastpath
@@ -107,31 +105,30 @@ class Simulator:
         self.last_loop: str | None = None
         """``"compiled"`` or ``"python"``: the loop the last :meth:`schedule` used."""
 
-    def schedule(self, graph: TaskGraph, durations: list[float] | None = None) -> Schedule:
+    def schedule(self, graph: TaskGraph, durations: Sequence[float] | None = None) -> Schedule:
         """Simulate ``graph``; the schedule as flat lists (no trace events are built)."""
-        start, unit, order, dur = self._simulate(graph, durations, arrays=False)
-        return Schedule(start, dur, unit, order)
+        start, unit, order, dur = self._simulate(graph, durations)
+        return Schedule(*(x.tolist() if isinstance(x, np.ndarray) else x for x in (start, dur, unit, order)))
 
-    def _simulate(self, graph: TaskGraph, durations: list[float] | None, arrays: bool) -> tuple:
-        """``(start, unit, order, durations)``; the first three as NumPy arrays with ``arrays``
-        when the compiled loop ran (lists otherwise)."""
-        dur = durations if durations is not None else task_durations(self.cost_model, graph)
-        if len(dur) != len(graph.tasks):
-            raise ScheduleError(f"graph {graph.name!r} has {len(graph.tasks)} tasks but {len(dur)} durations")
+    def _simulate(self, graph: TaskGraph, durations: Sequence[float] | None) -> tuple:
+        """``(start, unit, order, durations)``: NumPy arrays from the compiled loop, lists from
+        the Python loop (durations an array either way)."""
+        dur = np.ascontiguousarray(durations if durations is not None else task_durations(self.cost_model, graph),
+                                   dtype=np.float64)
+        if len(dur) != len(graph):
+            raise ScheduleError(f"graph {graph.name!r} has {len(graph)} tasks but {len(dur)} durations")
+        if isinstance(self.policy, DurationAware):
+            self.policy.use_durations(dur)
         if self.fast:
-            if isinstance(self.policy, DurationAware):
-                self.policy.use_durations(dur)
             with gc_paused():
-                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every, arrays)
+                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
             if out is not None:
                 self.last_loop = "compiled"
                 return (*out, dur)
         self.last_loop = "python"
-        if isinstance(self.policy, DurationAware):
-            self.policy.use_durations(dur)
         core = Core(graph, self.units, self.policy)
         with gc_paused():
-            start, unit, order = self._loop(core, graph, dur)
+            start, unit, order = self._loop(core, graph, dur.tolist())
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")
@@ -139,7 +136,7 @@ class Simulator:
 
     def _loop(self, core: Core, graph: TaskGraph, dur: list[float]) -> tuple[list[float], list[int], list[int]]:
         n = len(dur)
-        engine = [t.engine for t in graph.tasks]
+        engine = task_engines(graph)
         start = [0.0] * n
         unit_of = [0] * n
         order: list[int] = []
@@ -205,46 +202,48 @@ class Simulator:
             graph.validate()
         rec = Recorder(graph, self.observers, mode="simulate", clock="virtual", units=self.units,
                        profile=self.profile.name, policy=self.policy.name)
-        start, unit, order, dur = self._simulate(graph, durations, arrays=True)
+        start, unit, order, dur = self._simulate(graph, durations)
         order = np.asarray(order, dtype=np.int64)
         start = np.asarray(start, dtype=np.float64)[order]
-        end = start + np.asarray(dur, dtype=np.float64)[order]
         with gc_paused():
-            cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, end, 0)
+            cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, start + dur[order], 0)
             trace = rec.finish(columns=cols, replay=True)
         return RunResult({}, trace)
 
 
-_FIELDS = attrgetter("op", "engine", "tags", "attrs")
-
-
-def task_durations(model: CostModel, graph: TaskGraph) -> list[float]:
-    """``model.durations(graph)``, asking the model once per distinct (op, engine, link, cost)
-    rather than once per task (the tasks' keys are kept per graph version, as its costs are).
-    A model overriding ``durations`` or ``task_duration`` is asked as is."""
+def task_durations(model: CostModel, graph: TaskGraph) -> np.ndarray:
+    """``model.durations(graph)`` as an array, asking the model once per distinct (op, engine,
+    link, cost) rather than once per task (the tasks' keys are kept per graph version, as its
+    costs are). A model overriding ``durations`` or ``task_duration`` is asked as is."""
     cls = type(model)
     if cls.durations is not CostModel.durations or cls.task_duration is not CostModel.task_duration:
-        return model.durations(graph)
-    keys, first = graph.cached("duration_keys", lambda: _duration_keys(graph))
-    tasks, costs = graph.tasks, graph.costs()
-    by_value: dict[tuple, float] = {}  # distinct Cost objects of equal work: computed once
-    memo = {}
-    for key, i in first.items():
-        if isinstance(key, int):
-            memo[key] = model.task_duration(graph, tasks[i])
-            continue
-        c = costs[i]
-        vkey = (*key[:3], c.flops, c.bytes, c.comm_bytes, c.precision)
-        d = by_value.get(vkey)
-        memo[key] = d if d is not None else by_value.setdefault(vkey, model.task_duration(graph, tasks[i]))
-    return list(map(memo.__getitem__, keys))
+        return np.asarray(model.durations(graph), dtype=np.float64)
+    first, inverse, own = graph.cached("duration_keys", lambda: _duration_keys(graph))
+    a = graph.arrays()
+    table, codes = graph.cost_columns()
+
+    def ask(i: int) -> float:
+        return model.task_duration(graph, Task(graph, i, a.op_names[a.op[i]], a.engine_names[a.engine[i]]))
+
+    by_value: dict = {}  # distinct Cost objects of equal work: asked once
+    values = []
+    for i in first.tolist():
+        k = (a.op[i], a.engine[i], *astuple(table[codes[i]])) if i not in own else i
+        values.append(by_value[k] if k in by_value else by_value.setdefault(k, ask(i)))
+    dur = np.array(values or [0.0])[inverse]
+    for i in own:  # tasks with a link tag or a measured duration
+        dur[i] = ask(i)
+    return dur
 
 
-def _duration_keys(graph: TaskGraph) -> tuple[list, dict]:
-    """Per task (op, engine, link, id of its Cost), or its id when it carries a measured duration;
-    and a task id of each distinct key."""
-    keys = [(op, engine, tags.get("link", "intra") if tags else "intra", id(c))
-            if not (attrs and DURATION_ATTR in attrs) else i
-            for i, (op, engine, tags, attrs), c in zip(count(), map(_FIELDS, graph.tasks), graph.costs())]
-    return keys, dict(zip(keys, count()))
-
+def _duration_keys(graph: TaskGraph) -> tuple[np.ndarray, np.ndarray, set[int]]:
+    """A task id of each distinct (op, engine, cost) of the tasks without a link tag or a measured
+    duration, the index of each task's key among them, and the ids of the other tasks."""
+    a = graph.arrays()
+    _, codes = graph.cost_columns()
+    own = {i for i, tags in graph.task_tags.items() if "link" in tags} \
+        | {i for i, attrs in graph.task_attrs.items() if DURATION_ATTR in attrs}
+    key = (a.op.astype(np.int64) * len(a.engine_names) + a.engine) * (int(codes.max(initial=0)) + 1) + codes
+    key[list(own)] = -1  # one key for them all: asked one by one
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return first, inverse.reshape(-1), own

@@ -103,7 +103,7 @@ def test_simulator_durations_equal_the_cost_models():
         g.tasks[0].attrs["duration"] = 1e-3  # a measured duration wins
         for t in g.tasks[1::5]:
             t.tags["link"] = "inter"
-        assert task_durations(sim.cost_model, g) == sim.cost_model.durations(g)
+        assert task_durations(sim.cost_model, g).tolist() == sim.cost_model.durations(g)
 
 
 # -- cached dispatch plans ---------------------------------------------------------------

@@ -75,7 +75,7 @@ def test_compiled_loop_equals_python_loop(case, name):
     assert a.unit == b.unit
     assert a.start == b.start
     assert [s + d for s, d in zip(a.start, a.duration)] == [s + d for s, d in zip(b.start, b.duration)]
-    arrays = fast._simulate(g, dur, arrays=True)  # what run() puts in the trace
+    arrays = fast._simulate(g, dur)  # what run() puts in the trace
     assert fast.last_loop == "compiled" and [x.tolist() for x in arrays[:3]] == [a.start, a.unit, a.order]
     trace, python = fast.run(g, validate=False, durations=dur).trace, slow.run(g, validate=False, durations=dur).trace
     assert trace.events == python.events and fast.last_loop == "compiled"

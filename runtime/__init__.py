@@ -1,21 +1,34 @@
-"""Graph IR, microkernel core, executors and traces."""
-from megaloom.runtime.compose import Composed
-from megaloom.runtime.core import FIFO, Core, Policy
-from megaloom.runtime.errors import (
-    CheckpointError, CommError, ConfigError, DeadlockError, ExecutionError, GraphError, MegaloomError, ScheduleError,
-    TraceFormatError,
-)
-from megaloom.runtime.executors import ExecContext, Executor, Observer, ReferenceExecutor, RunResult, ThreadExecutor
-from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
-from megaloom.runtime.metrics import Metrics, metrics, summary
-from megaloom.runtime.perfetto import PerfettoObserver, to_chrome, write_chrome
-from megaloom.runtime.registry import Cost, OpDef, TensorSpec, all_ops, get_op, register
-from megaloom.runtime.trace import Trace, TraceEvent, merge
+"""Graph IR, microkernel core, executors and traces.
 
-__all__ = [
-    "Buffer", "CheckpointError", "CommError", "Composed", "ConfigError", "Core", "Cost", "DeadlockError", "ExecContext", "ExecutionError",
-    "Executor", "FIFO", "GraphError", "MegaloomError", "Metrics", "Observer", "OpDef", "PerfettoObserver", "Policy",
-    "ReferenceExecutor", "Region", "RunResult", "ScheduleError", "Task", "TaskGraph", "TensorSpec",
-    "ThreadExecutor", "Trace", "TraceEvent", "TraceFormatError", "all_ops", "get_op", "merge", "metrics",
-    "register", "summary", "to_chrome", "write_chrome",
-]
+Names are loaded from their modules on first use, so importing one light module (say
+``megaloom.runtime.errors``) does not import torch with the executors.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "compose": ["Composed"], "core": ["FIFO", "Core", "Policy"],
+    "errors": ["CheckpointError", "CommError", "ConfigError", "DeadlockError", "ExecutionError", "GraphError",
+               "MegaloomError", "ScheduleError", "TraceFormatError"],
+    "executors": ["ExecContext", "Executor", "Observer", "ReferenceExecutor", "RunResult", "ThreadExecutor"],
+    "graph": ["Buffer", "Region", "Task", "TaskGraph"], "metrics": ["Metrics", "metrics", "summary"],
+    "perfetto": ["PerfettoObserver", "to_chrome", "write_chrome"],
+    "registry": ["Cost", "OpDef", "TensorSpec", "all_ops", "get_op", "register"], "trace": ["Trace", "TraceEvent", "merge"],
+}
+_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'megaloom.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"megaloom.runtime.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

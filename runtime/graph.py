@@ -319,9 +319,10 @@ class TaskGraph(DAG):
         return self.cached("cost_columns", lambda: cost_columns(self))
 
     def costs(self) -> list[Cost]:
-        """Every task's cost, by task id (tasks of equal work share one Cost object)."""
+        """Every task's cost, by task id (tasks of equal work share one Cost object; the list is
+        kept until the graph changes)."""
         table, codes = self.cost_columns()
-        return list(map(table.__getitem__, codes.tolist()))
+        return self.cached("costs", lambda: list(map(table.__getitem__, codes.tolist())))
 
     def task_cost(self, t: Task) -> Cost:
         """The task's cost: its own override, else the op's cost function."""

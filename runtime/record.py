@@ -13,13 +13,15 @@ dispatch; reference counting still frees memory.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
 from megaloom.runtime.files import gc_paused  # noqa: F401  (the executors take it from here)
-from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Coded, Columns, Trace, TraceEvent
+
+if TYPE_CHECKING:
+    from megaloom.runtime.graph import TaskGraph
 
 Record = tuple[int, int, float, float]
 """One task run: ``(task id, unit, start, end)``."""

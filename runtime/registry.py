@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from megaloom.runtime.dtypes import itemsize
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.plugins import Registry
+
+if TYPE_CHECKING:
+    import torch
 
 ENGINE_KINDS = ("cube", "vector", "comm")
 

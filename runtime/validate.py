@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator
 
+import numpy as np
+
 from megaloom.runtime.access import Frontier
 from megaloom.runtime.costs import per_operands, specs
 from megaloom.runtime.errors import GraphError
@@ -43,7 +45,9 @@ def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _engine(g: TaskGraph) -> Iterator[Problem]:
-    bad = {(o, e) for o, e in set(zip(g._op, g._eng)) if g._eng_names[e] not in get_op(g._op_names[o]).engines}
+    a, m = g.arrays(), len(g._eng_names)
+    pairs = np.unique(a.op.astype(np.int64) * m + a.engine).tolist()  # each (op, engine) once
+    bad = {(p // m, p % m) for p in pairs if g._eng_names[p % m] not in get_op(g._op_names[p // m]).engines}
     for i in _flagged(g, zip(g._op, g._eng), bad):
         t = g.tasks[i]
         engines = get_op(t.op).engines

@@ -113,7 +113,7 @@ class CostModel:
                 raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a finite non-negative number of "
                                   f"seconds, got {d!r}")
             return float(d)
-        cost = graph.costs()[task.id]
+        cost = graph.task_cost(task)
         compute = self.fused_compute(task) if task.op == FUSED else None
         d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op, compute=compute)
         if not 0 <= d < math.inf:

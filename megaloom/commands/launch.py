@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 
-from megaloom.comm.spawn import free_port
 from megaloom.runtime.errors import ConfigError
 
 
@@ -45,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--grace must be >= 0 seconds, got {args.grace}")
     if not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} does not exist")
+    from megaloom.comm.spawn import free_port
+
     port = args.port or free_port()
     procs: list[subprocess.Popen] = []
     stopped_by: list[int] = []

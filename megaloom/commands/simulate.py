@@ -12,17 +12,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from megaloom.commands import write_file
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.plugins import Registry, parse_options, parse_spec
 from megaloom.runtime.trace import Trace
 
-GraphBuilder = Callable[..., TaskGraph]
+if TYPE_CHECKING:
+    from megaloom.runtime.graph import TaskGraph
+
+GraphBuilder = Callable[..., "TaskGraph"]
 GRAPH_BUILDERS: Registry[GraphBuilder] = Registry("graph builder", "megaloom.graph_builders")
 
 
@@ -33,6 +35,8 @@ def register_graph_builder(name: str, builder: GraphBuilder) -> None:
 
 def resolve_graph(spec: str) -> TaskGraph:
     """A graph from a file path, or from a named builder with options."""
+    from megaloom.runtime.graph import TaskGraph
+
     if os.path.exists(spec):
         return TaskGraph.load(spec)
     name, opts = parse_spec(spec)

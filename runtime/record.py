@@ -76,17 +76,15 @@ _EMPTY: dict = {}
 
 
 def _task_table(graph: TaskGraph) -> dict[str, Any]:
-    """Per task (by id), the trace columns no run changes, as columns: op, engine and precision
-    codes, work figures, and names, dependencies and tags read when asked (tags copied, so
-    traces keep them as they were however the graph changes later). Cached per graph version."""
+    """What trace columns take from the graph, kept per graph version: its columns, per cost code
+    the work figures and precision, and names, dependencies and tags made when read (tags
+    copied, so that traces keep them as they were however the graph changes later)."""
     def make() -> dict[str, Any]:
         a = graph.arrays()
         table, codes = graph.cost_columns()
         precisions = list(dict.fromkeys(c.precision for c in table))
-        out = {f: np.array([getattr(c, f) for c in table], dtype=np.float64)[codes]
-               for f in ("flops", "bytes", "comm_bytes")}
-        prec = np.array([precisions.index(c.precision) for c in table], dtype=np.int64)[codes]
-        return {**out, "op": a.op.astype(np.int64), "engine": a.engine.astype(np.int64), "precision": prec,
+        work = {f: np.array([getattr(c, f) for c in table], dtype=np.float64) for f in ("flops", "bytes", "comm_bytes")}
+        return {**work, "precision": np.array([precisions.index(c.precision) for c in table]), "codes": codes,
                 "precisions": precisions, "names": _Names(graph, a.op), "deps": _Rows(a.pred_ptr, a.pred_idx),
                 "tags": _Sparse({i: dict(t) for i, t in graph.task_tags.items()}), "arrays": a}
     return graph.cached("trace_table", make)
@@ -96,14 +94,15 @@ def columns_of(graph: TaskGraph, task_id: np.ndarray, unit: np.ndarray, start: n
                rank: int) -> Columns:
     """Trace columns of task runs given as arrays (task id, unit, start, end per run)."""
     t = _task_table(graph)
-    tid = np.asarray(task_id, dtype=np.int64)
-    return Columns(task_id=tid, task=Coded(t["names"], tid), op=Coded(list(t["arrays"].op_names), t["op"][tid]),
-                   engine=Coded(list(t["arrays"].engine_names), t["engine"][tid]),
+    a, tid = t["arrays"], np.asarray(task_id, dtype=np.int64)
+    cost = t["codes"][tid]
+    return Columns(task_id=tid, task=Coded(t["names"], tid), op=Coded(list(a.op_names), a.op[tid]),
+                   engine=Coded(list(a.engine_names), a.engine[tid]),
                    unit=np.asarray(unit, dtype=np.int64), rank=np.full(len(tid), rank, dtype=np.int64),
                    start=np.asarray(start, dtype=np.float64), end=np.asarray(end, dtype=np.float64),
-                   flops=t["flops"][tid], bytes=t["bytes"][tid], comm_bytes=t["comm_bytes"][tid],
+                   flops=t["flops"][cost], bytes=t["bytes"][cost], comm_bytes=t["comm_bytes"][cost],
                    deps=Coded(t["deps"], tid), tags=Coded(t["tags"], tid),
-                   precision=Coded(t["precisions"], t["precision"][tid]))
+                   precision=Coded(t["precisions"], t["precision"][cost]))
 
 
 def records_columns(graph: TaskGraph, records: Iterable[Record], rank: int) -> Columns:

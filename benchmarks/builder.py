@@ -73,9 +73,9 @@ def from_arrays(dag: dict[str, np.ndarray], n: int | None = None) -> TaskGraph:
 
 def by_task(engine: list[int], cost: list[int], preds: list[list[int]]) -> TaskGraph:
     g = TaskGraph("bench-builder")
-    tasks = g.tasks
+    tasks = []
     for e, c, ps in zip(engine, cost, preds):
-        g.task("noop", engine=ENGINES[e], cost=COSTS[c], after=[tasks[p] for p in ps])
+        tasks.append(g.task("noop", engine=ENGINES[e], cost=COSTS[c], after=[tasks[p] for p in ps]))
     return g
 
 

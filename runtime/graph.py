@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from itertools import repeat
+from operator import attrgetter, is_
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -61,7 +63,8 @@ class TaskGraph(DAG):
         self.buffers: dict[str, Buffer] = {}
         self._op_names: list[str] = []
         self._eng_names: list[str] = []
-        self._codes: tuple[dict[str, int], dict[str, int]] = ({}, {})  # op, engine name -> index
+        self._op_codes: dict[str, int] = {}  # op name -> index
+        self._eng_codes: dict[str, int] = {}  # engine name -> index
         self._cost_table: list[Cost | None] = [None]
         self._cost_codes: dict[int, int] = {}  # id of a Cost in the table -> its index
         self._io: dict[int, tuple[tuple[Region, ...], tuple[Region, ...]]] = {}  # tasks with regions
@@ -71,6 +74,7 @@ class TaskGraph(DAG):
         self._names: list[str | None] | None = None  # given names (None: "op#id"); None until one is given
         self._by_name: dict[str, int] = {}  # given names only
         self._views: list[Task] = []
+        self._default_engine: dict[str, str] = {}  # op -> its default engine kind, as asked
         self._frontiers: dict[str, Frontier] = {}
         self._gaps: list[Gap] = []  # reads of data no earlier task writes (the first ten)
         self._cache: dict[str, tuple[int, object]] = {}
@@ -161,15 +165,16 @@ class TaskGraph(DAG):
         priority: int = 0,
         tags: dict[str, Any] | None = None,
         cost: Cost | None = None,
-        after: Iterable[Task] = (),
+        after: Sequence[Task | str] = (),
     ) -> Task:
         """Add a task; its dependencies follow from the regions it reads and writes.
 
         ``engine`` defaults to the op's default engine kind; ``cost`` overrides the op's
         cost function; ``after`` adds control edges.
         """
-        if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
-            raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
+        if type(op) is not str or (name is not None and type(name) is not str) or \
+                (engine is not None and type(engine) is not str):  # (type() is: cheaper than isinstance)
+            _strings(op, name, engine)
         tid = len(self._op)
         if priority:
             priority = integer(priority, f"task {name or op!r}: priority")
@@ -180,16 +185,21 @@ class TaskGraph(DAG):
         outs = tuple(map(self.as_region, outputs)) if outputs else ()
         if ins or outs:
             self._check_regions(ins + outs, name or f"{op}#{tid}")
-        waits = [self._own(a, name or f"{op}#{tid}").id for a in after] if after else ()
-        op_code = self._codes[0].get(op)
+        try:  # tasks of this graph, checked in C (no Python frame per task listed)
+            waits = list(map(_ID, after)) if after and all(map(is_, map(_GRAPH, after), repeat(self))) else None
+        except AttributeError:  # names
+            waits = None
+        if waits is None:
+            waits = [self._own(a, name or f"{op}#{tid}").id for a in after]
+        op_code = self._op_codes.get(op)
         if op_code is None:
             op_code = self._code(0, op)
         if engine is None:
-            engine = default_engine(op)
-        eng_code = self._codes[1].get(engine)
+            engine = self._default_engine.get(op) or self._default_engine.setdefault(op, default_engine(op))
+        eng_code = self._eng_codes.get(engine)
         self._op.append(op_code)
         self._eng.append(eng_code if eng_code is not None else self._code(1, engine))
-        self._cost.append(0 if cost is None else self._cost_code(cost))
+        self._cost.append(0 if cost is None else self._cost_codes.get(id(cost)) or self._cost_code(cost))
         if ins or outs:
             self._io[tid] = (ins, outs)
         if attrs:
@@ -201,11 +211,21 @@ class TaskGraph(DAG):
         if given is not None or self._names is not None:
             self._name(tid, given)
         self._version += 1
-        preds = derive(self._frontiers, tid, ins, outs, self._gaps) if ins or outs else []
-        self._add_row(list(dict.fromkeys(preds + waits)) if waits else preds)  # control edges after derived ones
-        if len(self._views) == tid:
-            self._views.append(Task(self, tid, op, engine))
-        return self._views[tid]
+        if ins or outs:
+            preds = derive(self._frontiers, tid, ins, outs, self._gaps)
+            if waits:
+                preds = list(dict.fromkeys(preds + waits))  # control edges after derived ones
+        else:
+            preds = waits if len(waits) < 2 else list(dict.fromkeys(waits))
+        if self._pl is None:
+            self._pidx.extend(preds)
+            self._pptr.append(len(self._pidx))
+        else:
+            self._add_row(preds)
+        view = Task(self, tid, op, engine)
+        if len(self._views) == tid:  # views were asked for: keep them complete
+            self._views.append(view)
+        return view
 
     def _check_regions(self, regions: tuple[Region, ...], name: str) -> None:
         for r in regions:
@@ -224,7 +244,7 @@ class TaskGraph(DAG):
 
     def _code(self, column: int, name: str) -> int:
         """The index of ``name`` in the op (0) or engine (1) name table, added if new."""
-        codes = self._codes[column]
+        codes = (self._op_codes, self._eng_codes)[column]
         code = codes.get(name)
         if code is None:
             code = codes[name] = len(codes)
@@ -283,7 +303,8 @@ class TaskGraph(DAG):
 
     @property
     def tasks(self) -> list[Task]:
-        """Every task, by id: one :class:`Task` view each (made on first use, then kept)."""
+        """Every task, by id: one :class:`Task` view each (made on first use, then kept; views
+        of one task compare equal)."""
         views = self._views
         if len(views) < len(self._op):
             with MAKING:  # worker threads may ask at once: the views are made once, in order
@@ -379,3 +400,11 @@ class TaskGraph(DAG):
 
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self)}, buffers={len(self.buffers)})"
+
+
+_ID, _GRAPH = attrgetter("id"), attrgetter("graph")
+
+
+def _strings(op: Any, name: Any, engine: Any) -> None:
+    if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
+        raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")

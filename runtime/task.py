@@ -13,9 +13,10 @@ class Task:
     """One node: an op run on one unit of one engine kind.
 
     A light view of row ``id`` of its graph's columns (op, engine, cost, edges; regions,
-    attrs, tags and priority kept only for the tasks that have them); the graph makes one
-    view per task, on first use, and hands out that same object every time. ``attrs`` and
-    ``tags`` are the task's own dicts (an empty one is stored in the graph on its first change).
+    attrs, tags and priority kept only for the tasks that have them). Views of one task
+    compare equal (``graph.tasks`` keeps one per task once asked for; ``graph.task`` hands out
+    a new one). ``attrs`` and ``tags`` are the task's own dicts (an empty one is stored in the
+    graph on its first change).
     Builder methods return the task, so calls chain: ``a.precede(b, c)``.
     """
 
@@ -57,6 +58,12 @@ class Task:
         """The cost given when the task was added (None: the op's cost function decides)."""
         g = self.graph
         return g._cost_table[g._cost[self.id]]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Task) and other.id == self.id and other.graph is self.graph
+
+    def __hash__(self) -> int:
+        return hash((id(self.graph), self.id))
 
     def precede(self, *tasks: Task) -> Task:
         """Make every task in ``tasks`` wait for this one."""

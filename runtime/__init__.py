@@ -13,12 +13,15 @@ _EXPORTS = {
     "errors": ["CheckpointError", "CommError", "ConfigError", "DeadlockError", "ExecutionError", "GraphError",
                "MegaloomError", "ScheduleError", "TraceFormatError"],
     "executors": ["ExecContext", "Executor", "Observer", "ReferenceExecutor", "RunResult", "ThreadExecutor"],
-    "graph": ["Buffer", "Region", "Task", "TaskGraph"], "metrics": ["Metrics", "metrics", "summary"],
+    "graph": ["Buffer", "Region", "Task", "TaskGraph"],
     "perfetto": ["PerfettoObserver", "to_chrome", "write_chrome"],
     "registry": ["Cost", "OpDef", "TensorSpec", "all_ops", "get_op", "register"], "trace": ["Trace", "TraceEvent", "merge"],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
+__all__ = sorted([*_WHERE, "Metrics", "metrics", "summary"])
+
+# loaded now: the function ``metrics`` has its module's name, which importing the module would bind here
+from megaloom.runtime.metrics import Metrics, metrics, summary  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

@@ -5,16 +5,17 @@ each region its last write and the reads since (a write covering earlier accesse
 them). Dependency derivation asks it for each new access's hazards (read after write, write
 after read, write after write); validation of a loaded graph replays it in a topological order.
 
-Most buffers are accessed by tiles that are either identical or disjoint: such a buffer keeps
-one slot per tile (its last writer, then the readers since), found by one dict lookup. The
-first access that partly overlaps a tile turns the buffer's frontier into two
-:class:`~megaloom.runtime.region.BoxIndex` (reads, writes), found by overlap, for good.
+A buffer keeps one slot per tile, each distinct box accessed (its last writer, then the
+readers since); a write clears the slots of the tiles inside it. Most buffers are accessed by
+tiles that are either identical or disjoint: an access then meets its own tile alone, found by
+one dict lookup. Once two tiles partly overlap, the tiles an access meets are found by overlap
+(a :class:`~megaloom.runtime.region.BoxIndex`).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megaloom.runtime.region import Box, BoxIndex, box_size, uncovered
+from megaloom.runtime.region import Box, BoxIndex, box_size, contains, uncovered
 
 if TYPE_CHECKING:
     from megaloom.runtime.buffers import Region
@@ -24,77 +25,47 @@ _NONE: Entries = []
 
 
 class Frontier:
-    """The accesses of one buffer that later accesses must be ordered after."""
+    """The accesses of one buffer that later accesses must be ordered after, per tile (each
+    distinct box accessed): its last writer and the reads since."""
 
-    __slots__ = ("slots", "tiles", "reads", "writes")
+    __slots__ = ("slots", "tiles", "disjoint")
 
     def __init__(self) -> None:
-        self.slots: dict[Box, list[int]] | None = {}  # tile -> [last writer or -1, readers since ...]
-        self.tiles = BoxIndex()  # the tiles, to find what a new one overlaps
-        self.reads: BoxIndex | None = None  # the general form, once tiles overlap
-        self.writes: BoxIndex | None = None
+        self.slots: dict[Box, list[int]] = {}  # tile -> [last writer or -1, readers since ...]
+        self.tiles = BoxIndex()  # the tiles, found by overlap
+        self.disjoint = True  # no two tiles partly overlap: a tile meets only itself
 
-    def known(self, box: Box) -> bool:
-        """True when ``box`` is one of the tiles (each checked to lie in the buffer when first seen)."""
-        return self.slots is not None and box in self.slots
-
-    def _slot(self, box: Box) -> list[int] | None:
-        """The slot of tile ``box`` (made if new); None for an empty box, or once the frontier
-        is general (which a box partly overlapping a tile makes it)."""
-        slots = self.slots
-        if slots is None:
-            return None
-        slot = slots.get(box)
-        if slot is not None:
-            return slot
+    def over(self, box: Box) -> list[tuple[Box, list[int]]]:
+        """The tiles overlapping ``box``, with their slots (``box`` becomes a tile if new and not empty)."""
+        slot = self.slots.get(box)
+        if slot is not None and self.disjoint:
+            return [(box, slot)]
         if not box_size(box):
-            return None  # an empty box overlaps nothing
-        if self.tiles.overlapping(box):
-            self._generalise()
-            return None
-        self.tiles.add(box, 0)
-        slot = slots[box] = [-1]
-        return slot
-
-    def _generalise(self) -> None:
-        self.reads, self.writes = BoxIndex(), BoxIndex()
-        for box, slot in self.slots.items():
-            if slot[0] >= 0:
-                self.writes.add(box, slot[0])
-            for r in slot[1:]:
-                self.reads.add(box, r)
-        self.slots = None
+            return []  # an empty box overlaps nothing
+        found = [(b, self.slots[b]) for b, _ in self.tiles.overlapping(box)]
+        if slot is None:
+            self.disjoint = self.disjoint and not found
+            self.tiles.add(box, 0)
+            found.append((box, self.slots.setdefault(box, [-1])))
+        return found
 
     def writes_over(self, box: Box) -> Entries:
-        """``(box, task)`` of the frontier's writes overlapping ``box``."""
-        slot = self._slot(box)
-        if slot is not None:
-            return [(box, slot[0])] if slot[0] >= 0 else _NONE
-        return _NONE if self.slots is not None else self.writes.overlapping(box)
+        """``(tile, task)`` of the last writes overlapping ``box``."""
+        return [(b, s[0]) for b, s in self.over(box) if s[0] >= 0]
 
     def reads_over(self, box: Box) -> Entries:
-        """``(box, task)`` of the frontier's reads overlapping ``box``."""
-        slot = self._slot(box)
-        if slot is not None:
-            return [(box, r) for r in slot[1:]]
-        return _NONE if self.slots is not None else self.reads.overlapping(box)
+        """``(tile, task)`` of the reads since, overlapping ``box``."""
+        return [(b, r) for b, s in self.over(box) for r in s[1:]]
 
     def read(self, box: Box, tid: int) -> None:
-        slot = self._slot(box)
-        if slot is not None:
-            slot.append(tid)
-        elif self.slots is None:
-            self.reads.add(box, tid)
+        if box in self.slots:  # (an empty box has none)
+            self.slots[box].append(tid)
 
     def write(self, box: Box, tid: int) -> None:
-        """Task ``tid`` writes ``box``: it stands for the earlier accesses inside ``box``."""
-        slot = self._slot(box)
-        if slot is not None:
-            slot[:] = [tid, tid] if tid in slot[1:] else [tid]
-        elif self.slots is None:
-            self.reads.drop_inside(box, tid)
-            self.writes.drop_inside(box, tid)
-            self.writes.add(box, tid)
+        """Task ``tid`` writes ``box``: it stands for the earlier accesses of the tiles inside it."""
+        for b, s in self.over(box):
+            if contains(box, b):
+                s[:] = [tid if b == box or s[0] == tid else -1] + [r for r in s[1:] if r == tid]
 
     def gap(self, box: Box, writes: Entries) -> Box | None:
         """The first piece of ``box`` that none of ``writes`` (:meth:`writes_over` entries) covers."""
@@ -115,14 +86,14 @@ def derive(frontiers: dict[str, Frontier], tid: int, ins: tuple[Region, ...], ou
     before: list[int] = []
     for r in ins:
         f = frontiers[r.buffer.name]
-        slot = f.slots.get(r.box) if f.slots is not None else None
+        slot = f.slots.get(r.box) if f.disjoint else None
         found = [(r.box, slot[0])] if slot is not None and slot[0] >= 0 else f.writes_over(r.box)  # read after write
         before += [t for _, t in found]
         if not r.buffer.is_input and len(gaps) < 10 and (gap := f.gap(r.box, found)) is not None:
             gaps.append((tid, r, gap))
     for r in outs:
         f = frontiers[r.buffer.name]
-        slot = f.slots.get(r.box) if f.slots is not None else None
+        slot = f.slots.get(r.box) if f.disjoint else None
         if slot is not None:  # a known tile: its last writer and the reads since
             before += slot[1:] if slot[0] < 0 else slot
         else:

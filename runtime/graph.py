@@ -231,7 +231,7 @@ class TaskGraph(DAG):
         for r in regions:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
-            if not self._frontiers[r.buffer.name].known(r.box) and not in_bounds(r.box, r.buffer.shape):
+            if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):  # (tiles were checked)
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
 
     def _own(self, t: Task | str, then: str) -> Task:

@@ -8,6 +8,7 @@ it only carries dependencies (the path is the longest chain of device work).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from graphlib import CycleError, TopologicalSorter
 
 import numpy as np
 
@@ -21,14 +22,7 @@ HOST_ENGINES = frozenset({"host"})
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Sorted, disjoint union of intervals."""
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(intervals):
-        if out and a <= out[-1][1]:
-            if b > out[-1][1]:
-                out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
+    return _union_of(*(np.array(x, dtype=np.float64) for x in zip(*intervals))) if intervals else []
 
 
 def measure(intervals: list[tuple[float, float]]) -> float:
@@ -53,56 +47,32 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
 def critical_path(events: list[TraceEvent]) -> float:
     """Longest chain of device task durations along recorded dependencies (per rank); host
     tasks lie on chains but add no time, so the path is at most the device span."""
-    by_key = {(e.rank, e.task_id): e for e in events}
-
-    def deps(k: tuple[int, int]) -> list[tuple[int, int]]:
-        return [(k[0], d) for d in by_key[k].deps if (k[0], d) in by_key]
-
-    finish: dict[tuple[int, int], float] = {}
-    for root in by_key:  # iterative depth-first search: dependencies finish first
-        if root in finish:
-            continue
-        stack = [(root, deps(root), 0)]
-        open_ = {root}
-        while stack:
-            k, ds, i = stack[-1]
-            while i < len(ds) and ds[i] in finish:
-                i += 1
-            if i < len(ds):
-                d = ds[i]
-                if d in open_:
-                    raise TraceFormatError(f"trace dependencies form a cycle through task {by_key[d].task!r}")
-                stack[-1] = (k, ds, i + 1)
-                open_.add(d)
-                stack.append((d, deps(d), 0))
-                continue
-            stack.pop()
-            open_.discard(k)
-            e = by_key[k]
-            finish[k] = max((finish[d] for d in ds), default=0.0) + (0.0 if e.engine in HOST_ENGINES else e.duration)
-    return max(finish.values(), default=0.0)
+    return _critical_path(Columns.of_events(events))
 
 
-def _critical_path_columns(c: Columns) -> float:
-    """:func:`critical_path` of columns: one pass per rank in task id order when every
-    dependency is an earlier task id (as executors and the simulator record them), else by
-    the events."""
-    tid, deps = c.column("task_id"), c.column("deps")
-    if not all(d < t for t, ds in zip(tid, deps) for d in ds):
-        return critical_path(Columns.events(c))
+def _critical_path(c: Columns) -> float:
+    """:func:`critical_path` of columns: the events of each rank in task id order when every
+    dependency is an earlier task (as executors and the simulator record them), else in an
+    order of the dependencies (a cycle raises TraceFormatError)."""
+    keys = list(zip(c.column("rank"), c.column("task_id")))
+    row = dict(zip(keys, range(len(keys))))
+    deps = [[(k[0], d) for d in ds if (k[0], d) in row] for k, ds in zip(keys, c.column("deps"))]
     names, eng = c.codes("engine")
     host = np.isin(eng, [k for k, e in enumerate(names) if e in HOST_ENGINES])
     weight = np.where(host, 0.0, c.end - c.start).tolist()  # host work carries dependencies only
-    order, rank = np.lexsort((c.task_id, c.rank)), c.rank
-    best = None
-    for r in np.unique(rank).tolist():
-        finish: dict[int, float] = {}
-        for i in order[rank[order] == r].tolist():
-            got = [finish[d] for d in deps[i] if d in finish]
-            finish[tid[i]] = (max(got) if got else 0.0) + weight[i]
-        top = max(finish.values())
-        best = top if best is None or top > best else best
-    return 0.0 if best is None else best
+    if all(d < k for k, ds in zip(keys, deps) for d in ds):
+        order = sorted(row)
+    else:
+        try:
+            order = list(TopologicalSorter(dict(zip(keys, deps))).static_order())
+        except CycleError as e:
+            raise TraceFormatError(f"trace dependencies form a cycle through task "
+                                   f"{c.column('task')[row[e.args[1][0]]]!r}") from None
+    finish: dict[tuple[int, int], float] = {}
+    for k in order:
+        i = row[k]
+        finish[k] = max((finish[d] for d in deps[i]), default=0.0) + weight[i]
+    return max(finish.values(), default=0.0)
 
 
 def _tag_seconds(e: TraceEvent, key: str) -> float:
@@ -160,7 +130,7 @@ def _device_span(c: Columns) -> float:
 
 
 def _union_of(start: np.ndarray, end: np.ndarray) -> list[tuple[float, float]]:
-    """:func:`union` of intervals given as arrays (the same merged intervals, no arithmetic)."""
+    """:func:`union` of intervals given as arrays (no arithmetic: the ends are the given ones)."""
     if not len(start):
         return []
     o = np.lexsort((end, start))
@@ -230,7 +200,7 @@ def metrics(trace: Trace) -> Metrics:
         comm_time=comm_total / ranks,
         comm_hidden=hidden / comm_total if comm_total > 0 else 0.0,
         cube_vector_overlap=overlap / ranks,
-        critical_path=_critical_path_columns(c),
+        critical_path=_critical_path(c),
         tasks=n,
         device_span=_device_span(c),
     )

@@ -111,21 +111,13 @@ class BoxIndex:
             self.entries.sort(key=lambda e: e[0][best][0])
             self.starts = [box[best][0] for box, _ in self.entries]
 
-    def _span(self, box: Box, upto=bisect_left) -> range:
+    def _span(self, box: Box) -> range:
         if not box:
             return range(len(self.entries))
         a, b = box[self.dim]
-        return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), upto(self.starts, b))
+        return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), bisect_left(self.starts, b))
 
     def overlapping(self, box: Box) -> list[tuple[Box, int]]:
         """Entries whose box shares at least one element with ``box``."""
         entries = self.entries
         return [entries[i] for i in self._span(box) if overlaps(entries[i][0], box)]
-
-    def drop_inside(self, box: Box, keep: int) -> None:
-        """Remove entries whose box lies inside ``box``, except those of task ``keep``."""
-        span = self._span(box, bisect_right)  # an empty entry may start at the stop of ``box``
-        gone = [i for i in span if self.entries[i][1] != keep and contains(box, self.entries[i][0])]
-        for i in reversed(gone):
-            del self.starts[i]
-            del self.entries[i]

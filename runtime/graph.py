@@ -29,9 +29,8 @@ import numpy as np
 
 from megaloom.runtime.access import Frontier, Gap, derive
 from megaloom.runtime.buffers import Buffer, Region, integer
-from megaloom.runtime.bulk import GraphArrays, default_engine, from_arrays, graph_arrays
+from megaloom.runtime.bulk import GraphArrays, cost_columns, default_engine, from_arrays, graph_arrays
 from megaloom.runtime.compose import Composed, compose
-from megaloom.runtime.costs import cost_columns
 from megaloom.runtime.dot import to_dot
 from megaloom.runtime.dtypes import dtype_name
 from megaloom.runtime.dag import DAG, MAKING
@@ -336,7 +335,7 @@ class TaskGraph(DAG):
 
     def cost_columns(self) -> tuple[list[Cost], np.ndarray]:
         """Every task's cost as ``(table, codes)``: task ``i`` costs ``table[codes[i]]`` (see
-        :func:`megaloom.runtime.costs.cost_columns`; computed once per graph version)."""
+        :func:`megaloom.runtime.bulk.cost_columns`; computed once per graph version)."""
         return self.cached("cost_columns", lambda: cost_columns(self))
 
     def costs(self) -> list[Cost]:

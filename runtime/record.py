@@ -13,7 +13,7 @@ dispatch; reference counting still frees memory.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 
@@ -40,36 +40,16 @@ class Observer:
         pass
 
 
-class _Names:
-    """Task names by task id, made when read: given, or ``op#id``."""
+class _ByID:
+    """Values by task id, made when read (names, dependencies, tags: no object per task kept)."""
 
-    __slots__ = ("ops", "op", "given")
+    __slots__ = ("get",)
 
-    def __init__(self, graph: TaskGraph, op: np.ndarray):
-        self.ops, self.op, self.given = graph._op_names, op, graph._names  # existing entries never change
+    def __init__(self, get: Callable[[int], Any]):
+        self.get = get
 
-    def __getitem__(self, tid: int) -> str:
-        name = self.given[tid] if self.given is not None else None
-        return name if name is not None else f"{self.ops[self.op[tid]]}#{tid}"
-
-
-class _Rows:
-    """Rows of a CSR array as lists, made when read."""
-
-    __slots__ = ("ptr", "idx")
-
-    def __init__(self, ptr: np.ndarray, idx: np.ndarray):
-        self.ptr, self.idx = ptr, idx
-
-    def __getitem__(self, i: int) -> list[int]:
-        return self.idx[self.ptr[i]:self.ptr[i + 1]].tolist()
-
-
-class _Sparse(dict):
-    """Values by task id for the tasks that have one, ``{}`` for the others."""
-
-    def __missing__(self, tid: int) -> dict:
-        return _EMPTY
+    def __getitem__(self, tid: int) -> Any:
+        return self.get(tid)
 
 
 _EMPTY: dict = {}
@@ -84,9 +64,10 @@ def _task_table(graph: TaskGraph) -> dict[str, Any]:
         table, codes = graph.cost_columns()
         precisions = list(dict.fromkeys(c.precision for c in table))
         work = {f: np.array([getattr(c, f) for c in table], dtype=np.float64) for f in ("flops", "bytes", "comm_bytes")}
+        ptr, idx, tags = a.pred_ptr, a.pred_idx, {i: dict(t) for i, t in graph.task_tags.items()}
         return {**work, "precision": np.array([precisions.index(c.precision) for c in table]), "codes": codes,
-                "precisions": precisions, "names": _Names(graph, a.op), "deps": _Rows(a.pred_ptr, a.pred_idx),
-                "tags": _Sparse({i: dict(t) for i, t in graph.task_tags.items()}), "arrays": a}
+                "precisions": precisions, "names": _ByID(graph.task_name), "arrays": a,
+                "deps": _ByID(lambda i: idx[ptr[i]:ptr[i + 1]].tolist()), "tags": _ByID(lambda i: tags.get(i, _EMPTY))}
     return graph.cached("trace_table", make)
 
 

@@ -27,9 +27,7 @@ class Task:
 
     @property
     def name(self) -> str:
-        names = self.graph._names
-        name = names[self.id] if names is not None else None
-        return name if name is not None else f"{self.op}#{self.id}"
+        return self.graph.task_name(self.id)
 
     @property
     def inputs(self) -> tuple[Region, ...]:

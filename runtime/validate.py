@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from megaloom.runtime.access import Frontier
-from megaloom.runtime.costs import per_operands, specs
+from megaloom.runtime.bulk import per_operands, specs
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered

@@ -13,8 +13,11 @@ about 2 on average; a random engine kind of three and one of 24 costs per task):
   lists of predecessors (made beforehand, untimed);
 * ``baseline.networkx``: ``nx.DiGraph`` with every node and edge, from Python lists of edges
   (made beforehand, untimed);
-* ``builder.task``: ``TaskGraph.task(op, engine=..., cost=..., after=[...])`` per task, on the
-  first ``--task-tasks`` tasks (checked identical to ``from_arrays`` of the same columns);
+* ``builder.task``: ``TaskGraph.task(op, engine=..., cost=..., after=[...])`` per task (the
+  returned tasks kept in a list, as a builder keeps them to name predecessors), on the first
+  ``--task-tasks`` tasks (checked identical to ``from_arrays`` of the same columns), and
+  ``builder.task_vs_dask_dict``: it and the dask graph dict of the same tasks in interleaved
+  rounds (each round builds each once; median and range of the CPU-time rates over ``--repeat``);
 * ``graph.validate``: ``validate()`` of the array-built graph, then again (remembered);
 * ``graph.arrays``: ``arrays()`` of the array-built graph (the columns the simulator reads).
 
@@ -32,6 +35,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
 import tracemalloc
 
@@ -161,6 +165,20 @@ def main() -> None:
     wall, cpu, held = measure(lambda: by_task(engine, cost, preds[:m]), 1)
     same = graph_to_dict(by_task(engine, cost, preds[:m])) == graph_to_dict(from_arrays(dag, m))
     emit("builder.task", m, wall, cpu, held, identical_to_from_arrays=same)
+    rates: dict[str, list[float]] = {"task": [], "dask_dict": []}
+    for _ in range(args.repeat):  # interleaved rounds: both see the same machine load
+        for k, build in (("task", lambda: by_task(engine, cost, preds[:m])), ("dask_dict", lambda: dask_dict(preds[:m]))):
+            gc.collect()
+            w = time.process_time()  # CPU time: the machine may be shared
+            build()
+            rates[k].append(m / (time.process_time() - w))
+    ratio = [a / b for a, b in zip(rates["task"], rates["dask_dict"])]
+    print(json.dumps({"figure": "builder.task_vs_dask_dict", "tasks": m, "rounds": args.repeat,
+                      **{f"{k}_tasks_per_s": {"median": round(statistics.median(v)), "range": [round(min(v)), round(max(v))]}
+                         for k, v in rates.items()},
+                      "ratio": {"median": round(statistics.median(ratio), 3), "range": [round(min(ratio), 3),
+                                                                                         round(max(ratio), 3)]},
+                      "target_ratio": 1.0, "load_avg": os.getloadavg()}), flush=True)
 
     for figure, build, module in [("baseline.dask_dict", lambda: dask_dict(preds), "dask"),
                                   ("baseline.networkx", None, "networkx")]:

@@ -28,20 +28,8 @@ import time
 import torch
 
 import megaloom.ops  # noqa: F401  (registers the built-in ops)
-from megaloom.runtime import TaskGraph, ThreadExecutor
-
-
-def matmul_chain(n: int, d: int = 64) -> TaskGraph:
-    """``n`` dependent ``d x d`` matmuls: each multiplies the previous result by ``w``."""
-    g = TaskGraph("chain")
-    x, w = g.input("x", (d, d)), g.input("w", (d, d))
-    h, y = g.buffer("h", (2 * d, d)), g.output("y", (d, d))
-    src = x
-    for i in range(n):
-        dst = y if i == n - 1 else h[(i % 2) * d:(i % 2 + 1) * d, :]
-        g.task("matmul", [src, w], [dst])
-        src = dst
-    return g
+from megaloom.runtime import ThreadExecutor
+from overhead import matmul_chain  # the same chain the dispatch figures run
 
 
 def loop(x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:

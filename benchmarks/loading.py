@@ -6,7 +6,10 @@ Two shapes that used to be quadratic, at each size (default 10k, 100k, 1M tasks)
   every task reads and writes the same region (ancestor sets made validation of the
   loaded file quadratic);
 * ``columns``: an ``(8, n)`` buffer copied one column per task (tiles along dim 1, which
-  the box index used to scan one by one).
+  the box index used to scan one by one);
+* ``indirect``: a crafted file: task 0 writes a scratch tile that every other task reads, and
+  the stored edges order each reader only after the task before it (a chain), so each read
+  is ordered after its writer indirectly (checking that used to search the chain per read).
 
 Side by side in one run, per size: building the graph with the builder (edges derived)
 and validating it, against saving it, loading the file and validating the loaded graph
@@ -47,6 +50,16 @@ def columns(n: int) -> TaskGraph:
     return g
 
 
+def indirect(n: int) -> TaskGraph:
+    g = TaskGraph("indirect")
+    x, h, y = g.input("x", (1, 4)), g.buffer("h", (1, 4)), g.output("y", (n - 1, 4))
+    g.task("copy", [x], [h])
+    for i in range(n - 1):
+        g.task("copy", [h], [y[i:i + 1, :]])
+    g.set_edges([[]] + [[i] for i in range(n - 1)])  # as the crafted file states them
+    return g
+
+
 def _timed(fn):
     gc.collect()  # the previous graph's cycles are freed here, not inside the next figure
     w, c = time.perf_counter(), time.process_time()
@@ -70,12 +83,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--shapes", default="chain,columns")
+    ap.add_argument("--shapes", default="chain,columns,indirect")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory() as d:
         for name in args.shapes.split(","):
-            make = {"chain": chain, "columns": columns}[name]
+            make = {"chain": chain, "columns": columns, "indirect": indirect}[name]
             first = None
             for n in sizes:
                 runs = [measure(make, n, os.path.join(d, f"{name}.mlg")) for _ in range(args.repeat)]

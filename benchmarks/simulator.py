@@ -40,32 +40,20 @@ from heapq import heappop, heappush
 
 import numpy as np
 
-import megaloom.ops  # noqa: F401  (registers the built-in ops)
-from megaloom.runtime import Cost, TaskGraph
+import builder
+from builder import COSTS, ENGINES
+from megaloom.runtime import TaskGraph
 from megaloom.scheduler import Simulator
 
-ENGINES = ["cube", "vector", "comm"]
-COSTS = ([Cost(flops=2.0 * m * 128 * 128, bytes=2.0 * (2 * m * 128 + 128 * 128), precision="bf16")
-          for m in (16, 32, 64, 128, 256, 512, 1024, 2048)]
-         + [Cost(flops=4.0 * m * 128, bytes=4.0 * m * 128, precision="bf16") for m in range(64, 64 * 9, 64)]
-         + [Cost(comm_bytes=2.0 * m * 128) for m in range(256, 256 * 9, 256)])
 PROFILE = "ascend-910b"
 
 
-def random_dag(n: int, seed: int = 0, max_preds: int = 3, window: int = 64) -> dict[str, np.ndarray]:
-    """Columns of ``n`` tasks: CSR predecessors (each task waits for 0..``max_preds`` distinct
-    tasks among the ``window`` before it, ascending), an engine code, and a cost code matching
-    the engine (8 costs per engine kind)."""
-    rng = np.random.default_rng(seed)
-    k = rng.integers(0, max_preds + 1, n)
-    back = np.cumsum(rng.integers(1, window // max_preds + 1, (n, max_preds)), axis=1)[:, ::-1]
-    ids = np.arange(n)[:, None] - back
-    keep = (np.arange(max_preds)[::-1] < k[:, None]) & (ids >= 0)
-    indptr = np.zeros(n + 1, np.int64)
-    np.cumsum(keep.sum(axis=1), out=indptr[1:])
-    engine = rng.integers(0, 3, n).astype(np.int8)
-    cost = (engine * 8 + rng.integers(0, 8, n)).astype(np.int8)
-    return {"indptr": indptr, "indices": ids[keep], "engine": engine, "cost": cost}
+def random_dag(n: int) -> dict[str, np.ndarray]:
+    """Columns of ``n`` tasks (:func:`builder.random_dag`: each task waits for 0-3 of the 64
+    before it), with a cost code among the 8 of its engine kind."""
+    dag = builder.random_dag(n, max_preds=3)
+    dag["cost"] = (dag["engine"] * 8 + dag["cost"] % 8).astype(np.int8)
+    return dag
 
 
 def megaloom_graph(dag: dict[str, np.ndarray]) -> TaskGraph:

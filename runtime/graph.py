@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from itertools import repeat
-from operator import attrgetter, is_
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -184,12 +182,9 @@ class TaskGraph(DAG):
         outs = tuple(map(self.as_region, outputs)) if outputs else ()
         if ins or outs:
             self._check_regions(ins + outs, name or f"{op}#{tid}")
-        try:  # tasks of this graph, checked in C (no Python frame per task listed)
-            waits = list(map(_ID, after)) if after and all(map(is_, map(_GRAPH, after), repeat(self))) else None
-        except AttributeError:  # names
-            waits = None
-        if waits is None:
-            waits = [self._own(a, name or f"{op}#{tid}").id for a in after]
+        waits = []
+        for a in after:
+            waits.append((a if type(a) is Task and a.graph is self else self._own(a, name or f"{op}#{tid}")).id)
         op_code = self._op_codes.get(op)
         if op_code is None:
             op_code = self._code(0, op)
@@ -399,9 +394,6 @@ class TaskGraph(DAG):
 
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self)}, buffers={len(self.buffers)})"
-
-
-_ID, _GRAPH = attrgetter("id"), attrgetter("graph")
 
 
 def _strings(op: Any, name: Any, engine: Any) -> None:

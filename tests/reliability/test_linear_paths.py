@@ -4,7 +4,9 @@ Each test builds the same crafted input at two sizes, eight times apart, and hol
 (process CPU time, the better of two runs) of the larger within 20x of the smaller: linear
 work gives about 8x, quadratic 64x.
 """
+import importlib.util
 import time
+from pathlib import Path
 
 import megaloom.ops  # noqa: F401  (registers the built-in ops)
 from megaloom.runtime import TaskGraph, Trace, TraceEvent
@@ -30,15 +32,12 @@ def _linear(make, check) -> None:
 
 def indirect_reads(n: int) -> dict:
     """A graph file whose stored edges order every read only through a chain of other tasks:
-    task 0 writes ``h``; task i reads it, ordered after task i - 1 alone."""
-    g = TaskGraph("indirect")
-    x, h, y = g.input("x", (1, 4)), g.buffer("h", (1, 4)), g.output("y", (n - 1, 4))
-    g.task("copy", [x], [h])
-    for i in range(n - 1):
-        g.task("copy", [h], [y[i:i + 1, :]])
-    d = g.to_dict()
-    d["pred"] = [[]] + [[i] for i in range(n - 1)]
-    return d
+    task 0 writes ``h``; task i reads it, ordered after task i - 1 alone (``benchmarks/loading.py``)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loading.py"
+    spec = importlib.util.spec_from_file_location("bench_loading", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.indirect(n).to_dict()
 
 
 def test_reads_ordered_through_a_chain_validate_in_linear_time():

@@ -191,9 +191,10 @@ class TaskGraph(DAG):
         if engine is None:
             engine = self._default_engine.get(op) or self._default_engine.setdefault(op, default_engine(op))
         eng_code = self._eng_codes.get(engine)
+        cost_code = 0 if cost is None else self._cost_codes.get(id(cost)) or self._cost_code(cost)  # (may raise)
         self._op.append(op_code)
         self._eng.append(eng_code if eng_code is not None else self._code(1, engine))
-        self._cost.append(0 if cost is None else self._cost_codes.get(id(cost)) or self._cost_code(cost))
+        self._cost.append(cost_code)
         if ins or outs:
             self._io[tid] = (ins, outs)
         if attrs:

@@ -100,7 +100,7 @@ def _ordered(g: TaskGraph):
     once per ``a``, so reads ordered through chains of other tasks stay linear. The search is
     bounded by a budget proportional to the graph's size (a file crafted so that each question
     needs a long search of its own is refused, never checked for minutes)."""
-    pos = range(len(g)) if g.forward_only else _positions(g)
+    pos = range(len(g)) if g.forward_only else {t: k for k, t in enumerate(g.topological_order())}
     follows: dict[int, set[int]] = {}
     not_after: dict[int, set[int]] = {}
     budget = [BUDGET_PER_TASK * (len(g) + g.edge_count()) + 100_000]
@@ -129,13 +129,6 @@ def _ordered(g: TaskGraph):
         return False
 
     return before
-
-
-def _positions(g: TaskGraph) -> list[int]:
-    pos = [0] * len(g)
-    for k, t in enumerate(g.topological_order()):
-        pos[t] = k
-    return pos
 
 
 def _unwritten_reads(g: TaskGraph) -> Iterator[Problem]:

@@ -126,3 +126,29 @@ def test_numpy_integers_are_accepted_as_dims():
 
     g = TaskGraph()
     assert g.input("x", (np.int64(4), np.int32(2))).shape == (4, 2)
+
+
+def test_a_refused_task_leaves_the_graph_as_it_was():
+    g = TaskGraph("g")
+    a = g.task("noop", name="a")
+    with pytest.raises(GraphError, match="cost must be a Cost"):
+        g.task("noop", cost=3, after=[a])
+    assert len(g) == 1 and g.pred == [[]] and g.validate().validated
+
+
+def test_views_of_one_task_compare_equal():
+    g = TaskGraph("g")
+    a = g.task("noop")
+    b = g.task("noop", after=[a])
+    assert g.tasks[0] == a and hash(g.tasks[0]) == hash(a) and g.tasks[1] != a and g.tasks == [a, b]
+    assert g.task("noop") is g.tasks[2]  # once asked for, the views are kept and handed out
+
+
+def test_the_command_line_and_light_modules_import_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, megaloom.cli, megaloom.runtime.errors, megaloom.runtime.trace, megaloom.comm.stream; "
+            "megaloom.cli.build_parser(); print(sorted(m for m in ('torch', 'megaloom.runtime.executors') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    assert out.stdout.strip() == "[]"

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from megaloom.runtime.bulk import split_rows
 from megaloom.runtime.errors import GraphError
+from megaloom.runtime.files import gc_paused
 
 MAKING = threading.RLock()  # making task views or edge lists on first use
 _FEW = 16  # a predecessor row longer than this is searched through a set
@@ -86,7 +87,7 @@ class DAG:
 
     def _lists(self) -> tuple[list[list[int]], list[list[int]]]:
         if self._pl is None:
-            with MAKING:
+            with MAKING, gc_paused():  # a list per task, no cycles: collections would cost more
                 if self._pl is None:
                     a = self.arrays()
                     self._sl = split_rows(a.succ_ptr, a.succ_idx)

@@ -7,16 +7,16 @@ Expert parallel: pass ``comm`` (a :class:`megaloom.comm.Communicator`, e.g.
 ``TorchCommunicator(group)``); each rank then holds ``experts / world_size`` experts and
 exchanges per-expert counts on the host before building (or reusing) its graphs.
 
-The graph runs are two ``torch.library`` custom ops, ``megaloom::moe_forward`` and
-``megaloom::moe_backward``, with fake (shape-only) implementations and an autograd
-formula, so ``torch.compile`` traces a block that calls :func:`megamoe` without a graph
-break (``fullgraph=True`` works). :func:`megamoe` honours ``torch.autocast``: under autocast
+The graph runs are the custom ops ``megaloom::moe_forward`` and ``megaloom::moe_backward``
+(:mod:`megaloom.graphs.common.torch_ops`), so ``torch.compile`` traces a block that calls
+:func:`megamoe` without a graph break (``fullgraph=True`` works). :func:`megamoe` honours ``torch.autocast``: under autocast
 the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
 would. Double backward (``create_graph=True``) differentiates the first-order gradients of
 megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 from typing import Any, Mapping
@@ -25,17 +25,16 @@ import torch
 from torch import Tensor, nn
 
 from megaloom.graphs.common.runner import GraphRunner, runner_for
+from megaloom.graphs.common.torch_ops import GraphOps, json_options
 from megaloom.graphs.moe.graph import MEGAMOE, saved_names
 from megaloom.graphs.moe.layout import Layout, capacity, place, step_inputs
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing, synthetic_counts
+from megaloom.ops.mxfp8.format import SCALE_MODES
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
-
-ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
-
 
 class MegaMoERunner(GraphRunner):
     """A :class:`GraphRunner` of one MegaMoE spec: host routing, then the forward and backward
@@ -109,76 +108,62 @@ class MegaMoERunner(GraphRunner):
                         contiguous=False)
 
 
-@torch.library.custom_op("megaloom::moe_forward", mutates_args=())
-def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, runner: int,
-                 mx: str, save: bool) -> list[Tensor]:
-    """``[out]``, plus with ``save`` the activations (:func:`saved_names`) and routing (:data:`ROUTING`)
-    backward needs. ``mx``: the MXFP8 scale rule of the expert GEMMs, or empty (no MXFP8)."""
-    r = runner_for(runner)
-    spec, routing = r.route(topk_ids, x.dtype, mx)
-    res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
-                    down.detach(), save)
-    if not save:
-        return [res["out"]]
-    counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
-    return [res["out"], *(res[n] for n in saved_names(spec)), routing.tok, routing.flat, routing.pos, counts]
+class MoEOps(GraphOps):
+    """MegaMoE's custom ops; the options: ``{"mx": scale rule of MXFP8 expert GEMMs or "", "save": bool}``.
+    The forward returns ``out``, plus with ``save`` the activations (:func:`saved_names`) and the host
+    routing (``tok``, ``flat``, ``pos`` and the counts ``[W, E]``) its backward reads."""
 
+    name, family = "moe", MEGAMOE
+    inputs, outputs = ("x", "topk_ids", "w", "gate_up", "down"), ("out",)
+    grad_inputs, grad_outputs = ("x", "w", "gate_up", "down"), ("out",)
 
-@_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, gate_up, down, runner, mx, save):
-    t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
-    out = x.new_empty(t, h)
-    if not save:
-        return [out]
-    spec = runner_for(runner).spec_for(1, x.dtype, mx)
-    rows = capacity(spec, t)[1]  # the static capacity of the recv layout
-    i = down.shape[1]
-    if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
-        acts = [x.new_empty(rows, h, dtype=torch.float8_e4m3fn), x.new_empty(rows // 32, h, dtype=torch.float8_e8m0fnu),
-                x.new_empty(rows, 2 * i), x.new_empty(rows, i, dtype=torch.float8_e4m3fn),
-                x.new_empty(rows // 32, i, dtype=torch.float8_e8m0fnu)]
-    else:
-        acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
-    ids = topk_ids.new_empty(t * k, dtype=torch.int64)
-    return [out, *acts, x.new_empty(t * k if spec.ep > 1 else rows, h), ids, torch.empty_like(ids),
-            topk_ids.new_empty(t, k, dtype=torch.int64), topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
+    def forward(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
+        x, topk_ids, w, gate_up, down = tensors
+        opts = json_options(options)
+        mx, save = opts["mx"], opts["save"]
+        spec, routing = r.route(topk_ids, x.dtype, mx)
+        res = r.forward(spec, routing, x.contiguous(), w.contiguous(), gate_up, down, save)
+        if not save:
+            return [res["out"]]
+        counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
+        return [res["out"], *(res[n] for n in saved_names(spec)), routing.tok, routing.flat, routing.pos, counts]
 
+    def fake(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
+        x, topk_ids, _, _, down = tensors
+        opts = json_options(options)
+        mx, save = opts["mx"], opts["save"]
+        t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
+        out = x.new_empty(t, h)
+        if not save:
+            return [out]
+        spec = r.spec_for(1, x.dtype, mx)
+        rows = capacity(spec, t)[1]  # the static capacity of the recv layout
+        i = down.shape[1]
+        if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
+            acts = [x.new_empty(rows, h, dtype=torch.float8_e4m3fn),
+                    x.new_empty(rows // 32, h, dtype=torch.float8_e8m0fnu), x.new_empty(rows, 2 * i),
+                    x.new_empty(rows, i, dtype=torch.float8_e4m3fn), x.new_empty(rows // 32, i, dtype=torch.float8_e8m0fnu)]
+        else:
+            acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
+        ids = topk_ids.new_empty(t * k, dtype=torch.int64)
+        return [out, *acts, x.new_empty(t * k if spec.ep > 1 else rows, h), ids, torch.empty_like(ids),
+                topk_ids.new_empty(t, k, dtype=torch.int64), topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
 
-@torch.library.custom_op("megaloom::moe_backward", mutates_args=())
-def _moe_backward(dout: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, saved: list[Tensor],
-                  runner: int, mx: str) -> list[Tensor]:
-    """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
-    r = runner_for(runner)
-    spec = r.spec_for(int(dout.shape[0]), dout.dtype, mx)
-    names = saved_names(spec)
-    acts, (tok, flat, pos, counts) = saved[:len(names)], saved[len(names):]
-    routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
-    res = r.backward(spec, routing, dout.detach().contiguous(), topk_weights.detach(), dict(zip(names, acts)),
-                     gate_up.detach(), down.detach())
-    return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
+    def backward(self, r: GraphRunner, grads: list[Tensor], saved: list[Tensor], options: str) -> list[Tensor]:
+        """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
+        (dout,), (_, _, w, gate_up, down) = grads, saved[:5]
+        spec = r.spec_for(int(dout.shape[0]), dout.dtype, json_options(options)["mx"])
+        names = saved_names(spec)
+        acts, (tok, flat, pos, counts) = saved[5:5 + len(names)], saved[5 + len(names):]
+        routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
+        res = r.backward(spec, routing, dout, w, dict(zip(names, acts)), gate_up, down)
+        return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
 
-
-@_moe_backward.register_fake
-def _(dout, topk_weights, gate_up, down, saved, runner, mx):
-    return [torch.empty_like(dout), torch.empty_like(topk_weights), torch.empty_like(gate_up), torch.empty_like(down)]
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    x, topk_ids, topk_weights, gate_up, down, runner, mx, save = inputs
-    ctx.runner, ctx.mx, ctx.keep = runner, mx, runner_for(runner)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, *output[1:])
-
-
-def _backward(ctx, grads):
-    x, topk_ids, topk_weights, gate_up, down, *saved = ctx.saved_tensors
-    dout = grads[0]
-    if torch.is_grad_enabled():  # create_graph=True: first-order gradients that are themselves differentiable
-        if ctx.mx:
+    def differentiable_backward(self, ctx, grads: list[Tensor]) -> list[Tensor | None]:
+        """The gradients of megaloom's eager reference block, with a graph (one rank, high precision)."""
+        if json_options(ctx.options)["mx"]:
             raise ExecutionError("MegaMoE double backward (create_graph=True) is not supported with MXFP8 experts")
-        return (*_differentiable_grads(ctx.runner, dout, x, topk_ids, topk_weights, gate_up, down), None, None, None)
-    dx, dw, dgu, ddn = _moe_backward(dout.contiguous(), topk_weights, gate_up, down, saved, ctx.runner, ctx.mx)
-    return dx, None, dw, dgu, ddn, None, None, None
+        return list(_differentiable_grads(ctx.runner, grads[0], *ctx.saved_tensors[:5]))
 
 
 def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up, down):
@@ -195,7 +180,8 @@ def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up,
     return dx, None, dw, dgu, ddn
 
 
-_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+MOE_OPS = MoEOps()
+_OPTIONS = {(mx, save): json.dumps({"mx": mx, "save": save}) for mx in ("", *SCALE_MODES) for save in (False, True)}
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -223,7 +209,10 @@ def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Te
     ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
     w = topk_weights.reshape(ids.shape).to(dt)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
-    return _moe_forward(x, ids, w, gate_up, down, runner.key, mx or "", save)[0]
+    options = _OPTIONS.get((mx or "", save))
+    if options is None:
+        raise ConfigError(f"MegaMoE: mx must be one of {', '.join(SCALE_MODES)} or None, got {mx!r}")
+    return MOE_OPS(runner.key, [x, ids, w, gate_up, down], options)[0]
 
 
 class MegaMoE(nn.Module):

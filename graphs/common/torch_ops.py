@@ -11,9 +11,9 @@ family's options as a JSON string (:func:`json_options` reads it)::
     GATE_OPS(runner.key, [x, weight, bias], '{"top_k": 2}')   # -> [logits, weights, indices]
 
 By default the forward runs the family's ``fwd`` graph of :meth:`GraphOps.spec` on the inputs by
-name and returns the named outputs, then the saved outputs that are not among them; the backward
-runs its ``bwd`` graph on the inputs, the saved outputs and ``grad_<output>`` for each
-differentiable output, and returns ``grad_<input>`` for each input that has a gradient. A family
+name and returns its ``outputs`` and ``extras``; the backward runs its ``bwd`` graph on the inputs,
+the ``saved`` outputs, the extras and ``grad_<output>`` for each differentiable output, and returns
+``grad_<input>`` for each input that has a gradient. A family
 whose runs differ (MegaMoE: host routing first) overrides :meth:`GraphOps.forward` and
 :meth:`GraphOps.backward`. The runner keeps the trace of every run (:meth:`GraphRunner.record`).
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import Tensor
@@ -42,7 +42,8 @@ class GraphOps:
     family: Any  # the family's GraphBuilder
     inputs: tuple[str, ...]  # the forward graph's inputs, in the order of the op's tensors
     outputs: tuple[str, ...]  # the forward graph's outputs the op returns
-    saved: tuple[str, ...] = ()  # forward outputs the backward graph reads
+    saved: tuple[str, ...] = ()  # of the outputs, those the backward graph reads
+    extras: tuple[str, ...] = ()  # further forward-graph outputs the backward graph reads (returned after outputs)
     grad_inputs: tuple[str, ...] = ()  # inputs that get a gradient (the backward graph's grad_<input>)
     grad_outputs: tuple[str, ...] = ()  # outputs that are differentiable (the backward graph reads grad_<output>)
 
@@ -60,36 +61,35 @@ class GraphOps:
             torch.empty_like(saved[self.inputs.index(n)]) for n in self.grad_inputs])
         self.forward_op.register_autograd(self._backward, setup_context=self._setup)
 
+    def options(self, shape: Mapping[str, Any], **options: Any) -> str:
+        """``options`` as the ops' JSON string, checked first as the family's spec with the ``shape`` fields."""
+        self.family.spec.from_dict({**shape, **options})
+        return json.dumps(options, sort_keys=True)
+
     def __call__(self, runner: int, tensors: list[Tensor], options: str) -> list[Tensor]:
-        """The forward op's outputs (``outputs``, then the saved outputs that are not among them) on the
-        runner of key ``runner``."""
+        """The forward op's outputs (``outputs``, then ``extras``) on the runner of key ``runner``."""
         return self.forward_op(tensors, runner, options)
 
     # -- the family's ---------------------------------------------------------------------
     def spec(self, tensors: list[Tensor], options: str) -> Any:
         """The spec of a call (the default forward and backward build their graphs of it)."""
-        raise NotImplementedError(f"{type(self).__name__} defines spec() or overrides forward() and backward()")
 
     def fake(self, runner: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         """Empty tensors shaped as the forward op's outputs (what ``torch.compile`` traces with)."""
-        raise NotImplementedError
 
     def forward(self, runner: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
-        """Run the forward graph: its ``outputs``, then the ``saved`` outputs that are not among them."""
+        """Run the forward graph: its ``outputs``, then its ``extras``."""
         g = runner.graph(self.family, self.spec(tensors, options), "fwd")
         out = runner.run(g, dict(zip(self.inputs, tensors)), "fwd").outputs
-        return [out[n] for n in self.outputs] + [out[n] for n in self.saved if n not in self.outputs]
+        return [out[n] for n in self.outputs + self.extras]
 
     def backward(self, runner: GraphRunner, grads: list[Tensor], saved: list[Tensor], options: str) -> list[Tensor]:
         """Run the backward graph on ``saved`` (:meth:`_setup`) and the gradients of ``grad_outputs``; returns
         the gradients of ``grad_inputs``."""
-        spec = self.spec(saved[:len(self.inputs)], options)
-        g = runner.graph(self.family, spec, "bwd")
-        kept = [n for n in self.saved if n in self.outputs] + [n for n in self.saved if n not in self.outputs]
-        feed = dict(zip(self.inputs + tuple(kept), saved))
+        g = runner.graph(self.family, self.spec(saved[:len(self.inputs)], options), "bwd")
+        feed = dict(zip(self.inputs + self.saved + self.extras, saved))
         feed.update((f"grad_{n}", gr) for n, gr in zip(self.grad_outputs, grads))
-        names = {b.name for b in g.inputs}
-        out = runner.run(g, {k: v for k, v in feed.items() if k in names}, "bwd").outputs
+        out = runner.run(g, {b.name: feed[b.name] for b in g.inputs}, "bwd").outputs
         return [out[f"grad_{n}"] for n in self.grad_inputs]
 
     def differentiable_backward(self, ctx: Any, grads: list[Tensor]) -> list[Tensor | None]:
@@ -104,8 +104,7 @@ class GraphOps:
         n = len(self.outputs)
         ctx.mark_non_differentiable(*(o for name, o in zip(self.outputs, output) if name not in self.grad_outputs),
                                     *output[n:])
-        kept = [output[self.outputs.index(s)] for s in self.saved if s in self.outputs]
-        ctx.save_for_backward(*tensors, *kept, *output[n:])
+        ctx.save_for_backward(*tensors, *(output[self.outputs.index(s)] for s in self.saved), *output[n:])
 
     def _backward(self, ctx, grads):
         ours = [grads[self.outputs.index(n)].contiguous() for n in self.grad_outputs]

@@ -6,7 +6,6 @@ MegaGate without a graph break.
 """
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Mapping, NamedTuple
 
@@ -59,13 +58,9 @@ def run_megagate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     tile_tokens, weight_cols, weight_rows). The weight is used in x's dtype; gradients flow to x
     and weight. No tokens (``x`` of 0 rows) route through the eager reference.
     """
-    GateSpec.from_dict({"tokens": 1, "hidden": x.shape[-1], "experts": weight.shape[0], "top_k": top_k, **options})
+    options = GATE_OPS.options({"tokens": 1, "hidden": x.shape[-1], "experts": weight.shape[0]}, top_k=top_k, **options)
     runner = runner or GraphRunner()  # alive through the call; autograd keeps it for backward
-    return _route(x, weight, bias, runner.key, _options_json(top_k, options))
-
-
-def _options_json(top_k: int, options: Mapping[str, Any]) -> str:
-    return json.dumps({"top_k": top_k, **options}, sort_keys=True)
+    return _route(x, weight, bias, runner.key, options)
 
 
 def _route(x: Tensor, weight: Tensor, bias: Tensor | None, runner: int, options: str) -> GateOutput:
@@ -78,8 +73,8 @@ def _route(x: Tensor, weight: Tensor, bias: Tensor | None, runner: int, options:
         logits, weights, indices = GATE_OPS(runner, [x2.contiguous(), weight.to(x.dtype).contiguous(),
                                                      bias.detach().to(acc).contiguous()], options)
     else:
-        settings = {k: v for k, v in json.loads(options).items() if k not in ("tile_tokens", "weight_cols",
-                                                                              "weight_rows")}
+        settings = {k: v for k, v in json_options(options).items() if k not in ("tile_tokens", "weight_cols",
+                                                                                "weight_rows")}
         logits, weights, indices = megagate_reference(x2, weight.to(x.dtype), bias.detach().to(acc), **settings)
     lead = x.shape[:-1]
     k, e = weights.shape[-1], logits.shape[-1]
@@ -101,11 +96,10 @@ class MegaGate(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
         self.hidden, self.experts, self.top_k, self.options = hidden, experts, top_k, dict(options)
-        GateSpec.from_dict({"tokens": 1, "hidden": hidden, "experts": experts, "top_k": top_k, **options})  # check
+        self._options = GATE_OPS.options({"tokens": 1, "hidden": hidden, "experts": experts}, top_k=top_k, **options)
         self.weight = nn.Parameter(torch.empty(experts, hidden, device=device, dtype=dtype))
         self.register_buffer("bias", torch.zeros(experts, device=device, dtype=torch.float32))
         self.runner = GraphRunner(executor, units=units, policy=policy)
-        self._options = _options_json(top_k, options)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

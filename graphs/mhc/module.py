@@ -6,7 +6,6 @@ without a graph break.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -34,7 +33,7 @@ class MHCOps(GraphOps):
     name, family = "mhc", MEGAMHC
     inputs = grad_inputs = GRAD_INPUTS
     outputs = grad_outputs = GRAD_OUTPUTS
-    saved = ("new_res", "raw", "inv_rms", "next_pre")  # forward outputs the backward graph reads
+    saved, extras = ("new_res", "next_pre"), ("raw", "inv_rms")  # what the backward graph reads
 
     def spec(self, tensors: list[Tensor], options: str) -> MHCSpec:
         T, n, H = tensors[1].shape
@@ -60,9 +59,9 @@ def run_megamhc(y, h, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunne
     the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows).
     """
     T, n, H = h.shape
-    MHCSpec.from_dict({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(h.dtype), **options})  # check
+    options = MHC_OPS.options({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(h.dtype)}, **options)
     runner = runner or GraphRunner()  # alive through the call; autograd keeps it for backward
-    return _step(runner.key, json.dumps(options, sort_keys=True), y, h, post, res, phi, alpha, bias, norm_w)
+    return _step(runner.key, options, y, h, post, res, phi, alpha, bias, norm_w)
 
 
 def _step(runner: int, options: str, y, h, post, res, phi, alpha, bias, norm_w) -> MHCOutput:
@@ -88,14 +87,13 @@ class MegaMHC(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
         self.hidden, self.streams, self.options = hidden, streams, dict(options)
-        MHCSpec.from_dict({"tokens": 1, "hidden": hidden, "streams": streams, **options})  # check the options
+        self._options = MHC_OPS.options({"tokens": 1, "hidden": hidden, "streams": streams}, **options)
         m = streams * (streams + 2)
         self.phi = nn.Parameter(torch.empty(m, streams * hidden, device=device, dtype=dtype))
         self.alpha = nn.Parameter(torch.empty(3, device=device, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(m, device=device, dtype=torch.float32))
         self.norm_w = nn.Parameter(torch.empty(hidden, device=device, dtype=dtype))
         self.runner = GraphRunner(executor, units=units, policy=policy)
-        self._options = json.dumps(self.options, sort_keys=True)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

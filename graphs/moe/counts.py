@@ -7,6 +7,8 @@ destination order (see :mod:`.graph`), one collective per (expert, round, chunk 
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 from megaloom.graphs.common.tiles import tile_ranges
 from megaloom.graphs.moe.ops import Cut
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec
@@ -27,43 +29,36 @@ class CountsBuilder(TaskBuilder):
 
     def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str):
         super().__init__(g, spec, counts, direction)
-        self.padded, at = [], 0  # each local expert's rows in the token-axis MXFP8 layout (padded to 32)
-        for e in range(self.El):
-            lo, hi = counts.expert_rows(e)
-            self.padded.append((at, at + -(-(hi - lo) // BLOCK) * BLOCK))
-            at = self.padded[-1][1]
+        self.rows_of = [counts.expert_rows(e) for e in range(self.El)]
+        self.blocks, at = [], 0  # each local expert's rows padded to 32
+        for lo, hi in self.rows_of:
+            self.blocks.append((at, at + -(-(hi - lo) // BLOCK) * BLOCK))
+            at = self.blocks[-1][1]
+        self.padded_rows, self.group_rows = at, [hi - lo for lo, hi in self.rows_of]
 
     @staticmethod
     def rows(spec: MegaMoESpec, counts: Counts) -> tuple[int, int, int]:
+        """Rows of the recv layout, of the send layout, and of the ``tok`` / ``ws`` inputs."""
         return counts.recv_rows, counts.send_rows, counts.send_rows
 
     def tiles(self) -> list[tuple[int, int, int, int | None]]:
+        """(expert, first row, end row, tile index: None here) of every row tile of the recv layout."""
         tm = self.spec.tile_m
         return [(e, a, b, None) for e in range(self.El) for a, b in tile_ranges(self.c.expert_rows(e)[1], tm,
                                                                                   self.c.expert_rows(e)[0])]
 
     def experts(self, e: int) -> slice:
+        """The experts of a per-expert stack that a tile of expert ``e`` reads."""
         return slice(e, e + 1)
 
-    def rows_of(self, e: int) -> tuple[int, int]:
-        return self.c.expert_rows(e)
-
-    def tile_task(self, op: str, ins: list, outs: list, cuts, name: str, expert: int, j: int | None,
-                  attrs: dict | None = None, block: int | None = None) -> Task:
+    def tile_task(self, op: str, ins: list, outs: list, cuts: tuple[Sequence[Cut], Sequence[Cut]], name: str,
+                  expert: int, j: int | None, attrs: dict | None = None, block: int | None = None) -> Task:
+        """Task ``op`` on tile ``j`` (or, with ``block``, on expert ``block``'s rows); ``cuts``: how each input
+        and each output is cut to the live rows when they are known only at run time (not here)."""
         return self.task(op, ins, outs, name, expert=expert, engine=get_op(op).engine, attrs=attrs)
 
-    @property
-    def padded_rows(self) -> int:
-        return self.padded[-1][1] if self.padded else 0
-
-    def padded_block(self, e: int) -> tuple[int, int]:
-        return self.padded[e]
-
-    def group_rows(self, e: int) -> int:
-        lo, hi = self.c.expert_rows(e)
-        return hi - lo
-
     def pack(self, src: Buffer, tok: Buffer, send: Buffer, recv: Buffer, scale: Buffer | None = None) -> None:
+        """Gather routed rows of ``src`` into the send layout (own rows: into ``recv``)."""
         c, tm = self.c, self.spec.tile_m
         for p in range(self.W):
             for e in range(self.El):

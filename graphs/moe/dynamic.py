@@ -28,6 +28,8 @@ class DynamicBuilder(TaskBuilder):
     def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str):
         super().__init__(g, spec, counts, direction)
         self.lay = Layout(spec, counts.rank)
+        self.rows_of = self.blocks = [self.lay.region(e) for e in range(self.El)]  # blocks start on multiples of 32
+        self.padded_rows, self.group_rows = self.lay.rows, [hi - lo for lo, hi in self.blocks]
         self.plan = make_plan(self.lay, counts)  # the plan of the build's counts: simulated sizes and tags
         self.meta = g.input("meta", (self.lay.tiles + self.El, 3), "int64")
         self.comm_meta = None if self.lay.pooled else g.input("comm", (2, self.El, self.W, 5), "int64")
@@ -45,20 +47,6 @@ class DynamicBuilder(TaskBuilder):
 
     def experts(self, e: int) -> slice:
         return slice(None) if self.lay.pooled else slice(e, e + 1)  # pooled: the expert is picked at run time
-
-    def rows_of(self, e: int) -> tuple[int, int]:
-        return self.lay.region(e)
-
-    @property
-    def padded_rows(self) -> int:
-        return self.lay.rows  # expert blocks of the recv layout start on multiples of 32
-
-    def padded_block(self, e: int) -> tuple[int, int]:
-        return self.lay.region(e)
-
-    def group_rows(self, e: int) -> int:
-        lo, hi = self.lay.region(e)
-        return hi - lo
 
     def tile_task(self, op: str, ins: list, outs: list, cuts: tuple[Sequence[Cut], Sequence[Cut]], name: str,
                   expert: int, j: int | None, attrs: dict | None = None, block: int | None = None) -> Task:

@@ -9,8 +9,8 @@ exchanges per-expert counts on the host before building (or reusing) its graphs.
 
 The graph runs are the custom ops ``megaloom::moe_forward`` and ``megaloom::moe_backward``
 (:mod:`megaloom.graphs.common.torch_ops`), so ``torch.compile`` traces a block that calls
-:func:`megamoe` without a graph break (``fullgraph=True`` works). :func:`megamoe` honours ``torch.autocast``: under autocast
-the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
+:func:`megamoe` without a graph break (``fullgraph=True`` works). :func:`megamoe` honours
+``torch.autocast``: under autocast the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
 would. Double backward (``create_graph=True``) differentiates the first-order gradients of
 megaloom's eager reference block (one rank, high precision only).
 """
@@ -78,30 +78,27 @@ class MegaMoERunner(GraphRunner):
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
         return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
-    def _layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
+    def layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
         """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
         got = self._layouts.get(spec)
         if got is None:
             got = self._layouts[spec] = (Layout(spec, self.rank), synthetic_counts(spec, rank=self.rank))
         return got
 
-    def layout(self, spec: MegaMoESpec) -> Layout:
-        return self._layout(spec)[0]
-
     def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
         """The cached dynamic graph of ``spec`` (built and validated on the first call)."""
-        return self.graph(MEGAMOE, spec, direction, self._layout(spec)[1], dynamic=True, **kw)
+        return self.graph(MEGAMOE, spec, direction, self.layout(spec)[1], dynamic=True, **kw)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
         g = self.dynamic_graph(spec, "fwd", save=save)
-        plan, _ = step_inputs(self.layout(spec), routing)
+        plan, _ = step_inputs(self.layout(spec)[0], routing)
         return self.run(g, {"x": x, **plan, "w": w, "gate_up": gate_up, "down": down}, "fwd", contiguous=False)
 
     def backward(self, spec: MegaMoESpec, routing: Routing, dout: torch.Tensor, w: torch.Tensor,
                  saved: Mapping[str, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> RunResult:
         g = self.dynamic_graph(spec, "bwd")
-        lay = self.layout(spec)
+        lay = self.layout(spec)[0]
         plan, rows = step_inputs(lay, routing)
         ws = place(rows, w.reshape(-1).index_select(0, routing.flat).unsqueeze(1), lay)
         return self.run(g, {"dout": dout, **plan, "ws": ws, **saved, "gate_up": gate_up, "down": down}, "bwd",
@@ -140,14 +137,14 @@ class MoEOps(GraphOps):
         rows = capacity(spec, t)[1]  # the static capacity of the recv layout
         i = down.shape[1]
         if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
-            acts = [x.new_empty(rows, h, dtype=torch.float8_e4m3fn),
-                    x.new_empty(rows // 32, h, dtype=torch.float8_e8m0fnu), x.new_empty(rows, 2 * i),
-                    x.new_empty(rows, i, dtype=torch.float8_e4m3fn), x.new_empty(rows // 32, i, dtype=torch.float8_e8m0fnu)]
+            fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+            acts = [x.new_empty(rows, h, dtype=fp8), x.new_empty(rows // 32, h, dtype=e8m0), x.new_empty(rows, 2 * i),
+                    x.new_empty(rows, i, dtype=fp8), x.new_empty(rows // 32, i, dtype=e8m0)]
         else:
             acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
-        ids = topk_ids.new_empty(t * k, dtype=torch.int64)
+        ids, i64 = topk_ids.new_empty(t * k, dtype=torch.int64), torch.int64
         return [out, *acts, x.new_empty(t * k if spec.ep > 1 else rows, h), ids, torch.empty_like(ids),
-                topk_ids.new_empty(t, k, dtype=torch.int64), topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
+                topk_ids.new_empty(t, k, dtype=i64), topk_ids.new_empty(spec.ep, spec.experts, dtype=i64)]
 
     def backward(self, r: GraphRunner, grads: list[Tensor], saved: list[Tensor], options: str) -> list[Tensor]:
         """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
@@ -155,29 +152,25 @@ class MoEOps(GraphOps):
         spec = r.spec_for(int(dout.shape[0]), dout.dtype, json_options(options)["mx"])
         names = saved_names(spec)
         acts, (tok, flat, pos, counts) = saved[5:5 + len(names)], saved[5 + len(names):]
-        routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
-        res = r.backward(spec, routing, dout, w, dict(zip(names, acts)), gate_up, down)
+        counts = Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist())))
+        res = r.backward(spec, Routing(counts, tok, flat, pos), dout, w, dict(zip(names, acts)), gate_up, down)
         return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
 
     def differentiable_backward(self, ctx, grads: list[Tensor]) -> list[Tensor | None]:
         """The gradients of megaloom's eager reference block, with a graph (one rank, high precision)."""
+        from megaloom.graphs.moe.reference import moe_reference
+
         if json_options(ctx.options)["mx"]:
             raise ExecutionError("MegaMoE double backward (create_graph=True) is not supported with MXFP8 experts")
-        return list(_differentiable_grads(ctx.runner, grads[0], *ctx.saved_tensors[:5]))
-
-
-def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up, down):
-    """(dx, None, dw, d gate_up, d down) of the eager reference block, with a graph for double backward."""
-    from megaloom.graphs.moe.reference import moe_reference
-
-    if runner_for(runner).world_size > 1:
-        raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
-                             "under expert parallelism the experts live on other ranks")
-    with torch.enable_grad():
-        ins = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, topk_weights, gate_up, down)]
-        out = moe_reference(ins[0], topk_ids, ins[1], ins[2], ins[3])
-        dx, dw, dgu, ddn = torch.autograd.grad(out, ins, dout, create_graph=True)
-    return dx, None, dw, dgu, ddn
+        if runner_for(ctx.runner).world_size > 1:
+            raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
+                                 "under expert parallelism the experts live on other ranks")
+        x, topk_ids, *rest = ctx.saved_tensors[:5]
+        with torch.enable_grad():
+            ins = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, *rest)]
+            out = moe_reference(ins[0], topk_ids, ins[1], ins[2], ins[3])
+            dx, dw, dgu, ddn = torch.autograd.grad(out, ins, grads[0], create_graph=True)
+        return [dx, None, dw, dgu, ddn]
 
 
 MOE_OPS = MoEOps()

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloom.comm.ops import communicator
+from megaloom.graphs.common.ops import io_bytes
 from megaloom.ops import dvm
 from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
@@ -32,10 +33,6 @@ from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
 from megaloom.scheduler.cost import DURATION_ATTR
-
-
-def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
-    return float(sum(s.nbytes for s in ins) + sum(s.nbytes for s in outs))
 
 
 def _expect(cond: bool, op: str, msg: str, ins: list[TensorSpec]) -> None:
@@ -91,7 +88,7 @@ def _gmm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _gmm_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     m, k = ins[0].shape
-    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=_io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _gmm_ref(x: torch.Tensor, w: torch.Tensor, trans_w: bool = False) -> torch.Tensor:
@@ -113,7 +110,7 @@ def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _wgrad_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     (m, k), n = ins[0].shape, ins[1].shape[1]
-    return Cost(flops=2.0 * m * k * n, bytes=_io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(flops=2.0 * m * k * n, bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _wgrad_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

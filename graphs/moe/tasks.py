@@ -7,7 +7,7 @@ at run time). Each tile task says how it cuts its operands with :class:`~.ops.Cu
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import split, tile_ranges
@@ -20,8 +20,12 @@ FP8, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 
 class TaskBuilder:
-    """Adds the tasks of one direction of a rank's graph; the methods of the first section are the
-    subclass's (where the rows are)."""
+    """Adds the tasks of one direction of a rank's graph. Where the rows are is the subclass's: static
+    ``rows(spec, counts)`` (rows of the recv and send layouts and of ``tok`` / ``ws``), ``tiles()``,
+    ``experts(e)``, ``tile_task(...)``, ``pack(...)``, ``exchange(...)`` (see :class:`~.counts.CountsBuilder`),
+    and, per local expert ``e``, ``rows_of[e]`` (the rows of the recv layout its tasks cover), ``blocks[e]``
+    (its block of the token-axis MXFP8 layout, ``padded_rows`` rows in all) and ``group_rows[e]`` (the rows
+    its token-axis MXFP8 weight-gradient tiles declare)."""
 
     def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str):
         self.g, self.spec, self.c, self.direction = g, spec, counts, direction
@@ -30,41 +34,6 @@ class TaskBuilder:
         self._stage_tasks: list[Task] = []
         self._barrier: Task | None = None
         self._comm: list[tuple[tuple[int, int, int], Task]] = []
-
-    # -- where the rows are (the subclass) ---------------------------------------------
-    @staticmethod
-    def rows(spec: MegaMoESpec, counts: Counts) -> tuple[int, int, int]:
-        """Rows of the recv layout, of the send layout, and of the ``tok`` / ``ws`` inputs."""
-
-    def tiles(self) -> list[tuple[int, int, int, int | None]]:
-        """(expert, first row, end row, tile index or None) of every row tile of the recv layout."""
-
-    def experts(self, e: int) -> slice:
-        """The experts of a per-expert stack that a tile of expert ``e`` reads."""
-
-    def rows_of(self, e: int) -> tuple[int, int]:
-        """Rows of the recv layout that expert ``e``'s tasks cover."""
-
-    def tile_task(self, op: str, ins: list, outs: list, cuts: tuple[Sequence[Cut], Sequence[Cut]], name: str,
-                  expert: int, j: int | None, attrs: dict | None = None, block: int | None = None) -> Task:
-        """Task ``op`` on tile ``j`` (or, with ``block``, on expert ``block``'s rows); ``cuts``: how each
-        input and each output is cut to the live rows when they are known only at run time."""
-
-    def pack(self, src: Buffer, tok: Buffer, send: Buffer, recv: Buffer, scale: Buffer | None = None) -> None:
-        """Gather routed rows of ``src`` into the send layout (own rows: into ``recv``)."""
-
-    def exchange(self, send: Buffer, recv: Buffer, expert: int, combine: bool) -> None:
-        """One expert's all-to-all rounds; ``combine`` runs them from recv layout back to send layout."""
-
-    @property
-    def padded_rows(self) -> int:
-        """Rows of the token-axis MXFP8 layout (every local expert's block padded to 32 rows)."""
-
-    def padded_block(self, e: int) -> tuple[int, int]:
-        """Rows of expert ``e``'s block in the token-axis MXFP8 layout."""
-
-    def group_rows(self, e: int) -> int:
-        """The rows a token-axis MXFP8 weight-gradient tile of expert ``e`` declares."""
 
     # -- bookkeeping ---------------------------------------------------------------
     def stage(self, name: str) -> None:
@@ -145,7 +114,7 @@ class TaskBuilder:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
         blocks (zeros for an idle expert); the weight gradient stays on this rank."""
         for e in range(self.El):
-            lo, hi = self.rows_of(e)
+            lo, hi = self.rows_of[e]
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
                     self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
@@ -176,7 +145,7 @@ class TaskBuilder:
     def quant_tokens(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
         """Token-axis quantisation of each expert's rows into its padded block of ``q``, in column chunks."""
         for e in range(self.El):
-            (lo, hi), (p0, p1) = self.rows_of(e), self.padded_block(e)
+            (lo, hi), (p0, p1) = self.rows_of[e], self.blocks[e]
             for c0, c1 in self.chunks(src.shape[1]) if hi > lo else ():
                 self.tile_task("mx_quantize_grouped", [src[lo:hi, c0:c1]],
                                [q[0][p0:p1, c0:c1], q[1][p0 // BLOCK:p1 // BLOCK, c0:c1]],
@@ -187,7 +156,7 @@ class TaskBuilder:
         """Each expert's weight ``[K, N]`` quantised along ``axis`` (``cols``: along K, chunks of the N
         columns; ``rows``: along N, chunks of the K rows); experts without rows are not needed."""
         for e in range(self.El):
-            lo, hi = self.rows_of(e)
+            lo, hi = self.rows_of[e]
             for c0, c1 in self.chunks(w.shape[2 if axis == "cols" else 1]) if hi > lo else ():
                 at = (slice(e, e + 1), slice(None), slice(c0, c1)) if axis == "cols" else (
                     slice(e, e + 1), slice(c0, c1), slice(None))
@@ -209,7 +178,7 @@ class TaskBuilder:
     def mx_wgrad(self, stage: str, a: tuple[Buffer, Buffer], b: tuple[Buffer, Buffer], out: Buffer) -> None:
         """:meth:`wgrad` on token-axis MXFP8 operands (layout TN; zeros for an idle expert)."""
         for e in range(self.El):
-            p0, p1 = self.padded_block(e)
+            p0, p1 = self.blocks[e]
             rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
@@ -217,7 +186,7 @@ class TaskBuilder:
                                                          b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
                                    ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.ZEROED,)),
                                    f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e,
-                                   attrs={"group_offsets": [self.group_rows(e)], "layout": "TN",
+                                   attrs={"group_offsets": [self.group_rows[e]], "layout": "TN",
                                           "out_dtype": self.spec.dtype})
 
     def forward_gemm(self, stage: str, x: Buffer, w: Buffer, out: Buffer, save: bool) -> None:

@@ -16,8 +16,8 @@ def _step(moe, gate, mhc, x):
     """One micro-batch through the three families: a scalar loss."""
     route = gate(x)
     y = moe(x, route.indices, route.weights)
-    n = mhc.streams
-    out = mhc(y, x.unsqueeze(1).expand(-1, n, -1), torch.full((x.shape[0], n), 0.5), torch.eye(n).expand(x.shape[0], n, n))
+    t, n = x.shape[0], mhc.streams
+    out = mhc(y, x.unsqueeze(1).expand(-1, n, -1), torch.full((t, n), 0.5), torch.eye(n).expand(t, n, n))
     return out.block_in.square().sum() + out.new_res.sum()
 
 

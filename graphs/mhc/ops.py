@@ -247,19 +247,21 @@ def _block_in_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     return [TensorSpec((t, n, hd), acc), TensorSpec((t, n), acc), TensorSpec((1, hd), acc)]
 
 
-def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+def _coeff_dims(ins: list[TensorSpec], attrs: dict) -> tuple[int, int, int]:
+    """(t, n, m) of the coefficient ops: tokens from the logits operand, streams and logits from ``n``."""
     n = int(attrs.get("n", 4))
-    t = ins[0].shape[0] if ins and ins[0].shape else 0
-    m = n * n + 2 * n
+    return (ins[0].shape[0] if ins and ins[0].shape else 0), n, n * n + 2 * n
+
+
+def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, m = _coeff_dims(ins, attrs)
     _check("mhc_coeff", ins, [(t, m), (t, 1), (3,), (m,)])
     dt = ins[0].dtype
     return [TensorSpec((t, n), dt), TensorSpec((t, n), dt), TensorSpec((t, n, n), dt)]
 
 
 def _coeff_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    n = int(attrs.get("n", 4))
-    t = ins[0].shape[0] if ins and ins[0].shape else 0
-    m = n * n + 2 * n
+    t, n, m = _coeff_dims(ins, attrs)
     _check("mhc_coeff_bwd", ins, [(t, m), (t, 1), (3,), (m,), (t, n), (t, n), (t, n, n)])
     dt = ins[0].dtype
     return [TensorSpec((t, m), dt), TensorSpec((t, 1), dt), TensorSpec((1, 3), dt), TensorSpec((1, m), dt)]

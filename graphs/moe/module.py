@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
@@ -36,6 +37,17 @@ from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 
+@lru_cache(maxsize=256)  # a spec's checks cost more than a step's routing: once per call shape
+def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
+    return replace(spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
+                   scale_mode=mx or spec.scale_mode)
+
+
+@lru_cache(maxsize=256)
+def _layout(spec: MegaMoESpec, rank: int) -> tuple[Layout, Counts]:
+    return Layout(spec, rank), synthetic_counts(spec, rank=rank)
+
+
 class MegaMoERunner(GraphRunner):
     """A :class:`GraphRunner` of one MegaMoE spec: host routing, then the forward and backward
     graphs, built and validated once per call spec (tokens, dtype, precision): they are dynamic graphs
@@ -52,21 +64,11 @@ class MegaMoERunner(GraphRunner):
                               "its collectives in one order")
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
-        self._specs: dict[tuple, MegaMoESpec] = {}
-        self._layouts: dict[MegaMoESpec, tuple[Layout, Counts]] = {}
 
     def spec_for(self, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
         """The spec of a call: ``tokens`` rows of ``dtype``, expert GEMMs in MXFP8 with scale rule ``mx``
         (empty: in ``dtype``)."""
-        key = (tokens, dtype, mx)
-        spec = self._specs.get(key)
-        if spec is None:  # checked once per call shape (a spec's checks cost more than a step's routing)
-            if len(self._specs) >= self.cache_size:
-                self._specs.clear()
-                self._layouts.clear()
-            spec = self._specs[key] = replace(self.spec, tokens=tokens, dtype=dtype_name(dtype),
-                                              precision="mxfp8" if mx else "none", scale_mode=mx or self.spec.scale_mode)
-        return spec
+        return _call_spec(self.spec, tokens, dtype, mx)
 
     def route(self, topk_ids: torch.Tensor, dtype: torch.dtype | None = None, mx: str = ""
               ) -> tuple[MegaMoESpec, Routing]:
@@ -80,10 +82,7 @@ class MegaMoERunner(GraphRunner):
 
     def layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
         """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
-        got = self._layouts.get(spec)
-        if got is None:
-            got = self._layouts[spec] = (Layout(spec, self.rank), synthetic_counts(spec, rank=self.rank))
-        return got
+        return _layout(spec, self.rank)
 
     def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
         """The cached dynamic graph of ``spec`` (built and validated on the first call)."""

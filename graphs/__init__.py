@@ -6,14 +6,14 @@ from megaloom.graphs.gate import (
     build_megagate_forward, megagate_reference, run_megagate,
 )
 from megaloom.graphs.mhc import (
-    MEGAMHC, MegaMHC, MegaMHCFunction, MHCOutput, MHCSpec, build_megamhc, build_megamhc_backward,
+    MEGAMHC, MegaMHC, MHCOutput, MHCSpec, build_megamhc, build_megamhc_backward,
     build_megamhc_forward, megamhc_reference, run_megamhc,
 )
 from megaloom.graphs.moe import MEGAMOE, MegaMoE, MegaMoESpec, moe_reference
 
 __all__ = [
     "GateOutput", "GateSpec", "GraphBuilder", "GraphRunner", "MEGAGATE", "MEGAMHC", "MEGAMOE", "MHCOutput", "MHCSpec",
-    "MegaGate", "MegaMHC", "MegaMHCFunction", "MegaMoE", "MegaMoESpec", "build_megagate",
+    "MegaGate", "MegaMHC", "MegaMoE", "MegaMoESpec", "build_megagate",
     "build_megagate_backward", "build_megagate_forward", "build_megamhc", "build_megamhc_backward",
     "build_megamhc_forward", "megagate_reference", "megamhc_reference", "moe_reference", "run_megagate", "run_megamhc",
 ]

@@ -1,6 +1,6 @@
 """``megaloom ops / graphs / policies``: every registered entry on one line with its description."""
 from megaloom.cli import main
-from megaloom.commands import simulate as simulate_cmd
+from megaloom.graphs.common import builder as graph_builders
 from megaloom.runtime.plugins import Registry, describe
 from megaloom.runtime.registry import Cost, OpDef, all_ops, register
 from megaloom.scheduler.policies import POLICIES
@@ -30,7 +30,7 @@ def test_graphs_lists_builders_by_their_module_description(capsys, monkeypatch):
     assert {"megamoe", "megagate", "megamhc"} <= set(table)
     assert "MegaMoE forward and backward task graphs" in table["megamoe"]
     assert "MegaGate: the MoE router as forward and backward task graphs" in table["megagate"]
-    monkeypatch.setattr(simulate_cmd, "GRAPH_BUILDERS", Registry("graph builder"))
+    monkeypatch.setattr(graph_builders, "GRAPH_BUILDERS", Registry("graph builder"))
 
     class Builder:
         """A graph of my own.
@@ -40,7 +40,7 @@ def test_graphs_lists_builders_by_their_module_description(capsys, monkeypatch):
         def __call__(self):
             raise AssertionError("listing never builds")
 
-    simulate_cmd.register_graph_builder("mine", Builder())
+    graph_builders.register_graph_builder("mine", Builder())
     assert _lines(capsys, "graphs") == {"mine": "mine  A graph of my own."}
 
 

@@ -1,9 +1,11 @@
-"""The built wheel holds every package folder as ``megaloom/...`` and imports on its own.
+"""The built wheel holds every package folder as ``megaloom/...`` and imports on its own; the torch
+floor in pyproject.toml is what the code needs, and CI installs torch's CPU build as the README says.
 
 The source is copied to a temporary folder first, so the build never writes into the
 checkout (``build/``, ``*.egg-info``) and concurrent builds cannot collide.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # top-level folder -> its import name (setuptools package-dir in pyproject.toml)
@@ -89,3 +92,37 @@ def test_runtime_imports_from_the_wheel(wheel, tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().startswith(str(wheel)), proc.stdout
+
+
+# torch features the code relies on, with the first torch release that has them: the floor in
+# pyproject.toml is the newest of these (a feature that leaves the code leaves this table)
+TORCH_FEATURES = {
+    "float8_e8m0fnu": (2, 7),  # MXFP8 scales (runtime/dtypes.py); added by pytorch/pytorch#147466, in 2.7
+    "torch.library.custom_op": (2, 4),  # the graph families' torch ops (graphs/common/torch_ops.py), new in 2.4
+}
+
+
+def _torch_floor(text: str) -> tuple[int, int]:
+    found = re.findall(r'"torch>=(\d+)\.(\d+)[^"]*"', text)
+    assert len(found) == 1, f"pyproject.toml should require torch>=X.Y once, found {found}"
+    return int(found[0][0]), int(found[0][1])
+
+
+def test_torch_floor_is_what_the_code_needs():
+    source = "\n".join(p.read_text(encoding="utf-8") for top in LAYERS for p in (ROOT / top).rglob("*.py"))
+    gone = [f for f in TORCH_FEATURES if f not in source]
+    assert not gone, f"no longer used (drop them from TORCH_FEATURES): {gone}"
+    floor = _torch_floor((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert floor == max(TORCH_FEATURES.values()), f"pyproject.toml requires torch>={floor}, the code needs more"
+    assert tuple(int(v) for v in torch.__version__.split(".")[:2]) >= floor
+    readme = re.findall(r"needs torch >= (\d+)\.(\d+)", (ROOT / "README.md").read_text(encoding="utf-8"))
+    assert [tuple(map(int, v)) for v in readme] == [floor], "README.md states another torch floor"
+
+
+def test_ci_installs_the_cpu_build_of_the_tested_torch():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    pinned = set(re.findall(r"torch==([\d.]+)", ci + readme))
+    assert len(pinned) == 1, f"CI and README pin different torch versions: {pinned}"
+    cpu = "https://download.pytorch.org/whl/cpu"
+    assert f"--extra-index-url \"${{TORCH_INDEX:-{cpu}}}\"" in ci and f"--index-url {cpu}" in readme

@@ -5,7 +5,8 @@ builders picked by direction, from a spec or from plain options.
     MEGAGATE.from_options({"tokens": 4096, ...})       # plain options (spec fields and extras)
     MEGAGATE("gate.yaml", direction="bwd", tokens=8)   # the ``simulate --graph megagate:...`` entry point
 
-A family object is what the ``megaloom.graph_builders`` entry points name.
+A family object is what the ``megaloom.graph_builders`` entry points name; :data:`GRAPH_BUILDERS`
+holds every builder that ``megaloom simulate --graph NAME[:k=v,...]`` and ``megaloom graphs`` know.
 """
 from __future__ import annotations
 
@@ -16,8 +17,17 @@ from typing import Any, Callable, Iterator, Mapping
 from megaloom.graphs.common.spec import load_options, parse_spec
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.plugins import Registry
 
 DIRECTIONS = ("fwd", "bwd")
+GRAPH_BUILDERS: Registry[Callable[..., TaskGraph]] = Registry("graph builder", "megaloom.graph_builders")
+"""Named ``builder(**options) -> TaskGraph`` callables (a :class:`GraphBuilder`, or any function), plug-ins
+from the ``megaloom.graph_builders`` entry points included."""
+
+
+def register_graph_builder(name: str, builder: Callable[..., TaskGraph]) -> None:
+    """Make ``megaloom simulate --graph NAME[:k=v,...]`` call ``builder(**options)``."""
+    GRAPH_BUILDERS.register(name, builder, replace=True)
 
 
 class GraphBuilder:

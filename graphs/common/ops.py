@@ -40,7 +40,8 @@ def _cols(spec: TensorSpec) -> int:
     return math.prod(spec.shape[1:])
 
 
-def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
+def io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
+    """Bytes a task reads and writes: its operands and results, once each."""
     return float(sum(s.nbytes for s in ins) + sum(o.nbytes for o in outs))
 
 
@@ -56,7 +57,7 @@ def _proj_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _proj_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     m, n = outs[0].shape
-    return Cost(2.0 * m * n * ins[1].shape[1], _io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(2.0 * m * n * ins[1].shape[1], io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _proj_ref(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,7 @@ def _grad_input_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _grad_input_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     (m, n), k = ins[0].shape, ins[1].shape[1]
-    return Cost(2.0 * m * n * k, _io_bytes(ins, outs), precision=precision(ins[1].dtype))
+    return Cost(2.0 * m * n * k, io_bytes(ins, outs), precision=precision(ins[1].dtype))
 
 
 def _grad_input_ref(g: torch.Tensor, w: torch.Tensor, cols=None, out_dtype: str | None = None) -> torch.Tensor:
@@ -109,7 +110,7 @@ def _grad_weight_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _grad_weight_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     (m, n), k = ins[0].shape, _cols(ins[1])
-    return Cost(2.0 * m * n * k, _io_bytes(ins, outs), precision=precision(ins[1].dtype))
+    return Cost(2.0 * m * n * k, io_bytes(ins, outs), precision=precision(ins[1].dtype))
 
 
 def _grad_weight_ref(g: torch.Tensor, a: torch.Tensor, acc: torch.Tensor | None = None,
@@ -144,7 +145,7 @@ def _sum_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 
 def _sum_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    return Cost(float(ins[0].numel), _io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(float(ins[0].numel), io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _sum_ref(p: torch.Tensor, out_dtype: str | None = None) -> torch.Tensor:

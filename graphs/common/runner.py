@@ -31,9 +31,10 @@ _DEFAULT_DISPATCH = (torch._C._dispatch_tls_local_include_set(), torch._C._dispa
 
 class GraphRunner:
     """Builds graphs with a family's :class:`~megaloom.graphs.common.builder.GraphBuilder`, caches
-    them, and runs them; ``last_trace[direction]`` keeps the trace of the latest run of each direction.
-    ``key`` names the runner to the families' ``torch.library`` custom ops, which take no Python
-    objects (:func:`runner_for` finds it again)."""
+    them, and runs them; ``last_trace[direction]`` keeps the trace of the latest run of each direction,
+    and while :meth:`record` is on, ``recorded`` the ``(direction, trace)`` of every run. ``key`` names
+    the runner to the families' ``torch.library`` custom ops, which take no Python objects
+    (:func:`runner_for` finds it again)."""
 
     def __init__(self, executor: str | Executor = "thread", *, units: Mapping[str, int] | None = None,
                  policy: Any = None, comm: Any = None, cache_size: int = 16):
@@ -48,6 +49,7 @@ class GraphRunner:
         self.cache_size = cache_size
         self._graphs: OrderedDict[tuple, TaskGraph] = OrderedDict()
         self.last_trace: dict[str, Trace] = {}
+        self.recorded: list[tuple[str, Trace]] | None = None
         self.builds = 0  # graphs built (and validated) so far
         self.key = next(_KEYS)
         _RUNNERS[self.key] = self
@@ -75,7 +77,15 @@ class GraphRunner:
         with torch._C._ForceDispatchKeyGuard(*_DEFAULT_DISPATCH), torch.autocast(device.type, enabled=False):
             res = self.executor_for(graph, device).run(graph, inputs)
         self.last_trace[direction] = res.trace
+        if self.recorded is not None:
+            self.recorded.append((direction, res.trace))
         return res
+
+    def record(self, on: bool = True) -> list[tuple[str, Trace]]:
+        """Start keeping the trace of every run (``on=False``: stop); returns the ``(direction, trace)``
+        kept since the last start (a traced training step with gradient accumulation keeps them all)."""
+        kept, self.recorded = self.recorded or [], [] if on else None
+        return kept
 
     def executor_for(self, graph: TaskGraph, device: torch.device) -> Executor:
         """The executor of a run on ``device``."""

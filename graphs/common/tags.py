@@ -1,7 +1,8 @@
 """The one table of task tags the graph builders set, and who reads them.
 
 Tags ride on every task into traces (Perfetto shows them as args, in the order set) and
-feed the policies and the cost model; :func:`tags` builds a task's tags from this table.
+feed the policies and the cost model; :func:`tags` builds a task's tags from this table. The
+table is open: a graph family of one's own adds its tags with :func:`register_tag`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ TAGS = {
     "link": "link of a transfer, intra or inter (MegaMoE); the cost model's comm rates",
     "kernel": "the op a dynamic MegaMoE task (moe_dyn) runs on the live rows of its tile; trace summaries",
 }
+
+
+def register_tag(name: str, doc: str) -> None:
+    """Add the task tag ``name``; ``doc`` says what it holds and who reads it (a name taken with
+    another meaning is a GraphError)."""
+    if TAGS.setdefault(name, doc) != doc:
+        raise GraphError(f"task tag {name!r} is already registered: {TAGS[name]}")
 
 
 def tags(**values: Any) -> dict[str, Any]:

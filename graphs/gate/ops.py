@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megaloom.graphs.common.ops import io_bytes
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
 
@@ -85,7 +86,7 @@ def _topk_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 def _topk_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     t, e = ins[0].shape
     k = int(attrs["top_k"])
-    return Cost(flops=t * e * (6.0 + k), bytes=float(sum(s.nbytes for s in ins + outs)))
+    return Cost(flops=t * e * (6.0 + k), bytes=io_bytes(ins, outs))
 
 
 def _topk_ref(logits, bias, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, n_group: int = 1,
@@ -116,7 +117,7 @@ def _bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _bwd_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     t, e = ins[0].shape
-    return Cost(flops=10.0 * t * e, bytes=float(sum(s.nbytes for s in ins + outs)))
+    return Cost(flops=10.0 * t * e, bytes=io_bytes(ins, outs))
 
 
 def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: float = 1.0, renorm: bool = True,

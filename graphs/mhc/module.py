@@ -1,13 +1,19 @@
-"""``MegaMHC``: hyper-connections as a torch module whose forward and backward run the task graphs."""
+"""``MegaMHC``: hyper-connections as a torch module whose forward and backward run the task graphs.
+
+The graph runs are the custom ops ``megaloom::mhc_forward`` and ``megaloom::mhc_backward``
+(:mod:`megaloom.graphs.common.torch_ops`), so ``torch.compile`` traces a model that calls MegaMHC
+without a graph break.
+"""
 from __future__ import annotations
 
 from typing import Any, Mapping, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from megaloom.graphs.common.ops import acc_dtype
 from megaloom.graphs.common.runner import GraphRunner
+from megaloom.graphs.common.torch_ops import GraphOps, json_options
 from megaloom.graphs.mhc.graph import GRAD_INPUTS, GRAD_OUTPUTS, MEGAMHC, MHCSpec
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.executors import Executor
@@ -21,31 +27,27 @@ class MHCOutput(NamedTuple):
     res: torch.Tensor  # [T, n, n] next residual mix (near doubly stochastic)
 
 
-SAVED = ("new_res", "raw", "inv_rms", "next_pre")  # forward outputs the backward graph reads
+class MHCOps(GraphOps):
+    """MegaMHC's custom ops; the options: the MHCSpec fields but tokens, hidden and streams, as JSON."""
+
+    name, family = "mhc", MEGAMHC
+    inputs = grad_inputs = GRAD_INPUTS
+    outputs = grad_outputs = GRAD_OUTPUTS
+    saved, extras = ("new_res", "next_pre"), ("raw", "inv_rms")  # what the backward graph reads
+
+    def spec(self, tensors: list[Tensor], options: str) -> MHCSpec:
+        T, n, H = tensors[1].shape
+        return MHCSpec.from_dict({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(tensors[1].dtype),
+                                  **json_options(options)})
+
+    def fake(self, runner: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
+        y, h, post, res = tensors[:4]
+        T, n = post.shape
+        return [torch.empty_like(h), torch.empty_like(y), torch.empty_like(post), torch.empty_like(post),
+                torch.empty_like(res), post.new_empty(T, n * (n + 2)), post.new_empty(T, 1)]
 
 
-class MegaMHCFunction(torch.autograd.Function):
-    """Autograd function over the graphs; inputs in :data:`GRAD_INPUTS` order, outputs as :class:`MHCOutput`."""
-
-    @staticmethod
-    def forward(ctx, y, h, post, res, phi, alpha, bias, norm_w, spec: MHCSpec, runner: GraphRunner):
-        inputs = dict(zip(GRAD_INPUTS, (y, h, post, res, phi, alpha, bias, norm_w)))
-        out = runner.run(runner.graph(MEGAMHC, spec, "fwd"), inputs, "fwd").outputs
-        ctx.save_for_backward(*inputs.values(), *(out[k] for k in SAVED))
-        ctx.spec, ctx.runner = spec, runner
-        return tuple(out[k] for k in GRAD_OUTPUTS)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        inputs = dict(zip(GRAD_INPUTS, saved))
-        inputs.update(zip(SAVED, saved[len(GRAD_INPUTS):]))
-        like = {"new_res": inputs["h"], "block_in": inputs["y"], "next_pre": inputs["post"],
-                "next_post": inputs["post"], "next_res": inputs["res"]}
-        for name, gr in zip(GRAD_OUTPUTS, grads):
-            inputs[f"grad_{name}"] = torch.zeros_like(like[name]) if gr is None else gr.to(like[name].dtype)
-        out = ctx.runner.run(ctx.runner.graph(MEGAMHC, ctx.spec, "bwd"), inputs, "bwd").outputs
-        return tuple(out[f"grad_{k}"] for k in GRAD_INPUTS) + (None, None)
+MHC_OPS = MHCOps()
 
 
 def run_megamhc(y, h, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunner | None = None,
@@ -57,11 +59,15 @@ def run_megamhc(y, h, post, res, phi, alpha, bias, norm_w, *, runner: GraphRunne
     the other :class:`MHCSpec` fields (iters, rms_eps, pre_eps, tile_tokens, weight_cols, weight_rows).
     """
     T, n, H = h.shape
-    spec = MHCSpec.from_dict({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(h.dtype), **options})
-    acc = torch_dtype(acc_dtype(spec.dtype))
-    out = MegaMHCFunction.apply(y.to(h.dtype), h, post.to(acc), res.to(acc), phi.to(h.dtype),
-                                alpha.to(acc), bias.to(acc), norm_w.to(h.dtype), spec, runner or GraphRunner())
-    return MHCOutput(*out)
+    options = MHC_OPS.options({"tokens": T, "hidden": H, "streams": n, "dtype": dtype_name(h.dtype)}, **options)
+    runner = runner or GraphRunner()  # alive through the call; autograd keeps it for backward
+    return _step(runner.key, options, y, h, post, res, phi, alpha, bias, norm_w)
+
+
+def _step(runner: int, options: str, y, h, post, res, phi, alpha, bias, norm_w) -> MHCOutput:
+    acc, dt = torch_dtype(acc_dtype(dtype_name(h.dtype))), h.dtype
+    tensors = [y.to(dt), h, post.to(acc), res.to(acc), phi.to(dt), alpha.to(acc), bias.to(acc), norm_w.to(dt)]
+    return MHCOutput(*MHC_OPS(runner, [t.contiguous() for t in tensors], options)[:len(GRAD_OUTPUTS)])
 
 
 class MegaMHC(nn.Module):
@@ -81,7 +87,7 @@ class MegaMHC(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None, **options):
         super().__init__()
         self.hidden, self.streams, self.options = hidden, streams, dict(options)
-        MHCSpec.from_dict({"tokens": 1, "hidden": hidden, "streams": streams, **options})  # check the options
+        self._options = MHC_OPS.options({"tokens": 1, "hidden": hidden, "streams": streams}, **options)
         m = streams * (streams + 2)
         self.phi = nn.Parameter(torch.empty(m, streams * hidden, device=device, dtype=dtype))
         self.alpha = nn.Parameter(torch.empty(3, device=device, dtype=torch.float32))
@@ -102,8 +108,8 @@ class MegaMHC(nn.Module):
 
     def forward(self, y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, res: torch.Tensor) -> MHCOutput:
         lead, n, H = h.shape[:-2], self.streams, self.hidden
-        out = run_megamhc(y.reshape(-1, H), h.reshape(-1, n, H), post.reshape(-1, n), res.reshape(-1, n, n),
-                          self.phi, self.alpha, self.bias, self.norm_w, runner=self.runner, **self.options)
+        out = _step(self.runner.key, self._options, y.reshape(-1, H), h.reshape(-1, n, H), post.reshape(-1, n),
+                    res.reshape(-1, n, n), self.phi, self.alpha, self.bias, self.norm_w)
         return MHCOutput(*(t.reshape(*lead, *t.shape[1:]) for t in out))
 
     def extra_repr(self) -> str:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megaloom.graphs.common.ops import acc_dtype, up
+from megaloom.graphs.common.ops import acc_dtype, io_bytes, up
 from megaloom.ops import dvm
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Region
@@ -44,13 +44,9 @@ def _check(name: str, ins: list[TensorSpec], want: list[tuple[int, ...] | None])
         raise GraphError(f"{name}: operand shapes {got} do not match {want}")
 
 
-def _bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
-    return float(sum(s.nbytes for s in ins) + sum(o.nbytes for o in outs))
-
-
 def _cost(flops_per_elem: float, elem_operand: int = 0):
     def cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-        return Cost(flops_per_elem * ins[elem_operand].numel, _bytes(ins, outs))
+        return Cost(flops_per_elem * ins[elem_operand].numel, io_bytes(ins, outs))
     return cost
 
 
@@ -227,55 +223,52 @@ def _mix_norm_bwd_kernel(ins, outs, rms_eps: float = 1e-6) -> None:
 
 
 # -- shape rules -------------------------------------------------------------------------
-def _dims(ins: list[TensorSpec]) -> tuple[int, int, int]:
-    """(t, n, H) from the streams operand h (the second)."""
-    return (ins[1].shape + (0, 0, 0))[:3] if len(ins) > 1 else (0, 0, 0)
+def _dims(ins: list[TensorSpec], k: int) -> tuple[int, int, int]:
+    """(t, n, H) from operand ``k``: the streams h or the new residual, [t, n, H]."""
+    return (ins[k].shape + (0, 0, 0))[:3] if len(ins) > k else (0, 0, 0)
 
 
 def _mix_norm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = _dims(ins)
+    t, n, hd = _dims(ins, 1)
     _check("mhc_mix_norm", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n)])
     return [ins[1], TensorSpec((t, 1), acc_dtype(ins[1].dtype))]
 
 
-def _new_dims(ins: list[TensorSpec]) -> tuple[int, int, int]:
-    """(t, n, H) from the new residual operand (the first)."""
-    return (ins[0].shape + (0, 0, 0))[:3] if ins else (0, 0, 0)
-
-
 def _block_in_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = _new_dims(ins)
+    t, n, hd = _dims(ins, 0)
     _check("mhc_block_in", ins, [(t, n, hd), (t, n), (hd,)])
     return [TensorSpec((t, hd), ins[0].dtype)]
 
 
 def _block_in_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = _new_dims(ins)
+    t, n, hd = _dims(ins, 0)
     _check("mhc_block_in_bwd", ins, [(t, n, hd), (t, n), (hd,), (t, hd), (t, n)])
     acc = acc_dtype(ins[0].dtype)
     return [TensorSpec((t, n, hd), acc), TensorSpec((t, n), acc), TensorSpec((1, hd), acc)]
 
 
-def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+def _coeff_dims(ins: list[TensorSpec], attrs: dict) -> tuple[int, int, int]:
+    """(t, n, m) of the coefficient ops: tokens from the logits operand, streams and logits from ``n``."""
     n = int(attrs.get("n", 4))
-    t = ins[0].shape[0] if ins and ins[0].shape else 0
-    m = n * n + 2 * n
+    return (ins[0].shape[0] if ins and ins[0].shape else 0), n, n * n + 2 * n
+
+
+def _coeff_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
+    t, n, m = _coeff_dims(ins, attrs)
     _check("mhc_coeff", ins, [(t, m), (t, 1), (3,), (m,)])
     dt = ins[0].dtype
     return [TensorSpec((t, n), dt), TensorSpec((t, n), dt), TensorSpec((t, n, n), dt)]
 
 
 def _coeff_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    n = int(attrs.get("n", 4))
-    t = ins[0].shape[0] if ins and ins[0].shape else 0
-    m = n * n + 2 * n
+    t, n, m = _coeff_dims(ins, attrs)
     _check("mhc_coeff_bwd", ins, [(t, m), (t, 1), (3,), (m,), (t, n), (t, n), (t, n, n)])
     dt = ins[0].dtype
     return [TensorSpec((t, m), dt), TensorSpec((t, 1), dt), TensorSpec((1, 3), dt), TensorSpec((1, m), dt)]
 
 
 def _mix_norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    t, n, hd = _dims(ins)
+    t, n, hd = _dims(ins, 1)
     _check("mhc_mix_norm_bwd", ins, [(t, hd), (t, n, hd), (t, n), (t, n, n), (t, n, hd), (t, 1),
                                      (t, n, hd), (t, n, hd), (t, n, hd), (t, 1)])
     return [ins[0], ins[1], ins[2], ins[3]]
@@ -291,10 +284,10 @@ register(OpDef("mhc_block_in_bwd", ("vector",), _block_in_bwd_ref, _block_in_bwd
                _block_in_bwd_kernel, doc="gradient of mhc_block_in, plus the per-tile norm-weight partial",
                grad_of=GradOf("mhc_block_in", "x0 x1 x2 dy0 dx1", "dx0 dx1 dx2")))
 register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
-               lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
+               lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), io_bytes(i, o)),
                _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
 register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
-               lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), _bytes(i, o)),
+               lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), io_bytes(i, o)),
                _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)",
                grad_of=GradOf("mhc_coeff", "x0 x1 x2 x3 dy0 dy1 dy2", "dx0 dx1 dx2 dx3")))
 register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(22.0, 1),

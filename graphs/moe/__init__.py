@@ -1,7 +1,9 @@
 """MegaMoE: the fused MoE expert block as cube / vector / comm task graphs.
 
 Modules: :mod:`.spec` (spec, host routing metadata, synthetic counts), :mod:`.ops` (tile
-ops), :mod:`.graph` (forward and backward builders, the ``MEGAMOE`` graph factory),
+ops), :mod:`.graph` (forward and backward builders, the ``MEGAMOE`` graph factory) on :mod:`.tasks` (the
+stages), :mod:`.counts` (counts-built graphs) and :mod:`.dynamic` (graphs of every routing, on
+:mod:`.layout`),
 :mod:`.reference` (the golden eager block), :mod:`.memory` (workspace estimate),
 :mod:`.module` (``MegaMoE`` module, the ``megamoe`` function on custom ops, and the runner), :mod:`.ep` (expert
 parallel check on real ranks).

@@ -44,21 +44,17 @@ from typing import Any
 
 from megaloom.graphs.common.builder import GraphBuilder
 from megaloom.graphs.common.spec import load_options, parse_spec
-from megaloom.graphs.common.tags import tags
-from megaloom.graphs.common.tiles import split, tile_ranges
-from megaloom.graphs.moe import ops  # noqa: F401  (registers the MoE ops)
-from megaloom.graphs.moe.layout import Layout, make_plan
-from megaloom.graphs.moe.ops import swiglu_program
+from megaloom.graphs.common.tiles import tile_ranges
+from megaloom.graphs.moe.counts import CountsBuilder
+from megaloom.graphs.moe.dynamic import DynamicBuilder
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
+from megaloom.graphs.moe.tasks import E8M0, FP8, TaskBuilder
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
-from megaloom.runtime.registry import get_op
-from megaloom.scheduler.cost import DURATION_ATTR
+from megaloom.runtime.graph import Buffer, TaskGraph
 
 FWD_STAGES = ("dispatch", "gmm1", "swiglu", "gmm2", "combine", "weighted_sum")
 BWD_STAGES = ("dispatch", "dgmm2", "swiglu_grad", "dgmm1", "combine", "unpermute", "topk_grad")
-FP8, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
 
 def saved_names(spec: MegaMoESpec) -> tuple[str, ...]:
@@ -66,359 +62,6 @@ def saved_names(spec: MegaMoESpec) -> tuple[str, ...]:
     if spec.mxfp8:
         return ("xr_mx", "xr_mx_scales", "gu", "a_mx", "a_mx_scales", "yc")
     return ("xr", "gu", "a", "yc")
-
-
-def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
-    """Chunk ``i`` of ``tile`` rows of a row block (empty past its end)."""
-    lo, hi = block
-    return min(lo + i * tile, hi), min(lo + (i + 1) * tile, hi)
-
-
-class _Builder:
-    """Adds the tasks of one direction: tags, stage barriers, the collective chain."""
-
-    def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str, layout: Layout | None = None):
-        self.g, self.spec, self.c, self.direction, self.lay = g, spec, counts, direction, layout
-        self.rank, self.W, self.El = counts.rank, spec.ep, spec.experts_local
-        self.sequential = spec.schedule == "sequential"
-        self._stage_tasks: list[Task] = []
-        self._barrier: Task | None = None
-        self._comm: list[tuple[tuple[int, int, int], Task]] = []
-        self.padded, at = [], 0  # each local expert's rows in the token-axis MXFP8 layout (padded to 32)
-        for e in range(self.El):
-            lo, hi = counts.expert_rows(e)
-            self.padded.append((at, at + -(-(hi - lo) // BLOCK) * BLOCK))
-            at = self.padded[-1][1]
-        if layout is not None:  # the plan of the build's counts sets the simulated sizes and tags
-            self.plan = make_plan(layout, counts)
-            self.meta = g.input("meta", (layout.tiles + self.El, 3), "int64")
-            self.comm_meta = None if layout.pooled else g.input("comm", (2, self.El, self.W, 5), "int64")
-
-    # -- bookkeeping ---------------------------------------------------------------
-    def stage(self, name: str) -> None:
-        """Start stage ``name``; under ``sequential`` it waits for every earlier task.
-        A task's ``stage`` tag is the current stage unless it passes its own."""
-        if self.sequential and self._stage_tasks:
-            self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine="vector",
-                                        after=self._stage_tasks, tags=self.tags(name))
-            self._stage_tasks = []
-        self._stage = name
-
-    def tags(self, stage: str, expert: int | None = None, peer: int | None = None) -> dict:
-        group = None if expert is None else self.spec.group_of(expert)
-        return tags(stage=stage, rank=self.rank, direction=self.direction, expert=expert, group=group, peer=peer)
-
-    def task(self, op: str, ins, outs, name: str, expert: int | None = None, peer: int | None = None,
-             engine: str | None = None, attrs: dict | None = None, **more: Any) -> Task:
-        prio = 0 if expert is None or self.sequential else -self.spec.group_of(expert)
-        t = self.g.task(op, ins, outs, name=f"{self.direction}.{name}", engine=engine, attrs=attrs,
-                        priority=prio, tags={**self.tags(self._stage, expert, peer), **tags(**more)},
-                        after=(self._barrier,) if self._barrier is not None else ())
-        self._stage_tasks.append(t)
-        return t
-
-    def tiles(self) -> list[tuple[int, int, int, int | None]]:
-        """(expert, first row, end row, tile index: dynamic graphs only) of every row tile of the recv layout."""
-        tm, lay = self.spec.tile_m, self.lay
-        if lay is None:
-            return [(e, a, b, None) for e in range(self.El) for a, b in tile_ranges(self.c.expert_rows(e)[1], tm,
-                                                                                      self.c.expert_rows(e)[0])]
-        return [(self.plan.tile[j][0] if lay.pooled else lay.tile_expert(j), j * tm, (j + 1) * tm, j)
-                for j in range(lay.tiles)]
-
-    def experts(self, e: int) -> slice:
-        """The experts of a per-expert stack that a tile of expert ``e`` reads (all when picked at run time)."""
-        return slice(None) if self.lay is not None and self.lay.pooled else slice(e, e + 1)
-
-    def rows_of(self, e: int) -> tuple[int, int]:
-        """Rows of expert ``e``'s tasks: its rows (counts-built graphs) or the region they may occupy."""
-        return self.c.expert_rows(e) if self.lay is None else self.lay.region(e)
-
-    def tile_task(self, op: str, ins: list, outs: list, codes: str, name: str, expert: int, j: int | None,
-                  attrs: dict | None = None, block: int | None = None) -> Task:
-        """Task ``op``; in a dynamic graph ``moe_dyn`` over the live rows of tile ``j`` (or, with ``block``,
-        of expert ``block``'s rows from the region's first row) read from the plan at run time.
-        ``codes``: how each input then output is cut (see :mod:`.ops`)."""
-        engine = get_op(op).engine
-        if self.lay is None:
-            return self.task(op, ins, outs, name, expert=expert, engine=engine, attrs=attrs)
-        if block is None:
-            row, sim, more = self.meta[j:j + 1], self.plan.tile[j][1], {}
-        else:
-            k = self.lay.tiles + block
-            row, sim = self.meta[k:k + 1], self.plan.n[block]
-            # a block written in part into a region other experts' blocks share (pooled) keeps their rows
-            rmw = self.lay.pooled and block > 0 and any(c not in "-z" for c in codes[len(ins):])
-            more = {"base": self.lay.region(block)[0], "rmw": rmw}
-        codes = codes[:len(ins)] + "|" + codes[len(ins):]
-        attrs = {"op": op, "codes": ("b" if block is not None else "t") + codes, "sim": sim, **more, **(attrs or {})}
-        if not sim:  # empty at the build's counts: simulated as skipped
-            attrs[DURATION_ATTR] = 0.0
-        return self.task("moe_dyn", [row, *ins, *(outs if more.get("rmw") else [])], outs, name, expert=expert,
-                         engine=engine, attrs=attrs, kernel=op)
-
-    # -- shared pieces ---------------------------------------------------------------
-    def pack(self, src: Buffer, tok: Buffer, send: Buffer, recv: Buffer, scale: Buffer | None = None) -> None:
-        """Gather routed rows of ``src`` into the send layout (own rows: into ``recv``)."""
-        c, tm = self.c, self.spec.tile_m
-        if self.lay is not None:
-            if self.lay.pooled:  # straight into each tile of the recv layout
-                for e, a, b, j in self.tiles():
-                    ins = [src, tok[a:b]] + ([scale[a:b]] if scale is not None else [])
-                    self.tile_task("moe_gather", ins, [recv[a:b]], "-rr"[:len(ins)] + "r", f"gather.{a}", e, j)
-            else:  # the send layout, expert-sorted; own rows reach recv in round 0 of the exchange
-                for a, b in tile_ranges(self.spec.rows, tm):
-                    ins = [src, tok[a:b]] + ([scale[a:b]] if scale is not None else [])
-                    self.task("moe_gather", ins, [send[a:b]], f"gather.{a}")
-            return
-        for p in range(self.W):
-            for e in range(self.El):
-                lo, hi = c.send_block(p, e)
-                for a, b in tile_ranges(hi, tm, lo):
-                    if p == self.rank:
-                        r0 = c.recv_block(e, p)[0] + a - lo
-                        dst = recv[r0:r0 + b - a]
-                    else:
-                        dst = send[a:b]
-                    ins = [src, tok[a:b]] + ([scale[a:b]] if scale is not None else [])
-                    self.task("moe_gather", ins, [dst], f"gather.p{p}.e{e}.{a}", expert=e, peer=p)
-
-    def exchange(self, send: Buffer, recv: Buffer, expert: int, combine: bool) -> None:
-        """One expert's all-to-all rounds, each in chunks of at most ``comm_tile`` rows;
-        ``combine`` runs them from recv layout back to send layout."""
-        if self.lay is not None:
-            if not self.lay.pooled:  # pooled: one layout, nothing to move
-                self.exchange_dyn(send, recv, expert, combine)
-            return
-        c, r, W, e = self.c, self.rank, self.W, expert
-        for j in range(1, W):
-            to, frm = (r + j) % W, (r - j) % W
-            if combine:  # owner r returns the rows of source `to`; gets its own rows back from `frm`
-                rows = [c.pair((s + j) % W, s, e) for s in range(W)]  # what rank s sends in this round
-                src_blk, dst_blk = c.recv_block(e, to), c.send_block(frm, e)
-            else:
-                rows = [c.pair(s, (s + j) % W, e) for s in range(W)]
-                src_blk, dst_blk = c.send_block(to, e), c.recv_block(e, frm)
-            src_buf, dst_buf = (recv, send) if combine else (send, recv)
-            tile = self.spec.comm_tile or max(rows + [1])
-            chunks = max(-(-n // tile) for n in rows)  # the same on every rank: 0 skips the round
-            for i in range(chunks):
-                (s0, s1), (d0, d1) = _chunk(src_blk, i, tile), _chunk(dst_blk, i, tile)
-                splits_s, splits_r = [0] * W, [0] * W
-                splits_s[to], splits_r[frm] = s1 - s0, d1 - d0
-                t = self.task("all_to_all", [src_buf[s0:s1]], [dst_buf[d0:d1]], f"{self._stage}.e{e}.j{j}.{i}",
-                              expert=e, peer=to, engine="comm", round=j, link="intra",
-                              attrs={"send_splits": splits_s, "recv_splits": splits_r})
-                self._comm.append((self._chain_slot(e, combine), t))
-        if combine and W > 1:  # own rows
-            lo, hi = c.recv_block(e, r)
-            if hi > lo:
-                s0 = c.send_block(r, e)[0]
-                self.task("copy", [recv[lo:hi]], [send[s0:s0 + hi - lo]], f"{self._stage}.e{e}.self",
-                          expert=e, peer=r, engine="vector")
-
-    def exchange_dyn(self, send: Buffer, recv: Buffer, e: int, combine: bool) -> None:
-        """:meth:`exchange` of a dynamic graph: every round in a static number of chunks, rows from the plan."""
-        W, tile, d = self.W, self.spec.comm_tile, int(combine)
-        lo, hi = self.lay.region(e)
-        for j in range(W):
-            to, frm = (self.rank + j) % W, (self.rank - j) % W
-            src, dst = (recv[lo:hi], send) if combine else (send, recv[lo:hi])
-            row = self.comm_meta[d:d + 1, e:e + 1, j:j + 1]
-            s0, sn, d0, dn, most = self.plan.comm[d][e][j]
-            for i in range(-(-self.spec.tokens // tile) if tile else 1):
-                a, b = (i * tile, (i + 1) * tile) if tile else (0, most)
-                attrs = {"to": to if j else -1, "frm": frm if j else -1, "world": W, "chunk": i, "tile": tile,
-                         "sim": max(min(b, sn) - min(a, sn), min(b, dn) - min(a, dn))}
-                if a >= most:  # no rank moves rows in this chunk at the build's counts: simulated as skipped
-                    attrs[DURATION_ATTR] = 0.0
-                ins = [row, src, dst]
-                if not (i or j or (combine and e)):  # the first task writing dst: rows of no other task kept
-                    ins, attrs["rows"] = ins[:2], dst.shape[0]
-                if not j:  # own rows: a local copy
-                    self.task("moe_exchange", ins, [dst], f"{self._stage}.e{e}.self.{i}", expert=e,
-                              peer=self.rank, engine="vector", attrs=attrs)
-                    continue
-                t = self.task("moe_exchange", ins, [dst], f"{self._stage}.e{e}.j{j}.{i}", expert=e,
-                              peer=to, engine="comm", round=j, link="intra", attrs=attrs)
-                self._comm.append((self._chain_slot(e, combine), t))
-
-    def _chain_slot(self, e: int, combine: bool) -> tuple[int, int, int]:
-        grp = self.spec.group_of(e)
-        if self.sequential:
-            return (int(combine), grp, e)
-        return (2 * grp + 3 if combine else 2 * grp, grp, e)  # D0 D1 C0 D2 C1 ...: dispatch a group ahead
-
-    def chain_comm(self) -> None:
-        """Issue the collectives in one order on every rank (control edges; ``ordered_comm``)."""
-        if not self.spec.ordered_comm:
-            return
-        ordered = [t for _, t in sorted(self._comm, key=lambda kt: (kt[0], kt[1].id))]
-        for a, b in zip(ordered, ordered[1:]):
-            a.precede(b)
-
-    def gemm_tiles(self, stage: str, op_in: Buffer, weight: Buffer, out: Buffer, n: int, trans: bool) -> None:
-        """Row tiles x column blocks of ``out[rows_e] = op_in[rows_e] @ weight[e]`` for every expert."""
-        for e, a, b, j in self.tiles():
-            x = self.experts(e)
-            for c0, c1 in split(n, self.spec.cube_split):
-                # column block c of op_in @ W[e] is op_in @ W[e][:, c]; of op_in @ W[e]^T, op_in @ W[e][c, :]^T
-                w = weight[x, c0:c1, :] if trans else weight[x, :, c0:c1]
-                self.tile_task("moe_gmm", [op_in[a:b], w], [out[a:b, c0:c1]], "rer", f"{stage}.e{e}.{a}.c{c0}",
-                               e, j, attrs={"trans_w": True} if trans else None)
-
-    def row_tiles(self, op: str, ins: list[Buffer], out: Buffer, stage: str) -> None:
-        """A vector op applied to each row tile of every expert."""
-        for e, a, b, j in self.tiles():
-            self.tile_task(op, [x[a:b] for x in ins], [out[a:b]], "r" * (len(ins) + 1), f"{stage}.e{e}.{a}", e, j)
-
-    def swiglu_tiles(self, stage: str, gu: Buffer, out: Buffer, da: Buffer | None = None) -> None:
-        """SwiGLU of ``gu = [gate | up]`` into ``out`` (with ``da``: its gradient ``[dgate | dup]``) on each
-        row tile of every expert: ``dvm.fused`` tasks under ``fuse_vector``, else the unfused op. In a
-        dynamic graph a fused tile runs on its whole tile (its program has the tile's shape; rows past
-        the live ones hold values nothing reads) and an empty tile returns at once."""
-        if not self.spec.fuse_vector:
-            return self.row_tiles(stage, [gu] if da is None else [gu, da], out, stage)
-        inter, made = gu.shape[1] // 2, {}
-        for e, a, b, j in self.tiles():
-            halves = [gu[a:b, :inter], gu[a:b, inter:]]
-            if da is None:
-                ins, outs = halves, [out[a:b]]
-            else:
-                ins, outs = [da[a:b], *halves], [out[a:b, :inter], out[a:b, inter:]]
-            if b - a not in made:  # one attrs dict per tile shape: the program is decoded once
-                made[b - a] = swiglu_program(b - a, inter, self.spec.dtype, backward=da is not None)
-            self.tile_task("dvm.fused", ins, outs, "-" * (len(ins) + len(outs)), f"{stage}.e{e}.{a}", e, j,
-                           attrs=made[b - a])
-
-    def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
-        """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
-        blocks (zeros for an idle expert); the weight gradient stays on this rank."""
-        for e in range(self.El):
-            lo, hi = self.rows_of(e)
-            for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
-                for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
-                                   "rrz", f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e)
-
-    # -- MXFP8 ------------------------------------------------------------------------
-    def mx_attrs(self, **attrs: Any) -> dict:
-        return {"scale_mode": self.spec.scale_mode, **attrs}
-
-    def chunks(self, n: int) -> list[tuple[int, int]]:
-        """Column ranges of one quantisation task each (``quant_cols`` wide)."""
-        return tile_ranges(n, self.spec.quant_cols)
-
-    def quant_rows(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
-        """Row-wise (along the last dim) quantisation of every row tile of every expert, in column chunks."""
-        for e, a, b, j in self.tiles():
-            for c0, c1 in self.chunks(src.shape[1]):
-                self.tile_task("mx_quantize", [src[a:b, c0:c1]], [q[0][a:b, c0:c1], q[1][a:b, c0 // BLOCK:c1 // BLOCK]],
-                               "rrr", f"{stage}.e{e}.{a}.c{c0}", e, j, attrs=self.mx_attrs(axis="rows"))
-
-    def quant_tokens(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
-        """Token-axis quantisation of each expert's rows into its padded block of ``q``, in column chunks."""
-        for e in range(self.El):
-            (lo, hi), (p0, p1) = self.rows_of(e), self.padded_block(e)
-            for c0, c1 in self.chunks(src.shape[1]) if hi > lo else ():
-                self.tile_task("mx_quantize_grouped", [src[lo:hi, c0:c1]],
-                               [q[0][p0:p1, c0:c1], q[1][p0 // BLOCK:p1 // BLOCK, c0:c1]], "rps", f"{stage}.e{e}.c{c0}",
-                               e, None, attrs=self.mx_attrs(group_offsets=[hi - lo], axis="cols"), block=e)
-
-    def quant_weights(self, stage: str, w: Buffer, q: tuple[Buffer, Buffer], axis: str) -> None:
-        """Each expert's weight ``[K, N]`` quantised along ``axis`` (``cols``: along K, chunks of the N
-        columns; ``rows``: along N, chunks of the K rows); experts without rows are not needed."""
-        for e in range(self.El):
-            lo, hi = self.rows_of(e)
-            for c0, c1 in self.chunks(w.shape[2 if axis == "cols" else 1]) if hi > lo else ():
-                at = (slice(e, e + 1), slice(None), slice(c0, c1)) if axis == "cols" else (
-                    slice(e, e + 1), slice(c0, c1), slice(None))
-                self.task("mx_quantize", [w[at]], [q[0][at], q[1][at]], f"{stage}.e{e}.c{c0}", expert=e,
-                          attrs=self.mx_attrs(axis=axis))
-
-    def mx_gemm_tiles(self, stage: str, a: tuple[Buffer, Buffer], w: tuple[Buffer, Buffer], out: Buffer, n: int,
-                      layout: str) -> None:
-        """:meth:`gemm_tiles` on MXFP8 operands: NN (``a @ W[e]``) or NT (``a @ W[e]^T``)."""
-        for e, r0, r1, j in self.tiles():
-            x = self.experts(e)
-            for c0, c1 in split(n, self.spec.cube_split):
-                cols = (x, slice(None), slice(c0, c1)) if layout == "NN" else (x, slice(c0, c1), slice(None))
-                self.tile_task("mx_grouped_matmul", [a[0][r0:r1], a[1][r0:r1], w[0][cols], w[1][cols]],
-                               [out[r0:r1, c0:c1]], "rreer", f"{stage}.e{e}.{r0}.c{c0}", e, j,
-                               attrs={"group_offsets": [r1 - r0], "layout": layout, "out_dtype": self.spec.dtype})
-
-    def mx_wgrad(self, stage: str, a: tuple[Buffer, Buffer], b: tuple[Buffer, Buffer], out: Buffer) -> None:
-        """:meth:`wgrad` on token-axis MXFP8 operands (layout TN; zeros for an idle expert)."""
-        for e in range(self.El):
-            (lo, hi), (p0, p1) = self.rows_of(e), self.padded_block(e)
-            rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
-            for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
-                for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
-                                                         b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]], "pspsz",
-                                   f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e,
-                                   attrs={"group_offsets": [p1 - p0 if self.lay else hi - lo], "layout": "TN",
-                                          "out_dtype": self.spec.dtype})
-
-    def forward_gemm(self, stage: str, x: Buffer, w: Buffer, out: Buffer, save: bool) -> None:
-        """``out[e] = x[e] @ w[e]`` per expert, in the spec's precision; under MXFP8 with ``save``, ``x`` is
-        also kept as the token-axis FP8 output ``<x>_mx`` (what the weight gradient reads)."""
-        n = out.shape[1]
-        if not self.spec.mxfp8:
-            self.gemm_tiles(stage, x, w, out, n, trans=False)
-            return
-        wq, xq = _mx_buffers(self.g, f"{w.name}_q", w.shape, "cols"), _mx_buffers(self.g, f"{x.name}_q", x.shape, "rows")
-        self.quant_weights(f"quant_{w.name}", w, wq, "cols")
-        self.quant_rows(f"quant_{x.name}", x, xq)
-        if save:
-            self.quant_tokens(f"quant_{x.name}_t", x, _mx_buffers(self.g, f"{x.name}_mx", (self.padded_rows,
-                                                                                         x.shape[1]), "cols", out=True))
-        self.mx_gemm_tiles(stage, xq, wq, out, n, "NN")
-
-    def backward_gemms(self, which: str, dy: Buffer, w: Buffer, dx: Buffer, act: Buffer | tuple[Buffer, Buffer],
-                       dw: Buffer) -> None:
-        """GEMM ``which`` backward: ``dx = dy w[e]^T`` per expert and ``dw[e] = act[e]^T dy[e]`` (``act``:
-        the saved forward input; under MXFP8 its token-axis FP8 payload and scales)."""
-        n = dx.shape[1]
-        if not self.spec.mxfp8:
-            self.gemm_tiles(f"dgmm{which}", dy, w, dx, n, trans=True)
-            self.wgrad(f"wgrad{which}", act, dy, dw)
-            return
-        wq, dyq = _mx_buffers(self.g, f"{w.name}_q", w.shape, "rows"), _mx_buffers(self.g, f"{dy.name}_q", dy.shape, "rows")
-        dyt = _mx_buffers(self.g, f"{dy.name}_mx", (self.padded_rows, dy.shape[1]), "cols")
-        self.quant_weights(f"quant_{w.name}", w, wq, "rows")
-        self.quant_rows(f"quant_{dy.name}", dy, dyq)
-        self.quant_tokens(f"quant_{dy.name}_t", dy, dyt)
-        self.mx_gemm_tiles(f"dgmm{which}", dyq, wq, dx, n, "NT")
-        self.mx_wgrad(f"wgrad{which}", act, dyt, dw)
-
-    @property
-    def padded_rows(self) -> int:
-        """Rows of the token-axis MXFP8 layout (every local expert's rows padded to 32; in a dynamic graph
-        the recv layout's, whose expert blocks start on multiples of 32)."""
-        if self.lay is not None:
-            return self.lay.rows
-        return self.padded[-1][1] if self.padded else 0
-
-    def padded_block(self, e: int) -> tuple[int, int]:
-        """Rows of expert ``e``'s block in the token-axis MXFP8 layout (a dynamic graph: its region)."""
-        return self.padded[e] if self.lay is None else self.lay.region(e)
-
-    def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
-        """``op(*full, *tiled[tile])`` for each token tile."""
-        for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
-            self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
-
-
-def _mx_buffers(g: TaskGraph, name: str, shape: tuple[int, ...], axis: str, out: bool = False
-                ) -> tuple[Buffer, Buffer]:
-    """FP8 payload and E8M0 scales of a tensor of ``shape`` blocked along ``axis`` (rows: last dim;
-    cols: dim -2), as graph buffers (outputs with ``out``)."""
-    make = g.output if out else g.buffer
-    d = -1 if axis == "rows" else -2
-    scales = list(shape)
-    scales[d] //= BLOCK
-    return make(name, shape, FP8), make(f"{name}_scales", tuple(scales), E8M0)
 
 
 def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, rows: tuple[int, int], names: tuple[str, str],
@@ -432,15 +75,6 @@ def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, rows: tuple[int, int], name
     return make(names[0], rows[0], keep[0]), make(names[1], rows[1], keep[1])
 
 
-def _rows(spec: MegaMoESpec, counts: Counts, dynamic: bool) -> tuple[Layout | None, int, int, int]:
-    """(layout, recv-layout rows, send-layout rows, rows of tok and ws) of a graph: from the counts, or
-    the static capacity of a dynamic graph (whose pooled layout at W == 1 takes tok and ws padded too)."""
-    if not dynamic:
-        return None, counts.recv_rows, counts.send_rows, counts.send_rows
-    lay = Layout(spec, counts.rank)
-    return lay, lay.rows, spec.rows, lay.rows if lay.pooled else spec.rows
-
-
 def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynamic: bool = False) -> TaskGraph:
     """Forward graph of rank ``counts.rank``. Inputs ``x [T, H]``, ``tok [S]``, ``pos [T, k]``,
     ``w [T, k]``, ``gate_up [E_l, H, 2I]``, ``down [E_l, I, H]``; output ``out [T, H]`` and,
@@ -450,9 +84,10 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     ``meta`` (and ``comm`` under EP) read at run time; ``counts`` then only set simulated sizes and tags.
     At W == 1 ``tok`` and ``pos`` index the pooled layout (:func:`.layout.pooled_routing`)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    lay, R, S, St = _rows(spec, counts, dynamic)
     dt = spec.dtype
     g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
+    builder = DynamicBuilder if dynamic else CountsBuilder
+    R, S, St = builder.rows(spec, counts)
     x, tok = g.input("x", (T, H), dt), g.input("tok", (St,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
@@ -463,7 +98,7 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     yc, y = _layout_buffers(g, spec, (S, R), ("yc", "y"), (save, False))
     out = g.output("out", (T, H), dt)
 
-    b = _Builder(g, spec, counts, "fwd", lay)
+    b = builder(g, spec, counts, "fwd")
     b.stage("dispatch")
     b.pack(x, tok, xs, xr)
     for e in range(El):
@@ -489,12 +124,13 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     the weights; outputs ``dx [T, H]``, ``dw [T, k]``, ``d_gate_up``, ``d_down``. ``dynamic``: as
     for :func:`build_forward` (``ws`` in the layout of ``tok``)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    lay, R, S, St = _rows(spec, counts, dynamic)
     dt, mx = spec.dtype, spec.mxfp8
     g = TaskGraph(f"megamoe.bwd.r{counts.rank}")
+    builder = DynamicBuilder if dynamic else CountsBuilder
+    R, S, St = builder.rows(spec, counts)
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (St,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (St, 1), dt)
-    b = _Builder(g, spec, counts, "bwd", lay)
+    b = builder(g, spec, counts, "bwd")
     padded = b.padded_rows
 
     def saved_mx(name: str, cols: int) -> tuple[Buffer, Buffer]:
@@ -534,7 +170,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     return g
 
 
-def _topk_grad(b: _Builder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
+def _topk_grad(b: TaskBuilder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
     for lo, hi in tile_ranges(b.spec.tokens, b.spec.tile_m):
         b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}", stage="topk_grad")
 

@@ -7,34 +7,45 @@ Expert parallel: pass ``comm`` (a :class:`megaloom.comm.Communicator`, e.g.
 ``TorchCommunicator(group)``); each rank then holds ``experts / world_size`` experts and
 exchanges per-expert counts on the host before building (or reusing) its graphs.
 
-The graph runs are two ``torch.library`` custom ops, ``megaloom::moe_forward`` and
-``megaloom::moe_backward``, with fake (shape-only) implementations and an autograd
-formula, so ``torch.compile`` traces a block that calls :func:`megamoe` without a graph
-break (``fullgraph=True`` works). :func:`megamoe` honours ``torch.autocast``: under autocast
-the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
+The graph runs are the custom ops ``megaloom::moe_forward`` and ``megaloom::moe_backward``
+(:mod:`megaloom.graphs.common.torch_ops`), so ``torch.compile`` traces a block that calls
+:func:`megamoe` without a graph break (``fullgraph=True`` works). :func:`megamoe` honours
+``torch.autocast``: under autocast the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
 would. Double backward (``create_graph=True``) differentiates the first-order gradients of
 megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from megaloom.graphs.common.runner import GraphRunner, runner_for
+from megaloom.graphs.common.torch_ops import GraphOps, json_options
 from megaloom.graphs.moe.graph import MEGAMOE, saved_names
 from megaloom.graphs.moe.layout import Layout, capacity, place, step_inputs
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, Routing, local_counts, make_routing, synthetic_counts
+from megaloom.ops.mxfp8.format import SCALE_MODES
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 
-ROUTING = ("tok", "flat", "pos", "counts")  # routing saved for backward, as tensors (counts: [W, E])
+@lru_cache(maxsize=256)  # a spec's checks cost more than a step's routing: once per call shape
+def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
+    return replace(spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
+                   scale_mode=mx or spec.scale_mode)
+
+
+@lru_cache(maxsize=256)
+def _layout(spec: MegaMoESpec, rank: int) -> tuple[Layout, Counts]:
+    return Layout(spec, rank), synthetic_counts(spec, rank=rank)
 
 
 class MegaMoERunner(GraphRunner):
@@ -53,21 +64,11 @@ class MegaMoERunner(GraphRunner):
                               "its collectives in one order")
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
         self.spec = spec
-        self._specs: dict[tuple, MegaMoESpec] = {}
-        self._layouts: dict[MegaMoESpec, tuple[Layout, Counts]] = {}
 
     def spec_for(self, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
         """The spec of a call: ``tokens`` rows of ``dtype``, expert GEMMs in MXFP8 with scale rule ``mx``
         (empty: in ``dtype``)."""
-        key = (tokens, dtype, mx)
-        spec = self._specs.get(key)
-        if spec is None:  # checked once per call shape (a spec's checks cost more than a step's routing)
-            if len(self._specs) >= self.cache_size:
-                self._specs.clear()
-                self._layouts.clear()
-            spec = self._specs[key] = replace(self.spec, tokens=tokens, dtype=dtype_name(dtype),
-                                              precision="mxfp8" if mx else "none", scale_mode=mx or self.spec.scale_mode)
-        return spec
+        return _call_spec(self.spec, tokens, dtype, mx)
 
     def route(self, topk_ids: torch.Tensor, dtype: torch.dtype | None = None, mx: str = ""
               ) -> tuple[MegaMoESpec, Routing]:
@@ -79,123 +80,100 @@ class MegaMoERunner(GraphRunner):
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
         return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
-    def _layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
+    def layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
         """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
-        got = self._layouts.get(spec)
-        if got is None:
-            got = self._layouts[spec] = (Layout(spec, self.rank), synthetic_counts(spec, rank=self.rank))
-        return got
-
-    def layout(self, spec: MegaMoESpec) -> Layout:
-        return self._layout(spec)[0]
+        return _layout(spec, self.rank)
 
     def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
         """The cached dynamic graph of ``spec`` (built and validated on the first call)."""
-        return self.graph(MEGAMOE, spec, direction, self._layout(spec)[1], dynamic=True, **kw)
+        return self.graph(MEGAMOE, spec, direction, self.layout(spec)[1], dynamic=True, **kw)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
         g = self.dynamic_graph(spec, "fwd", save=save)
-        plan, _ = step_inputs(self.layout(spec), routing)
+        plan, _ = step_inputs(self.layout(spec)[0], routing)
         return self.run(g, {"x": x, **plan, "w": w, "gate_up": gate_up, "down": down}, "fwd", contiguous=False)
 
     def backward(self, spec: MegaMoESpec, routing: Routing, dout: torch.Tensor, w: torch.Tensor,
                  saved: Mapping[str, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> RunResult:
         g = self.dynamic_graph(spec, "bwd")
-        lay = self.layout(spec)
+        lay = self.layout(spec)[0]
         plan, rows = step_inputs(lay, routing)
         ws = place(rows, w.reshape(-1).index_select(0, routing.flat).unsqueeze(1), lay)
         return self.run(g, {"dout": dout, **plan, "ws": ws, **saved, "gate_up": gate_up, "down": down}, "bwd",
                         contiguous=False)
 
 
-@torch.library.custom_op("megaloom::moe_forward", mutates_args=())
-def _moe_forward(x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, runner: int,
-                 mx: str, save: bool) -> list[Tensor]:
-    """``[out]``, plus with ``save`` the activations (:func:`saved_names`) and routing (:data:`ROUTING`)
-    backward needs. ``mx``: the MXFP8 scale rule of the expert GEMMs, or empty (no MXFP8)."""
-    r = runner_for(runner)
-    spec, routing = r.route(topk_ids, x.dtype, mx)
-    res = r.forward(spec, routing, x.detach().contiguous(), topk_weights.detach().contiguous(), gate_up.detach(),
-                    down.detach(), save)
-    if not save:
-        return [res["out"]]
-    counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
-    return [res["out"], *(res[n] for n in saved_names(spec)), routing.tok, routing.flat, routing.pos, counts]
+class MoEOps(GraphOps):
+    """MegaMoE's custom ops; the options: ``{"mx": scale rule of MXFP8 expert GEMMs or "", "save": bool}``.
+    The forward returns ``out``, plus with ``save`` the activations (:func:`saved_names`) and the host
+    routing (``tok``, ``flat``, ``pos`` and the counts ``[W, E]``) its backward reads."""
 
+    name, family = "moe", MEGAMOE
+    inputs, outputs = ("x", "topk_ids", "w", "gate_up", "down"), ("out",)
+    grad_inputs, grad_outputs = ("x", "w", "gate_up", "down"), ("out",)
 
-@_moe_forward.register_fake
-def _(x, topk_ids, topk_weights, gate_up, down, runner, mx, save):
-    t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
-    out = x.new_empty(t, h)
-    if not save:
-        return [out]
-    spec = runner_for(runner).spec_for(1, x.dtype, mx)
-    rows = capacity(spec, t)[1]  # the static capacity of the recv layout
-    i = down.shape[1]
-    if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
-        acts = [x.new_empty(rows, h, dtype=torch.float8_e4m3fn), x.new_empty(rows // 32, h, dtype=torch.float8_e8m0fnu),
-                x.new_empty(rows, 2 * i), x.new_empty(rows, i, dtype=torch.float8_e4m3fn),
-                x.new_empty(rows // 32, i, dtype=torch.float8_e8m0fnu)]
-    else:
-        acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
-    ids = topk_ids.new_empty(t * k, dtype=torch.int64)
-    return [out, *acts, x.new_empty(t * k if spec.ep > 1 else rows, h), ids, torch.empty_like(ids),
-            topk_ids.new_empty(t, k, dtype=torch.int64), topk_ids.new_empty(spec.ep, spec.experts, dtype=torch.int64)]
+    def forward(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
+        x, topk_ids, w, gate_up, down = tensors
+        opts = json_options(options)
+        mx, save = opts["mx"], opts["save"]
+        spec, routing = r.route(topk_ids, x.dtype, mx)
+        res = r.forward(spec, routing, x.contiguous(), w.contiguous(), gate_up, down, save)
+        if not save:
+            return [res["out"]]
+        counts = torch.tensor(routing.counts.counts, dtype=torch.int64)
+        return [res["out"], *(res[n] for n in saved_names(spec)), routing.tok, routing.flat, routing.pos, counts]
 
+    def fake(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
+        x, topk_ids, _, _, down = tensors
+        opts = json_options(options)
+        mx, save = opts["mx"], opts["save"]
+        t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
+        out = x.new_empty(t, h)
+        if not save:
+            return [out]
+        spec = r.spec_for(1, x.dtype, mx)
+        rows = capacity(spec, t)[1]  # the static capacity of the recv layout
+        i = down.shape[1]
+        if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
+            fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+            acts = [x.new_empty(rows, h, dtype=fp8), x.new_empty(rows // 32, h, dtype=e8m0), x.new_empty(rows, 2 * i),
+                    x.new_empty(rows, i, dtype=fp8), x.new_empty(rows // 32, i, dtype=e8m0)]
+        else:
+            acts = [x.new_empty(rows, h), x.new_empty(rows, 2 * i), x.new_empty(rows, i)]
+        ids, i64 = topk_ids.new_empty(t * k, dtype=torch.int64), torch.int64
+        return [out, *acts, x.new_empty(t * k if spec.ep > 1 else rows, h), ids, torch.empty_like(ids),
+                topk_ids.new_empty(t, k, dtype=i64), topk_ids.new_empty(spec.ep, spec.experts, dtype=i64)]
 
-@torch.library.custom_op("megaloom::moe_backward", mutates_args=())
-def _moe_backward(dout: Tensor, topk_weights: Tensor, gate_up: Tensor, down: Tensor, saved: list[Tensor],
-                  runner: int, mx: str) -> list[Tensor]:
-    """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
-    r = runner_for(runner)
-    spec = r.spec_for(int(dout.shape[0]), dout.dtype, mx)
-    names = saved_names(spec)
-    acts, (tok, flat, pos, counts) = saved[:len(names)], saved[len(names):]
-    routing = Routing(Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist()))), tok, flat, pos)
-    res = r.backward(spec, routing, dout.detach().contiguous(), topk_weights.detach(), dict(zip(names, acts)),
-                     gate_up.detach(), down.detach())
-    return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
+    def backward(self, r: GraphRunner, grads: list[Tensor], saved: list[Tensor], options: str) -> list[Tensor]:
+        """``[dx, d topk_weights, d gate_up, d down]`` from the saved activations and routing."""
+        (dout,), (_, _, w, gate_up, down) = grads, saved[:5]
+        spec = r.spec_for(int(dout.shape[0]), dout.dtype, json_options(options)["mx"])
+        names = saved_names(spec)
+        acts, (tok, flat, pos, counts) = saved[5:5 + len(names)], saved[5 + len(names):]
+        counts = Counts(r.rank, spec.ep, spec.experts_local, tuple(map(tuple, counts.tolist())))
+        res = r.backward(spec, Routing(counts, tok, flat, pos), dout, w, dict(zip(names, acts)), gate_up, down)
+        return [res["dx"], res["dw"], res["d_gate_up"], res["d_down"]]
 
+    def differentiable_backward(self, ctx, grads: list[Tensor]) -> list[Tensor | None]:
+        """The gradients of megaloom's eager reference block, with a graph (one rank, high precision)."""
+        from megaloom.graphs.moe.reference import moe_reference
 
-@_moe_backward.register_fake
-def _(dout, topk_weights, gate_up, down, saved, runner, mx):
-    return [torch.empty_like(dout), torch.empty_like(topk_weights), torch.empty_like(gate_up), torch.empty_like(down)]
-
-
-def _setup_context(ctx, inputs, output) -> None:
-    x, topk_ids, topk_weights, gate_up, down, runner, mx, save = inputs
-    ctx.runner, ctx.mx, ctx.keep = runner, mx, runner_for(runner)
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(x, topk_ids, topk_weights, gate_up, down, *output[1:])
-
-
-def _backward(ctx, grads):
-    x, topk_ids, topk_weights, gate_up, down, *saved = ctx.saved_tensors
-    dout = grads[0]
-    if torch.is_grad_enabled():  # create_graph=True: first-order gradients that are themselves differentiable
-        if ctx.mx:
+        if json_options(ctx.options)["mx"]:
             raise ExecutionError("MegaMoE double backward (create_graph=True) is not supported with MXFP8 experts")
-        return (*_differentiable_grads(ctx.runner, dout, x, topk_ids, topk_weights, gate_up, down), None, None, None)
-    dx, dw, dgu, ddn = _moe_backward(dout.contiguous(), topk_weights, gate_up, down, saved, ctx.runner, ctx.mx)
-    return dx, None, dw, dgu, ddn, None, None, None
+        if runner_for(ctx.runner).world_size > 1:
+            raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
+                                 "under expert parallelism the experts live on other ranks")
+        x, topk_ids, *rest = ctx.saved_tensors[:5]
+        with torch.enable_grad():
+            ins = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, *rest)]
+            out = moe_reference(ins[0], topk_ids, ins[1], ins[2], ins[3])
+            dx, dw, dgu, ddn = torch.autograd.grad(out, ins, grads[0], create_graph=True)
+        return [dx, None, dw, dgu, ddn]
 
 
-def _differentiable_grads(runner: int, dout, x, topk_ids, topk_weights, gate_up, down):
-    """(dx, None, dw, d gate_up, d down) of the eager reference block, with a graph for double backward."""
-    from megaloom.graphs.moe.reference import moe_reference
-
-    if runner_for(runner).world_size > 1:
-        raise ExecutionError("MegaMoE double backward (create_graph=True) needs every expert on one rank; "
-                             "under expert parallelism the experts live on other ranks")
-    with torch.enable_grad():
-        ins = [t if t.requires_grad else t.detach().requires_grad_() for t in (x, topk_weights, gate_up, down)]
-        out = moe_reference(ins[0], topk_ids, ins[1], ins[2], ins[3])
-        dx, dw, dgu, ddn = torch.autograd.grad(out, ins, dout, create_graph=True)
-    return dx, None, dw, dgu, ddn
-
-
-_moe_forward.register_autograd(_backward, setup_context=_setup_context)
+MOE_OPS = MoEOps()
+_OPTIONS = {(mx, save): json.dumps({"mx": mx, "save": save}) for mx in ("", *SCALE_MODES) for save in (False, True)}
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -223,7 +201,10 @@ def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Te
     ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
     w = topk_weights.reshape(ids.shape).to(dt)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
-    return _moe_forward(x, ids, w, gate_up, down, runner.key, mx or "", save)[0]
+    options = _OPTIONS.get((mx or "", save))
+    if options is None:
+        raise ConfigError(f"MegaMoE: mx must be one of {', '.join(SCALE_MODES)} or None, got {mx!r}")
+    return MOE_OPS(runner.key, [x, ids, w, gate_up, down], options)[0]
 
 
 class MegaMoE(nn.Module):

@@ -19,10 +19,13 @@ gate and up halves of ``gu``; ``swiglu`` / ``swiglu_grad`` stay the unfused path
 """
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
 import torch.nn.functional as F
 
 from megaloom.comm.ops import communicator
+from megaloom.graphs.common.ops import io_bytes
 from megaloom.ops import dvm
 from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
@@ -30,10 +33,6 @@ from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
 from megaloom.scheduler.cost import DURATION_ATTR
-
-
-def _io_bytes(ins: list[TensorSpec], outs: list[TensorSpec]) -> float:
-    return float(sum(s.nbytes for s in ins) + sum(s.nbytes for s in outs))
 
 
 def _expect(cond: bool, op: str, msg: str, ins: list[TensorSpec]) -> None:
@@ -89,7 +88,7 @@ def _gmm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _gmm_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     m, k = ins[0].shape
-    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=_io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _gmm_ref(x: torch.Tensor, w: torch.Tensor, trans_w: bool = False) -> torch.Tensor:
@@ -111,7 +110,7 @@ def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 def _wgrad_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
     (m, k), n = ins[0].shape, ins[1].shape[1]
-    return Cost(flops=2.0 * m * k * n, bytes=_io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(flops=2.0 * m * k * n, bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _wgrad_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -254,8 +253,19 @@ register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
 # ``moe_dyn`` runs op ``op`` on the live rows of its regions. Its inputs: the plan row, the inner op's
 # inputs, then (``rmw``) the old contents of its outputs, which it writes only in part. ``codes``:
 # ``t`` (a tile: plan row (expert, rows, 0)) or ``b`` (an expert's block: (first row, rows, end), rows
-# relative to ``base``), then one code per inner input, ``|``, one per output (see :func:`_narrow`).
+# relative to ``base``), then the :class:`Cut` of each inner input, ``|``, of each output.
 _OWN = ("op", "codes", "base", "sim", "rmw", DURATION_ATTR)  # moe_dyn's own attrs; the rest are the op's
+
+
+class Cut(str, Enum):
+    """How a ``moe_dyn`` task cuts one operand to its live rows (in attrs: the one-letter value)."""
+
+    ROWS = "r"  # the live rows
+    PADDED = "p"  # the live rows padded to 32
+    SCALES = "s"  # the 32-row scale blocks of the padded rows
+    EXPERT = "e"  # the live expert's slice of a per-expert stack
+    WHOLE = "-"  # as is
+    ZEROED = "z"  # as is, zeroed when there are no live rows
 
 
 def _codes(attrs: dict) -> tuple[str, str, str]:
@@ -271,12 +281,12 @@ def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
 
 
 def _narrow(x, code: str, s: int, n: int, e: int):
-    """Operand ``x`` (a tensor or TensorSpec) for ``n`` live rows from row ``s`` of expert ``e``: code ``r``
-    rows, ``p`` rows padded to 32, ``s`` the 32-row scale blocks of those, ``e`` expert ``e`` of a
-    per-expert stack, ``-`` as is, ``z`` as is and zeroed when there are no rows."""
-    p = -(-n // BLOCK) * BLOCK
-    lo, hi = {"r": (s, s + n), "p": (s, s + p), "s": (s // BLOCK, (s + p) // BLOCK)}.get(code, (None, None))
-    if code == "e":
+    """Operand ``x`` (a tensor or TensorSpec) cut by ``code`` (a :class:`Cut` value) for ``n`` live rows from
+    row ``s`` of expert ``e``."""
+    p, code = -(-n // BLOCK) * BLOCK, Cut(code)
+    lo, hi = {Cut.ROWS: (s, s + n), Cut.PADDED: (s, s + p),
+              Cut.SCALES: (s // BLOCK, (s + p) // BLOCK)}.get(code, (None, None))
+    if code == Cut.EXPERT:
         lo, hi = (e, e + 1) if x.shape[0] > 1 else (0, 1)
     if lo is None:
         return x
@@ -302,7 +312,7 @@ def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
             f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
             + (" and its outputs" if rmw else ""), ins)
     inner = {k: v for k, v in attrs.items() if k not in _OWN}
-    outs = get_op(attrs["op"]).shape([_narrow(x, "e", 0, 0, 0) if c == "e" else x
+    outs = get_op(attrs["op"]).shape([_narrow(x, c, 0, 0, 0) if c == Cut.EXPERT else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
     _expect(len(outs) == len(cout) and (not rmw or list(ins[1 + len(cin):]) == outs), "moe_dyn",
             f"codes {attrs['codes']!r} do not fit op {attrs['op']!r}", ins)
@@ -322,7 +332,7 @@ def _dyn_kernel(ins, outs, **attrs) -> None:
     s, n, e = _live(ins[0], kind, attrs.get("base", 0))
     if n == 0:
         for o, c in zip(outs, cout):
-            if c == "z":  # a whole result of an expert without rows (its weight gradient): zeros
+            if c == Cut.ZEROED:  # a whole result of an expert without rows (its weight gradient): zeros
                 o.zero_()
         return
     i, o, a = _dyn_parts(ins, outs, attrs, n, s, e)

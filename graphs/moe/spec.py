@@ -22,11 +22,11 @@ from typing import Any, Sequence
 import torch
 
 from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.ops.mxfp8.format import SCALE_MODES
 from megaloom.runtime.errors import ConfigError
 
 SCHEDULES = ("sequential", "interleaved")
 PRECISIONS = ("none", "mxfp8")  # the expert GEMMs: in the spec's dtype, or MXFP8 (E4M3 + E8M0 block scales)
-SCALE_MODES = ("floor", "rceil")
 ROUTINGS = ("balanced", "random", "skewed")
 
 
@@ -165,11 +165,8 @@ class Counts:
         """Rows ``src`` sends to local expert ``e`` of ``dest``."""
         return self.counts[src][dest * self.experts_local + e]
 
-    def key(self) -> tuple:
-        return (self.rank, self.counts)
-
-    def __hash__(self) -> int:  # the derived offsets follow from the key: counts-built graphs are cached by it
-        return hash(self.key())
+    def __hash__(self) -> int:  # the offsets follow from rank and counts: counts-built graphs are cached by them
+        return hash((self.rank, self.counts))
 
 
 @dataclass(slots=True)

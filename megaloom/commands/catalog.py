@@ -25,7 +25,7 @@ def rows(what: str) -> list[tuple[str, ...]]:
 
         return [(name, "/".join(op.engines), describe(op)) for name, op in sorted(OPS.items().items())]
     if what == "graphs":
-        from megaloom.commands.simulate import GRAPH_BUILDERS as registry
+        from megaloom.graphs.common.builder import GRAPH_BUILDERS as registry
     else:
         from megaloom.scheduler.policies import POLICIES as registry
     return list(registry.describe().items())

@@ -16,7 +16,7 @@ dependencies are per expert, so one expert's GEMM can run while another's tokens
    and check each rank's result against the reference executor (the same graph, one task
    at a time) and the eager MoE block.
 3. Write Perfetto traces (cube, vector and comm tracks of every rank) and a Gantt chart of
-   both schedules (PNG; needs matplotlib, ``pip install -e '.[plot]'``).
+   both schedules (PNG; needs matplotlib: ``pip install 'megaloom[plot]'``, or ``matplotlib`` itself).
 """
 from __future__ import annotations
 
@@ -176,7 +176,7 @@ def gantt(simulated: dict[str, Trace], out_dir: str, profile: str) -> None:
     try:
         import matplotlib  # noqa: F401  (the optional `plot` extra)
     except ImportError:
-        print("  (no Gantt chart: it needs matplotlib, pip install -e '.[plot]')")
+        print("  (no Gantt chart: it needs matplotlib, pip install matplotlib)")
         return
     from megaloom.runtime.plot import plot_gantt
 

@@ -2,10 +2,8 @@
 write the trace (msgpack) and a Perfetto JSON.
 
 The graph comes from a file (``GRAPH_FILE`` or ``--graph PATH``) or from a named builder
-(``--graph NAME[:key=value,...]``). Builders are registered with
-:func:`register_graph_builder` or through the ``megaloom.graph_builders`` entry-point group
-(each entry point loads a ``builder(**options) -> TaskGraph``; one with a ``world(**options)``
-attribute builds every rank's graph for ``--world``).
+(``--graph NAME[:key=value,...]``) of :data:`megaloom.graphs.common.builder.GRAPH_BUILDERS`; one
+with a ``world(**options)`` attribute builds every rank's graph for ``--world``.
 """
 from __future__ import annotations
 
@@ -18,33 +16,26 @@ from megaloom.commands import write_file
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.runtime.plugins import Registry, parse_options, parse_spec
+from megaloom.runtime.plugins import parse_options, parse_spec
 from megaloom.runtime.trace import Trace
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
 
-GraphBuilder = Callable[..., "TaskGraph"]
-GRAPH_BUILDERS: Registry[GraphBuilder] = Registry("graph builder", "megaloom.graph_builders")
-
-
-def register_graph_builder(name: str, builder: GraphBuilder) -> None:
-    """Make ``--graph NAME[:k=v,...]`` call ``builder(**options)``."""
-    GRAPH_BUILDERS.register(name, builder, replace=True)
-
 
 def resolve_graph(spec: str) -> TaskGraph:
     """A graph from a file path, or from a named builder with options."""
+    from megaloom.graphs.common.builder import GRAPH_BUILDERS as builders
     from megaloom.runtime.graph import TaskGraph
 
     if os.path.exists(spec):
         return TaskGraph.load(spec)
     name, opts = parse_spec(spec)
-    if name not in GRAPH_BUILDERS:
-        known = ", ".join(GRAPH_BUILDERS.names()) or "none registered"
+    if name not in builders:
+        known = ", ".join(builders.names()) or "none registered"
         raise ConfigError(f"graph {spec!r} is neither a file nor a known graph builder (builders: {known})")
     try:
-        return GRAPH_BUILDERS.get(name)(**opts)
+        return builders.get(name)(**opts)
     except TypeError as e:
         raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
 
@@ -137,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
 def resolve_world(spec: str) -> list[TaskGraph]:
     """Every rank's graph from a builder with a ``world(**options)`` hook (MegaMoE's)."""
+    from megaloom.graphs.common.builder import GRAPH_BUILDERS
+
     name, opts = parse_spec(spec)
     hook = getattr(GRAPH_BUILDERS.items().get(name), "world", None)
     if hook is None:

@@ -65,21 +65,12 @@ def _megagate_cls() -> type:
 
 
 def make_gate(router: nn.Module, **options: Any) -> nn.Module:
-    """A MegaGate over ``router``'s own weight Parameter (and correction-bias buffer), same state_dict keys.
-
-    Its graphs run on a ThreadExecutor whose traces ``gate.graph_traces`` (a GraphTraces) keeps.
-    """
-    from megaloom.runtime.executors import ThreadExecutor
-    from megaloom.train.step_trace import GraphTraces
-
+    """A MegaGate over ``router``'s own weight Parameter (and correction-bias buffer), same state_dict keys."""
     settings, problems = gate_settings(router)
     if problems:
         raise ConfigError("; ".join(problems))
     experts, hidden = router.weight.shape
-    traces = GraphTraces()
-    gate = _megagate_cls()(hidden, experts, int(router.top_k), dtype=router.weight.dtype,
-                           executor=ThreadExecutor(observers=[traces]), **settings, **options)
-    gate.graph_traces = traces
+    gate = _megagate_cls()(hidden, experts, int(router.top_k), dtype=router.weight.dtype, **settings, **options)
     gate.weight = router.weight  # the model's own Parameter
     bias = getattr(router, "e_score_correction_bias", None)
     # MegaGate reads ``bias``; keep it out of the state_dict, under the router's own name when it has one

@@ -4,9 +4,9 @@ Tracks (engine ``host``): unit 0 holds the phases (``forward``, ``backward``,
 ``optimizer``), unit 1 the forward spans of the watched modules and unit 2 their
 backward spans. A module's backward span runs from the gradient of its output
 arriving to the gradient of its input leaving (tensor hooks, so keyword-only
-transformers calls are covered). Events of megaloom task graphs run inside the step
-(MegaMoE's runner keeps them; MegaGate's executor gets a :class:`GraphTraces` observer)
-are added with :meth:`StepTracer.add_events` and keep their own engines (cube, vector, comm).
+transformers calls are covered). Events of megaloom task graphs run inside the step (their
+:class:`~megaloom.graphs.common.runner.GraphRunner` records them) are added with
+:meth:`StepTracer.add_events` and keep their own engines (cube, vector, comm).
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from megaloom.runtime.executors.base import Observer
 from megaloom.runtime.trace import Trace, TraceEvent
 
 # children of decoder layers, plus the embedding / final norm / head of a causal LM
@@ -112,20 +111,6 @@ class StepTracer:
                 y.register_hook(start)
             return None
         return hook
-
-
-class GraphTraces(Observer):
-    """Executor observer keeping ``(direction, trace)`` of every graph run (fwd/bwd from the graph name)."""
-
-    def __init__(self) -> None:
-        self.runs: list[tuple[str, Trace]] = []
-        self._direction = "fwd"
-
-    def on_run_start(self, graph, meta) -> None:
-        self._direction = "bwd" if graph.name.endswith("bwd") else "fwd"
-
-    def on_run_end(self, trace: Trace) -> None:
-        self.runs.append((self._direction, trace))
 
 
 def _first_grad_tensor(values: list[Any]) -> torch.Tensor | None:

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom.graphs.common.runner import GraphRunner
 from megaloom.models.hf_moe import build_model
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.models.swaps import MegaMoEBlock
 from megaloom.train import checkpoint as ckpt
 from megaloom.train.config import Config
 from megaloom.train.data import make_stream
@@ -37,7 +37,7 @@ from megaloom.train.parallel import mesh as meshes
 from megaloom.train.parallel.clock import CommClock, TimedCommunicator
 from megaloom.train.parallel.context import split
 from megaloom.train.progress import MetricsLog, Progress, peak_memory_mib, reset_peak_memory
-from megaloom.train.step_trace import GraphTraces, StepTracer
+from megaloom.train.step_trace import StepTracer
 
 
 @dataclass(slots=True)
@@ -160,7 +160,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float64)
         with self.tracer.active() if tracing else nullcontext():
             if tracing:
-                self._graph_traces(clear=True)
+                self._graph_traces(start=True)
             for m in range(self.accum):
                 inputs, labels, positions = self.parallel.inputs(self._micro_batch(self.step, m))
                 self.parallel.set_sync(m == self.accum - 1)
@@ -191,18 +191,14 @@ class Trainer:
         mfu = rate * self.flops_per_token / (self.peak_flops * self.world) if self.peak_flops else None
         return StepRecord(self.step, mean_loss, lr, norm, tokens, rate, peak_memory_mib(), self.clock.take(), mfu, dt)
 
-    def _graph_traces(self, clear: bool = False) -> list[tuple[str, str, Any]]:
-        """(module, direction, trace) of the graphs MegaMoE blocks and MegaGate routers ran since the last clear."""
+    def _graph_traces(self, start: bool = False) -> list[tuple[str, str, Any]]:
+        """(module, direction, trace) of every graph run of the modules on a graph runner (MegaMoE blocks,
+        MegaGate routers, ...) since the last start, every micro-batch's; ``start``: record from now on."""
         out = []
         for name, m in self.base_model.named_modules():
-            if isinstance(m, MegaMoEBlock):
-                out += [(name, d, t) for d, t in m.runner.last_trace.items()]
-                if clear:
-                    m.runner.last_trace.clear()
-            if isinstance(getattr(m, "graph_traces", None), GraphTraces):
-                out += [(name, d, t) for d, t in m.graph_traces.runs]
-                if clear:
-                    m.graph_traces.runs.clear()
+            runner = getattr(m, "runner", None)
+            if isinstance(runner, GraphRunner):
+                out += [(name, d, t) for d, t in runner.record(start)]
         return out
 
     def _phase(self, tracing: bool, name: str):

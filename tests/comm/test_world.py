@@ -23,6 +23,7 @@ from megaloom.runtime import CommError, ExecContext, ReferenceExecutor, TaskGrap
 
 pytestmark = pytest.mark.dist
 STEPS = 3
+SKEW = 100.0  # seconds rank 1's clock runs ahead in the clock-alignment check
 
 
 def _data(rank: int, rows: int, cols: int = 3, dtype=torch.float32) -> torch.Tensor:
@@ -137,7 +138,8 @@ def _overlap_graph(comm) -> TaskGraph:
     return g
 
 
-def _check_graph(comm, streamer=None) -> None:
+def _check_graph(comm, streamer=None):
+    """Run the overlap graph for real (events to ``streamer``) and check it; returns the run's trace."""
     r = comm.rank
     g = _overlap_graph(comm)
     inputs = {"a": _data(r, g.buffers["a"].shape[0]), "x": _data(9, 4), "w": _data(10, 3)[:3],
@@ -148,6 +150,7 @@ def _check_graph(comm, streamer=None) -> None:
     for name in ("b", "full", "y"):
         assert torch.equal(real[name], ref[name]), name
     assert torch.equal(ref["full"], _data(7, 7))
+    return real.trace
 
 
 def _sharded(comm, seed: int):
@@ -199,10 +202,16 @@ def world_four(comm, ckpt: str):
 def world_reload(comm, ckpt: str, endpoint: str | None, bad: str | None):
     r, w = comm.rank, comm.world_size
     _check_uneven(comm, 9 if w == 3 else 5)
+    own = []  # this rank's all_to_all (start, end) on its own clock: time.perf_counter, SKEW ahead on rank 1
     if endpoint:
-        streamer = TraceStreamer(endpoint, r)
-        _check_graph(comm, streamer)
-        streamer.close()
+        clock = time.perf_counter
+        time.perf_counter = (lambda: clock() + SKEW) if r == 1 else clock  # what the streamer and executor read
+        try:
+            streamer = TraceStreamer(endpoint, r)
+            own = [(e.start, e.end) for e in _check_graph(comm, streamer).events if e.op == "all_to_all"]
+            streamer.close()
+        finally:
+            time.perf_counter = clock
     params, opt = _sharded(comm, 123)  # other values than the saved ones, to be overwritten
     bad_error = ""
     if bad:
@@ -211,7 +220,8 @@ def world_reload(comm, ckpt: str, endpoint: str | None, bad: str | None):
         except CheckpointError as e:
             bad_error = str(e)
     man = load_params(ckpt, comm, params, opt)
-    return {"state": _full_state(comm, params, opt), "saved_world": man["world_size"], "bad_error": bad_error}
+    return {"state": _full_state(comm, params, opt), "saved_world": man["world_size"], "bad_error": bad_error,
+            "own": own}
 
 
 def world_dead_peer(comm):
@@ -343,10 +353,12 @@ def test_reload_on_fewer_ranks_bit_exact(saved, tmp_path, world):
         trace = box["trace"]
         assert trace.ranks == [0, 1] and len(trace.events) == 2 * 3
         assert col.stats.malformed == col.stats.bad_rows == 0 and col.stats.finished == {0, 1}
-        # aligned clocks: both ranks' all_to_all ran at the same moment (a collective), within 0.5 s
-        starts = {e.rank: e.start for e in trace.events if e.op == "all_to_all"}
-        ends = {e.rank: e.end for e in trace.events if e.op == "all_to_all"}
-        assert abs(ends[0] - ends[1]) < 0.5 and max(starts.values()) < min(ends.values())
+        # aligned clocks: the collector moves each rank's events by that rank's clock offset, known up to the
+        # one-way delay of its quickest message. Rank 1's clock runs SKEW ahead of rank 0's (one host, one
+        # monotonic clock otherwise): its shift is SKEW less, up to those delays (however long a rank
+        # waited around the collective)
+        shift = {e.rank: e.start - out[e.rank]["own"][0][0] for e in trace.events if e.op == "all_to_all"}
+        assert [len(res["own"]) for res in out] == [1, 1] and abs(shift[0] - shift[1] - SKEW) < 0.25, shift
 
 
 def test_dead_peer_gives_comm_error_on_every_survivor():

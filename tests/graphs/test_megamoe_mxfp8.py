@@ -7,7 +7,7 @@ from megaloom.graphs import MEGAMOE, MegaMoE, moe_reference
 from megaloom.graphs.moe import MegaMoESpec, megamoe
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.testing import rel_l2
-from megaloom.scheduler import Simulator
+from megaloom.scheduler import Simulator, load_profile
 
 
 def _problem(dtype, t=50):
@@ -66,9 +66,16 @@ def test_spec_checks_mxfp8_dims():
 
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_simulated_mxfp8_uses_the_mxfp8_cube_rate(direction):
-    base = dict(tokens=512, hidden=256, intermediate=512, experts=4, top_k=2, dtype="bfloat16", direction=direction)
+    base = dict(tokens=1024, hidden=1024, intermediate=1024, experts=4, top_k=2, tile_m=512, dtype="bfloat16",
+                direction=direction)
     spans = {p: Simulator("ascend-950", policy="priority").run(MEGAMOE.from_options({**base, "precision": p})).trace
              for p in ("none", "mxfp8")}
     mm = [e for e in spans["mxfp8"].events if e.op == "mx_grouped_matmul"]
     assert mm and not [e for e in spans["mxfp8"].events if e.op in ("moe_gmm", "moe_wgrad")]
     assert len(mm) == len([e for e in spans["none"].events if e.op in ("moe_gmm", "moe_wgrad")])
+    prof = load_profile("ascend-950")
+    rate, bw = prof.unit_peak("cube", "mxfp8"), prof.unit_mem_bw("cube")
+    assert rate == 2 * prof.unit_peak("cube", "bf16")  # the profile: 1 PFLOPS MXFP8, half of it bf16
+    for e in mm:  # one cube unit's roofline at the MXFP8 rate
+        assert e.end - e.start == pytest.approx(max(e.flops / rate, e.bytes / bw) + prof.task_overhead, rel=1e-9)
+    assert sum(e.flops / rate > e.bytes / bw for e in mm) >= len(mm) // 2  # most are compute-bound: the rate counts

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from megaloom.cli import main
-from megaloom.commands import simulate as simulate_cmd
+from megaloom.graphs.common import builder as graph_builders
 from megaloom.runtime import Trace
 from megaloom.runtime.plugins import Registry
 from megaloom.scheduler import load_profile
@@ -32,8 +32,8 @@ def test_simulate_writes_trace_and_perfetto(tmp_path, graph_file, capsys):
 
 
 def test_simulate_named_graph_builder(capsys, monkeypatch):
-    monkeypatch.setattr(simulate_cmd, "GRAPH_BUILDERS", Registry("graph builder"))
-    simulate_cmd.register_graph_builder("rand", lambda seed=0, n=5: random_dag(seed, n))
+    monkeypatch.setattr(graph_builders, "GRAPH_BUILDERS", Registry("graph builder"))
+    graph_builders.register_graph_builder("rand", lambda seed=0, n=5: random_dag(seed, n))
     assert main(["simulate", "--graph", "rand:seed=3,n=12"]) == 0
     assert "tasks               12" in capsys.readouterr().out
     assert main(["simulate", "--graph", "rand:size=3"]) == 2

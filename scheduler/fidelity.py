@@ -1,7 +1,8 @@
 """How well a replay reproduces its recording, and the side-by-side table the CLI prints.
 
 Every what-if is shown beside the identity replay's error (the recording replayed on its own
-device): if the identity replay is off by 5%, no what-if is better than that.
+device): if the identity replay is off by 5%, no what-if is better than that; and beside the
+share of the recorded span that no what-if can move (:func:`frozen`), by cause.
 """
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from dataclasses import dataclass, field
 
 from megaloom.runtime.metrics import HOST_ENGINES, Metrics, metrics
 from megaloom.runtime.trace import Trace
+
+LAUNCH_LATENCY = 10e-6
+"""A device op's delay up to this is launch latency; beyond it, a wait the trace does not explain."""
 
 START_TOLERANCE = 0.01
 """A replayed device op starts "on time" within this fraction of the recorded device span."""
@@ -49,6 +53,46 @@ def fidelity(recorded: Trace, replayed: Trace) -> Fidelity:
     for k in sorted(set(a.busy) | set(b.busy)):
         errors[f"busy {k}"] = _rel(a.busy.get(k, 0.0), b.busy.get(k, 0.0))
     return Fidelity(a, b, sum(d <= tol for d in diffs) / len(diffs) if diffs else 1.0, max(diffs, default=0.0), errors)
+
+
+def frozen(trace: Trace) -> dict[str, float]:
+    """Seconds of the recorded run that no what-if moves, by cause: the untraced delays along the
+    chain that ends the run (from its last device op, else its last task, back through each
+    task's latest-ending dependency). Waits that are edges move with what they wait for."""
+    by = {(e.rank, e.task_id): e for e in trace.events}
+    device = [e for e in trace.events if e.engine not in HOST_ENGINES]
+    e = max(device or trace.events, key=lambda e: e.end, default=None)
+    first = min((e.start for e in trace.events), default=0.0)
+    out: dict[str, float] = {}
+    while e is not None:
+        d = e.tags.get("delay", 0.0)
+        d = min(d, e.start - first) if isinstance(d, (int, float)) and not e.deps else d  # inside the span only
+        if isinstance(d, (int, float)) and d > 0:
+            if e.engine in HOST_ENGINES or trace.meta.get("cpu_only"):
+                cpu = min(d, float(e.tags.get("cpu", 0.0)))
+                causes = {"host between calls: CPU ops": cpu, "host between calls: untraced (Python, idle)": d - cpu}
+            else:
+                causes = {"device: launch latency" if d <= LAUNCH_LATENCY else "device: waits no record explains": d}
+        else:
+            causes = {}
+        if e.engine in HOST_ENGINES and "Launch" not in e.op:  # launches move with --cuda-graphs
+            causes["host: runtime calls other than launches"] = e.end - e.start
+        for k, v in causes.items():
+            if v > 0:
+                out[k] = out.get(k, 0.0) + v
+        e = max((by[(e.rank, p)] for p in e.deps if (e.rank, p) in by), key=lambda p: p.end, default=None)
+    return out
+
+
+def frozen_line(trace: Trace) -> str:
+    """The frozen share of ``trace``'s span as the CLI prints it (empty without delays)."""
+    parts = frozen(trace)
+    device = [e.end for e in trace.events if e.engine not in HOST_ENGINES]
+    span = max(device or [e.end for e in trace.events]) - min(e.start for e in trace.events) if parts else 0.0
+    if span <= 0:
+        return ""
+    causes = ", ".join(f"{k} {v / span:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return f"  frozen (no what-if moves it): {sum(parts.values()) / span:.1%} of the run: {causes}"
 
 
 def _us(x: float) -> str:

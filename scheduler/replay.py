@@ -31,7 +31,7 @@ from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import ENGINE_KINDS, Cost
 from megaloom.runtime.trace import Trace, TraceEvent, merge
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
-from megaloom.scheduler.importers.kineto.classes import labels
+from megaloom.scheduler.importers import labels
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 from megaloom.scheduler.simulator import Simulator, gc_paused
 from megaloom.scheduler.world import COLLECTIVE_OPS, match_collectives, simulate_world

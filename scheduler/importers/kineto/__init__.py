@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import os
 import statistics
+from heapq import heapify, heappop, heappush
+from pathlib import Path
 from typing import Any, Iterable
 
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import Trace, TraceEvent
-from megaloom.scheduler.importers.kineto.classes import op_class
+from megaloom.scheduler.importers import Format, register
+from megaloom.scheduler.importers.kineto import device, host, waits
+from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels, op_class
 from megaloom.scheduler.importers.kineto.model import Model, Task
 from megaloom.scheduler.importers.kineto.read import RawTrace, read
+from megaloom.scheduler.importers.kineto.work import reshape
 from megaloom.scheduler.importers.kineto.report import ImportReport
 from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
@@ -57,15 +62,7 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
 
 
 def _order(tasks: list[Task]) -> list[int]:
-    """Task indices by start time, each after its dependencies (ties: zero-length producers)."""
-    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].start, tasks[i].end, i))
-    pos = [0] * len(tasks)
-    for k, i in enumerate(order):
-        pos[i] = k
-    if all(pos[d] < pos[i] for i, t in enumerate(tasks) for d in t.deps):
-        return order
-    from heapq import heapify, heappop, heappush
-
+    """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
     succ: list[list[int]] = [[] for _ in tasks]
     unmet = [0] * len(tasks)
     for i, t in enumerate(tasks):
@@ -150,14 +147,36 @@ def import_torch_profiler(path: str | os.PathLike, rank: int | None = None,
         return _import(read(path), rank, t0)
 
 
+def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
+    """The tasks and edges of one trace: the passes of :mod:`.model`, in order."""
+    m = Model(raw, report, world)
+    tracks: dict[tuple, list] = {}
+    for s in raw.slices:
+        on_device = m.has_device and (s.cat in DEVICE_CATEGORIES or s.cat == "gpu_user_annotation")
+        tracks.setdefault((on_device, s.pid, s.tid), []).append(s)
+    for (on_device, *track), items in tracks.items():
+        (device.sweep if on_device else host.sweep)(m, tuple(track), items)
+    device.link_launches(m)
+    waits.syncs(m)
+    device.tasks(m)
+    host.tasks(m)
+    device.deps(m)
+    m.flows()
+    waits.explain(m)
+    return m
+
+
 def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, ImportReport]:
     path = raw.path
     info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
     rank = rank if rank is not None else _int(info.get("rank")) or 0
     world = _int(info.get("world_size"))
     report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
-    model = Model(raw, report, world)
-    tasks = model.build()
+    if isinstance(raw.header.get("otherData"), dict) and {"graph", "mode"} <= raw.header["otherData"].keys():
+        raise TraceFormatError(f"{path}: megaloom's own Perfetto export (no dependencies between its tasks) cannot be "
+                               "replayed: replay the megaloom trace it was written from (the .mlt or .trace file)")
+    model = _build(raw, report, world)
+    tasks = model.tasks
     profile = _device(raw, tasks, report) if model.has_device else None
     origin = model.t0 if t0 is None else t0
     events, units = _events(tasks, origin, rank, report, model.inferred)
@@ -245,3 +264,14 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
     if len(profiles) == 1 and None not in profiles:
         meta["profile"] = profiles.pop()
     return Trace(events, meta), reports
+
+
+def _load(paths: list[Path]) -> tuple[Trace, list[ImportReport]]:
+    if len(paths) == 1:
+        trace, report = import_torch_profiler(paths[0])
+        return trace, [report]
+    return import_ranks(paths)
+
+
+register(Format(SOURCE, lambda head: head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["), _load, tuple(labels()),
+                reshape))

@@ -6,11 +6,15 @@ share of the recorded span that no what-if can move (:func:`frozen`), by cause.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megaloom.runtime.metrics import HOST_ENGINES, Metrics, metrics
 from megaloom.runtime.trace import Trace
 
+ERROR_BARS = Path(__file__).with_name("whatif_errors.json")
+"""Per kind of what-if, the errors ``benchmarks/whatif_fidelity.py`` measured on real A/B pairs."""
 LAUNCH_LATENCY = 10e-6
 """A device op's delay up to this is launch latency; beyond it, a wait the trace does not explain."""
 
@@ -128,4 +132,19 @@ def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-
                      w.critical_path if w else None))
     lines.append(f"  device ops starting within {START_TOLERANCE:.0%} of the span of their recorded start: "
                  f"{identity.on_time * 100:.1f}% (largest difference {identity.worst_start * 1e6:.1f} us)")
+    return "\n".join(lines)
+
+
+def error_bars(kinds: list[str]) -> str:
+    """One line per what-if kind: the median and worst error measured on real pairs of that kind."""
+    try:
+        data = json.loads(ERROR_BARS.read_text())
+    except (OSError, ValueError):
+        data = {}
+    lines = []
+    for k in kinds:
+        bar = data.get("kinds", {}).get(k)
+        lines.append(f"  error bar of {k.replace('_', ' ')} what-ifs: " + (
+            f"median |error| {bar['median_abs_error']:.1%}, worst {bar['worst_abs_error']:.1%} over {bar['pairs']} "
+            f"real A/B pairs ({data.get('source', '?')}, {data.get('machine', '?')})" if bar else "not measured"))
     return "\n".join(lines)

@@ -49,9 +49,13 @@ def test_several_ranks_and_a_directory(tmp_path, capsys):
     (["replay", "nowhere.json"], "nowhere.json"),
     (["replay", "EMPTY_DIR"], "no .json or .json.gz trace files"),
     (["replay", "T", "--speedup", "flash"], "bad --speedup 'flash'"),
-    (["replay", "T", "--speedup", "flash=-1"], "bad --speedup"),
-    (["replay", "T", "--speedup", "flsh=2"], "unknown class(es) 'flsh'; known: cube"),
+    (["replay", "T", "--speedup", "flash=-1"], "speedup of 'flash' must be a positive"),
+    (["replay", "T", "--speedup", "flsh=2"], "'flsh' match(es) no task of this trace"),
+    (["replay", "T", "--scope", "experts"], "'experts' match(es) no task"),
+    (["replay", "T", "--layers", "layer.*=2"], "no annotation of this trace matches 'layer.*'"),
     (["replay", "T", "--comm-speedup", "0"], "comm speedup must be a positive"),
+    (["replay", "nowhere.json", "--dim", "8=x"], "bad --dim '8=x'"),  # what-ifs checked before the file is read
+    (["replay", "nowhere.json", "--dp", "0"], "dp must be a whole number of at least 1"),
     (["replay", "T", "--profile", "tpu9"], "unknown hardware profile 'tpu9'"),
 ])
 def test_bad_input_exits_2_naming_it(tmp_path, capsys, argv, says):

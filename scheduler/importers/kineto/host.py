@@ -23,7 +23,7 @@ from megaloom.scheduler.importers.kineto.classes import (
 )
 from megaloom.scheduler.importers.kineto.model import Call, Model, Task
 from megaloom.scheduler.importers.kineto.read import Slice
-from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, total
+from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, tensor_bytes, total
 
 _P2P_ARGS = re.compile(r"^-?\d+$")
 
@@ -133,6 +133,9 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
             if len(peer) == 2:
                 tags.update(peer=peer[0], tag=peer[1])
         return "comm", "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
+    grad = sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad")
+    if grad:
+        tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
     cls = cpu_class(s.name)
     gemms = [o for o in nest if has_formula(o.name) and "Input Dims" in o.args]
     inner = [o for o in gemms if not any(g is not o and o.start <= g.start and g.end <= o.end for g in gemms)]

@@ -205,6 +205,12 @@ def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | No
     return Work(0.0, float(sum(elems) * itemsize(dt)), wire, precision_of(dt), "inter" if n > NODE_GPUS else "intra")
 
 
+def tensor_bytes(args: dict) -> float:
+    """Bytes of an op's first tensor input (a gradient, for ``AccumulateGrad``), or 0."""
+    ts = _tensors(args)
+    return float(prod(ts[0][0]) * itemsize(ts[0][1])) if ts else 0.0
+
+
 def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
     """Figures of a backend's own collective annotation (``gloo:all_reduce``) from its tensor's shape."""
     ts = _tensors(args)

@@ -238,32 +238,42 @@ def _closure(dims: dict[int, int], events: list[TraceEvent]) -> dict[int, int]:
 
 
 def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) -> list[TraceEvent]:
-    """The all-reduces a data-parallel group of ``n`` adds to one rank's step: gradients in
-    buckets as they are accumulated, each bucket's all-reduce on a comm thread after its last
-    gradient; the thread's next task after the last gradient waits for them all."""
-    grads = sorted((e for e in events if e.tags.get("grad_bytes")), key=lambda e: e.end)
-    if not grads:
+    """The all-reduces a data-parallel group of ``n`` adds to one rank's steps: in each backward
+    pass (a run of autograd-engine tasks on a thread), the gradients in buckets as they are
+    accumulated, each bucket's all-reduce on a comm thread after its last gradient; the
+    thread's first task after the pass waits for them all."""
+    if not any(e.tags.get("grad_bytes") for e in events):
         raise ConfigError("the trace records no gradient accumulation (torch::autograd::AccumulateGrad with shapes): "
                           "profile with record_shapes=True to add data-parallel all-reduces")
-    out, size, prev, cap = [], 0.0, None, FIRST_BUCKET_BYTES
+    out: list[TraceEvent] = []
     next_id = max(e.task_id for e in events) + 1
     unit = 1 + max((e.unit for e in events if e.engine == "comm"), default=-1)
-    for i, gr in enumerate(grads):
-        size += float(gr.tags["grad_bytes"])
-        if size < cap and i < len(grads) - 1:
-            continue
-        d = model.duration(Cost(0.0, 0.0, size * _wire("all_reduce", n)), "comm", "intra")
-        start = max(gr.end, prev.end if prev else 0.0)
-        prev = TraceEvent(next_id + len(out), f"gradient all_reduce #{len(out)}", "all_reduce", "comm", unit, gr.rank,
-                          start, start + d, 0.0, 0.0, size * _wire("all_reduce", n),
-                          [gr.task_id, *([prev.task_id] if prev else [])], {"class": "added", "link": "intra"})
-        out.append(prev)
-        size, cap = 0.0, BUCKET_BYTES
-    last = grads[-1]
-    after = min((e for e in events if e.rank == last.rank and e.unit == last.unit and e.engine == last.engine
-                 and e.start >= last.end and e.task_id != last.task_id), key=lambda e: e.start, default=None)
-    if after is not None:  # a copy: the recording's events stay as they were
-        events[events.index(after)] = replace(after, deps=[*after.deps, *(a.task_id for a in out)])
+    threads: dict[tuple, list[int]] = {}
+    for i, e in enumerate(events):
+        threads.setdefault((e.rank, e.engine, e.unit, e.tags.get("thread")), []).append(i)
+    for ids in threads.values():
+        ids.sort(key=lambda i: events[i].start)
+        size, cap, prev, mine, last = 0.0, FIRST_BUCKET_BYTES, None, [], None
+        for i in ids:
+            e = events[i]
+            if e.op.startswith("autograd::engine::"):
+                size, last = size + float(e.tags.get("grad_bytes", 0.0)), e
+                if size < cap:
+                    continue
+            elif not size and not mine:
+                continue
+            if size:  # a full bucket, or the last one of the pass
+                d = model.duration(Cost(0.0, 0.0, size * _wire("all_reduce", n)), "comm", "intra")
+                start = max(last.end, prev.end if prev else 0.0)
+                prev = TraceEvent(next_id + len(out), f"gradient all_reduce #{len(out)}", "all_reduce", "comm", unit,
+                                  e.rank, start, start + d, 0.0, 0.0, size * _wire("all_reduce", n),
+                                  [last.task_id, *([prev.task_id] if prev else [])], {"class": "added", "link": "intra"})
+                out.append(prev)
+                mine.append(prev.task_id)
+                size, cap = 0.0, BUCKET_BYTES
+            if not e.op.startswith("autograd::engine::"):  # the pass is over: this task waits (a copy)
+                events[i] = replace(e, deps=[*e.deps, *mine])
+                mine, cap = [], FIRST_BUCKET_BYTES
     return out
 
 

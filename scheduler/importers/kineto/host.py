@@ -8,7 +8,8 @@ it launched started inside it, and where a sync it made returned (:mod:`.waits`)
 before the return was waiting, not host work.
 
 On the CPU, an op's work figures are the sum over the GEMM-like ops in its nest (each counted
-once: the innermost ones), else its own; a communication backend's annotation
+once: the innermost ones), else over its outermost ops with recorded shapes (itself, or the
+ops an autograd node ran); the ops and shapes are kept (tag ``sources``) for shape what-ifs; a communication backend's annotation
 (``gloo:all_reduce`` on gloo's thread, ``gloo:send`` inside ``c10d::send``) makes a comm task
 with the bytes of its tensor; a ``c10d::`` op that only hands a collective to a backend
 thread is host work.
@@ -137,9 +138,13 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
     if grad:
         tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
     cls = cpu_class(s.name)
-    gemms = [o for o in nest if has_formula(o.name) and "Input Dims" in o.args]
+    shaped = [o for o in nest if "Input Dims" in o.args]
+    gemms = [o for o in shaped if has_formula(o.name)]
     inner = [o for o in gemms if not any(g is not o and o.start <= g.start and g.end <= o.end for g in gemms)]
-    srcs = inner or ([s] if "Input Dims" in s.args else [])
+    srcs, end = inner, float("-inf")
+    for o in shaped if not inner else ():  # no GEMM: the outermost ops with shapes (the op, or its node's)
+        if o.start >= end:
+            srcs, end = srcs + [o], o.end
     if srcs:
         tags["sources"] = [source(o.name, o.args) for o in srcs]
     work = total([op_work(o.name, o.args) for o in srcs])

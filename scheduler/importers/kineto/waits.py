@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import statistics
 
-from megaloom.scheduler.importers.kineto.classes import implicit_sync, sync_kind
+from megaloom.scheduler.importers.kineto.classes import collective, implicit_sync, sync_kind
 from megaloom.scheduler.importers.kineto.device import first_after, last_before
 from megaloom.scheduler.importers.kineto.model import Model, corr
 
@@ -137,8 +137,28 @@ def _implicit(m: Model) -> None:
             _wait(m, ci, [ends[k][1]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
 
 
+def handed_over(m: Model) -> None:
+    """A backend thread's collective waits for the ``c10d::`` op that handed it over (the k-th
+    of each kind issued, in start order, with the k-th that ran)."""
+    issued: dict[str, list[int]] = {}
+    ran: dict[str, list[int]] = {}
+    for i, t in enumerate(m.tasks):
+        if t.engine == "host" and t.op.startswith("c10d::") and (kind := collective(t.op)):
+            issued.setdefault(kind, []).append(i)
+        elif t.engine == "comm" and t.label == "cpu_comm" and "peer" not in t.tags:
+            ran.setdefault(t.op, []).append(i)
+    for kind, ids in ran.items():
+        ids.sort(key=lambda i: m.tasks[i].start)
+        for q, p in zip(ids, sorted(issued.get(kind, ()), key=lambda i: m.tasks[i].start)):
+            p = m.consistent(p, m.tasks[q].start, "collective handed over")
+            if p is not None and m.tasks[p].track != m.tasks[q].track:
+                m.tasks[q].deps.append(p)
+                m.report.count("deps", "collective handed over")
+
+
 def explain(m: Model) -> None:
     """Unrecorded waits of device ops and host threads (see the module docstring)."""
+    handed_over(m)
     by_end: dict[tuple, tuple[list[float], list[int]]] = {}
     for track, ids in m.track_tasks.items():
         pairs = sorted((m.tasks[i].end, i) for i in ids)

@@ -9,10 +9,11 @@ the recording back: every task starts when its dependencies and its delay allow.
 
 Ranks: a trace of several ranks whose events include collectives replays them together
 (:mod:`megaloom.scheduler.world`): collectives are matched across ranks (by process group and
-sequence number where the trace has them, else by order), each rank's copy starts when that
-rank reaches it and ends when the slowest rank has arrived plus the transfer (the shortest
-recorded copy, which waited least), so a slow rank shows as exposed comm on the others.
-Other multi-rank traces replay rank by rank.
+sequence number where the trace has them, else by order; send/recv by peer and tag), each
+rank's copy starts when that rank reaches it and ends when the slowest rank has arrived plus
+the time the copy took in the recording after the last rank arrived (its transfer, scaled by
+a what-if that changes it), so a slow rank shows as exposed comm on the others. Other
+multi-rank traces replay rank by rank.
 
 What-ifs: another device (``profile``; each task scaled by the cost model's ratio between
 the devices), and :class:`~megaloom.scheduler.whatif.WhatIf` knobs, applied to the events
@@ -163,7 +164,9 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
     whole = imported(trace)
     scale = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
     if whatif is not None and not whatif.empty():
-        trace = whatif.apply(trace, recorded, whole)
+        trace, recording = whatif.apply(trace, recorded, whole), trace
+    else:
+        recording = trace
     rec_units = recorded_units(trace)
     chosen = {**prof.units, **rec_units, **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
@@ -171,7 +174,7 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
     per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
     name = str(meta.get("graph", "replay"))
     if len(ranks) > 1 and any(e.op in JOINED for e in trace.events):
-        out = _replay_world(per_rank, name, prof, chosen, pol, scale)
+        out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in recording.events})
     else:
         results = []
         for rank, events in per_rank.items():
@@ -190,19 +193,22 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
 
 
 def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: HardwareProfile, units: dict[str, int],
-                  policy: Policy | str | None, scale: Scale | None) -> Trace:
-    """Every rank at once, collectives joined (see the module docstring)."""
+                  policy: Policy | str | None, scale: Scale | None, recorded: dict[tuple, TraceEvent]) -> Trace:
+    """Every rank at once, collectives joined (see the module docstring); ``recorded``: the
+    events before any what-if, by rank and task id."""
     ranks = sorted(per_rank)
     colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
     durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
     plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
-    for rv in match_collectives(plain):  # each copy lasts the transfer: the shortest recorded copy
+    for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank arrived
         tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
         by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
         members = [(r, by_name[r][n]) for r, n in tids]
-        transfer = min(durs[r][t] for r, t in members)
-        for r, t in members:
-            durs[r][t] = transfer
+        if all((r, t) in recorded for r, t in members):
+            last = max(recorded[r, t].start for r, t in members)
+            for r, t in members:
+                e = recorded[r, t]
+                durs[r][t] = max(e.end - last, 0.0) * (durs[r][t] / (e.end - e.start) if e.end > e.start else 1.0)
     graphs = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
     world_units = dict(units)
     world_units[DELAY_ENGINE] = max(1, max(len(c) for c in colls.values()))

@@ -254,25 +254,26 @@ def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) ->
     for ids in threads.values():
         ids.sort(key=lambda i: events[i].start)
         size, cap, prev, mine, last = 0.0, FIRST_BUCKET_BYTES, None, [], None
-        for i in ids:
-            e = events[i]
-            if e.op.startswith("autograd::engine::"):
+        for i in [*ids, None]:  # None: the thread's end closes its last pass
+            e = events[i] if i is not None else None
+            backward = e is not None and e.op.startswith("autograd::engine::")
+            if backward:
                 size, last = size + float(e.tags.get("grad_bytes", 0.0)), e
                 if size < cap:
                     continue
-            elif not size and not mine:
-                continue
             if size:  # a full bucket, or the last one of the pass
-                d = model.duration(Cost(0.0, 0.0, size * _wire("all_reduce", n)), "comm", "intra")
+                wire = size * _wire("all_reduce", n)
                 start = max(last.end, prev.end if prev else 0.0)
                 prev = TraceEvent(next_id + len(out), f"gradient all_reduce #{len(out)}", "all_reduce", "comm", unit,
-                                  e.rank, start, start + d, 0.0, 0.0, size * _wire("all_reduce", n),
-                                  [last.task_id, *([prev.task_id] if prev else [])], {"class": "added", "link": "intra"})
+                                  last.rank, start, start + model.duration(Cost(0.0, 0.0, wire), "comm", "intra"),
+                                  0.0, 0.0, wire, [last.task_id, *([prev.task_id] if prev else [])],
+                                  {"class": "added", "link": "intra"})
                 out.append(prev)
                 mine.append(prev.task_id)
                 size, cap = 0.0, BUCKET_BYTES
-            if not e.op.startswith("autograd::engine::"):  # the pass is over: this task waits (a copy)
+            if not backward and mine and e is not None:  # the pass is over: this task waits (a copy)
                 events[i] = replace(e, deps=[*e.deps, *mine])
+            if not backward:
                 mine, cap = [], FIRST_BUCKET_BYTES
     return out
 

@@ -223,8 +223,8 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
 
 def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[ImportReport]]:
     """One trace of several ranks' files: ranks from ``distributedInfo`` (else file order), one
-    time origin for all, clocks aligned on collective ends (:func:`_align_clocks`; ranks on
-    one clock keep their skew), collectives tagged for matching (process group and sequence
+    time origin for all, clocks aligned on collective ends (:func:`_align_clocks`) unless every
+    file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for matching (process group and sequence
     number where recorded)."""
     paths = list(paths)
     if not paths:
@@ -244,7 +244,9 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
             for e in t.events:
                 e.rank = i
             t.meta["rank"], rep.rank = i, i
-    offsets = _align_clocks(traces, reports)
+    hosts = {r.header.get("host_name") for r in raws}
+    one_host = len(hosts) == 1 and isinstance(hosts.pop(), str)  # one clock: nothing to align
+    offsets = {} if one_host else _align_clocks(traces, reports)
     events = [e for t in traces for e in t.events]
     shift = min((e.start for e in events), default=0.0)
     for e in events:  # one origin again: the earliest event of any rank, aligned

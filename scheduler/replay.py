@@ -32,7 +32,7 @@ from megaloom.runtime.trace import Trace, TraceEvent, merge
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 from megaloom.scheduler.simulator import Simulator, gc_paused
-from megaloom.scheduler.whatif import WhatIf, event_width
+from megaloom.scheduler.whatif import WhatIf, event_width, recost
 from megaloom.scheduler.world import COLLECTIVE_OPS, P2P_OPS, match_collectives, simulate_world
 
 __all__ = ["WhatIf", "device_ratio", "event_width", "graph_from_events", "replay"]
@@ -109,20 +109,7 @@ def device_ratio(recorded: HardwareProfile, target: HardwareProfile, whole_chip:
     profile has no figures for (``host``, copies without a ``host`` link) keep their duration.
     """
     a, b = CostModel(recorded), CostModel(target)
-
-    def ratio(e: TraceEvent) -> float:
-        if not (e.flops or e.bytes or e.comm_bytes):
-            return 1.0
-        cost = Cost(e.flops, e.bytes, e.comm_bytes, e.precision)
-        link = str(e.tags.get("link", "intra"))
-        try:
-            was = a.duration(cost, e.engine, link, op=e.op, width=event_width(e, recorded, whole_chip))
-            now = b.duration(cost, e.engine, link, op=e.op, width=event_width(e, target, whole_chip))
-        except ConfigError:
-            return 1.0
-        return now / was if was > 0 else 1.0
-
-    return ratio
+    return lambda e: recost(a, e, whole_chip, on=b)
 
 
 def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:

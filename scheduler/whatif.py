@@ -19,7 +19,6 @@ the rest of its measured duration by its bytes on the wire.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field, fields, replace
 from fnmatch import fnmatchcase
 
@@ -50,15 +49,18 @@ def event_width(e: TraceEvent, profile: HardwareProfile, whole_chip: bool) -> fl
 
 
 def recost(model: CostModel, e: TraceEvent, whole_chip: bool, flops: float = 1.0, nbytes: float = 1.0,
-           link: tuple[float, float] | None = None) -> float:
-    """The cost model's ratio of ``e`` with its flops and bytes scaled (or on another link) to ``e``."""
+           link: tuple[float, float] | None = None, on: CostModel | None = None) -> float:
+    """The cost model's ratio of ``e`` with its flops and bytes scaled (on another link, or
+    ``on`` another device's model) to ``e`` as recorded; 1 where a profile has no figures."""
+    on = on or model
     if not (e.flops or e.bytes or e.comm_bytes):
         return 1.0
-    ln, w = str(e.tags.get("link", "intra")), event_width(e, model.profile, whole_chip)
+    ln = str(e.tags.get("link", "intra"))
     try:
-        was = model.duration(Cost(e.flops, e.bytes, e.comm_bytes, e.precision), e.engine, ln, op=e.op, width=w)
-        now = model.duration(Cost(e.flops * flops, e.bytes * nbytes, e.comm_bytes, e.precision), e.engine, ln,
-                             op=e.op, width=w, link_override=link)
+        was = model.duration(Cost(e.flops, e.bytes, e.comm_bytes, e.precision), e.engine, ln, op=e.op,
+                             width=event_width(e, model.profile, whole_chip))
+        now = on.duration(Cost(e.flops * flops, e.bytes * nbytes, e.comm_bytes, e.precision), e.engine, ln, op=e.op,
+                          width=event_width(e, on.profile, whole_chip), link_override=link)
     except ConfigError:  # an engine or link the profile has no figures for (host work)
         return 1.0
     return now / was if was > 0 else 1.0
@@ -104,21 +106,16 @@ class WhatIf:
     ep: int | None = None
 
     def check(self) -> None:
-        """Every figure a positive finite number (counts and dimensions whole): before a long import."""
-        pos = [("comm speedup", self.comm_speedup), ("link bandwidth", self.link_bandwidth),
-               ("comm bytes", self.comm_bytes), *((f"speedup of {k!r}", v) for k, v in self.speedup.items())]
-        whole = [("dp", self.dp), ("ep", self.ep), *((f"dimension {k}", k) for k in self.dims),
-                 *((f"dimension {k} -> {v}", v) for k, v in self.dims.items())]
-        if self.hot_experts:
-            pos.append((f"hot experts {self.hot_experts[0]!r}", self.hot_experts[1]))
-        if self.layers:
-            whole.append((f"layers {self.layers[0]!r}", self.layers[1]))
-        for name, f in pos:
-            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
-                raise ConfigError(f"{name} must be a positive finite number, got {f!r}")
-        for name, n in whole:
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < (0 if "layers" in name else 1)):
-                raise ConfigError(f"{name} must be a whole number of at least {0 if 'layers' in name else 1}, got {n!r}")
+        """Every figure a positive finite number, counts and dimensions whole: before a long import."""
+        hot, layers = self.hot_experts and self.hot_experts[1], self.layers and self.layers[1]
+        for name, x, whole in [("comm speedup", self.comm_speedup, False), ("link bandwidth", self.link_bandwidth, False),
+                               ("comm bytes", self.comm_bytes, False), ("hot experts", hot, False), ("dp", self.dp, True),
+                               ("ep", self.ep, True), ("layers", layers, True),
+                               *((f"speedup of {k!r}", v, False) for k, v in self.speedup.items()),
+                               *((f"dimension {k} -> {v}", x, True) for k, v in self.dims.items() for x in (k, v))]:
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int if whole else (int, float))
+                                  or not math.isfinite(x) or x <= 0):
+                raise ConfigError(f"{name} must be a positive {'whole' if whole else 'finite'} number, got {x!r}")
 
     def empty(self) -> bool:
         return self == WhatIf()
@@ -275,20 +272,4 @@ def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) ->
                 events[i] = replace(e, deps=[*e.deps, *mine])
             if not backward:
                 mine, cap = [], FIRST_BUCKET_BYTES
-    return out
-
-
-_PAIR = re.compile(r"^\s*([^=]+?)\s*=\s*([^=]+?)\s*$")
-
-
-def parse_pairs(items: list[str] | None, what: str, key=str, value=float) -> dict:
-    """``KEY=VALUE`` items (repeated or comma-separated) as a dict; a bad one raises ConfigError."""
-    out = {}
-    for item in (x for text in items or () for x in text.split(",") if x.strip()):
-        m = _PAIR.match(item)
-        try:
-            k, v = key(m.group(1)), value(m.group(2))
-        except (AttributeError, ValueError):
-            raise ConfigError(f"bad {what} {item!r}: expected {what.upper().lstrip('-')}=VALUE") from None
-        out[k] = v
     return out

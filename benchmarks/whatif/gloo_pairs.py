@@ -77,7 +77,7 @@ def _worker(rank: int, port: int, conn) -> None:
                 dist.barrier()
                 conn.send(time.perf_counter() - t)
             elif cmd == "record":
-                conn.send(profile_steps(step, f"{arg}.rank{rank}"))
+                conn.send(profile_steps(step, f"{arg}.rank{rank}", tries=1))  # both ranks: one recording
             else:  # the link: median all-reduce time per size
                 out = []
                 for n in arg:

@@ -18,15 +18,22 @@ STEPS = 4
 """Steps per timed run and per recorded trace."""
 
 
-def profile_steps(step: Callable[[], None], name: str, steps: int = STEPS, warmup: int = 2) -> str:
-    """Run ``step`` ``warmup`` times, then record ``steps`` of it; the trace's path."""
+def profile_steps(step: Callable[[], None], name: str, steps: int = STEPS, warmup: int = 2, tries: int = 3) -> str:
+    """Run ``step`` ``warmup`` times, then record ``steps`` of it ``tries`` times and keep the
+    least disturbed recording (the shortest: on a shared machine, the one others slowed least);
+    the trace's path."""
     for _ in range(warmup):
         step()
-    path = os.path.join(TRACE_DIR, f"{name}.json")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
-        for _ in range(steps):
-            step()
-    prof.export_chrome_trace(path)
+    path, best = os.path.join(TRACE_DIR, f"{name}.json"), float("inf")
+    for _ in range(tries):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            t = time.perf_counter() - t
+        if t < best:
+            prof.export_chrome_trace(path)
+            best = t
     return path
 
 

@@ -55,7 +55,7 @@ def test_several_ranks_and_a_directory(tmp_path, capsys):
     (["replay", "T", "--layers", "layer.*=2"], "no annotation of this trace matches 'layer.*'"),
     (["replay", "T", "--comm-speedup", "0"], "comm speedup must be a positive"),
     (["replay", "nowhere.json", "--dim", "8=x"], "bad --dim '8=x'"),  # what-ifs checked before the file is read
-    (["replay", "nowhere.json", "--dp", "0"], "dp must be a whole number of at least 1"),
+    (["replay", "nowhere.json", "--dp", "0"], "dp must be a positive whole number"),
     (["replay", "T", "--profile", "tpu9"], "unknown hardware profile 'tpu9'"),
 ])
 def test_bad_input_exits_2_naming_it(tmp_path, capsys, argv, says):

@@ -129,7 +129,7 @@ def test_dp_what_if_adds_gradient_all_reduces_of_every_parameter(a):
 
 def test_what_if_kinds_and_checks():
     assert WhatIf(dims={4: 8}, dp=2, speedup={"x": 2}).kinds() == ["op_speed", "shape", "parallelism"]
-    for bad, says in [(WhatIf(dp=0), "dp must be a whole number"), (WhatIf(dims={4: 0}), "dimension 4 -> 0"),
-                      (WhatIf(hot_experts=("e", -1.0)), "hot experts 'e'"), (WhatIf(comm_bytes=0), "comm bytes")]:
+    for bad, says in [(WhatIf(dp=0), "dp must be a positive whole number"), (WhatIf(dims={4: 0}), "dimension 4 -> 0"),
+                      (WhatIf(hot_experts=("e", -1.0)), "hot experts must be"), (WhatIf(comm_bytes=0), "comm bytes")]:
         with pytest.raises(ConfigError, match=says):
             bad.check()

@@ -28,7 +28,7 @@ from megaloom.scheduler.importers.kineto import device, host, waits
 from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels, op_class
 from megaloom.scheduler.importers.kineto.model import Model, Task
 from megaloom.scheduler.importers.kineto.read import RawTrace, read
-from megaloom.scheduler.importers.kineto.work import reshape
+from megaloom.scheduler.importers.kineto.work import Work, reshape
 from megaloom.scheduler.importers.kineto.report import ImportReport
 from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
@@ -37,6 +37,7 @@ from megaloom.scheduler.world import COLLECTIVE_OPS
 __all__ = ["ImportReport", "import_ranks", "import_torch_profiler", "op_class"]
 
 SOURCE = "torch.profiler"
+_NO_WORK = Work()
 
 
 def _int(v: Any) -> int | None:
@@ -86,6 +87,8 @@ def _order(tasks: list[Task]) -> list[int]:
 
 def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
             inferred: dict[int, list[int]]) -> tuple[list[TraceEvent], dict[str, int]]:
+    """The tasks as trace events in a topological order (ids renumbered), each on a unit of its
+    engine per track, named uniquely, with its delay (seconds) after its dependencies were met."""
     order = _order(tasks)
     new = [0] * len(tasks)
     for k, i in enumerate(order):
@@ -95,42 +98,23 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     units: dict[str, int] = {}
     unit_of: dict[tuple[str, tuple], int] = {}
     names: dict[str, int] = {}
-    engines: dict[str, int] = {}
     events = []
-    add = events.append
-    delay_total = 0.0
     for i in order:
         t = tasks[i]
-        key = (t.engine, t.track)
-        unit = unit_of.get(key)
+        unit = unit_of.get((t.engine, t.track))
         if unit is None:
-            unit = unit_of[key] = units.get(t.engine, 0)
+            unit = unit_of[t.engine, t.track] = units.get(t.engine, 0)
             units[t.engine] = unit + 1
-            engines.setdefault(t.engine, 0)
-        engines[t.engine] += 1
-        n = names.get(t.name, 0)
-        names[t.name] = n + 1
-        ds = t.deps
-        if ds:
-            deps = sorted({new[d] for d in ds}) if len(ds) > 1 else [new[ds[0]]]
-            ready = max(tasks[d].end for d in ds) if len(ds) > 1 else tasks[ds[0]].end
-        else:
-            deps, ready = [], t0
+        n = names[t.name] = names.get(t.name, -1) + 1
+        ready = max((tasks[d].end for d in t.deps), default=t0)
         if t.start > ready:
-            delay = (t.start - ready) * 1e-6
-            t.tags["delay"] = delay  # each task owns its tags
-            delay_total += delay
-        w = t.work
-        if w is None:
-            add(TraceEvent(new[i], t.name if n == 0 else f"{t.name}#{n}", t.op, t.engine, unit, rank,
-                           (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, 0.0, 0.0, 0.0, deps, t.tags))
-        else:
-            add(TraceEvent(new[i], t.name if n == 0 else f"{t.name}#{n}", t.op, t.engine, unit, rank,
-                           (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes, deps, t.tags,
-                           w.precision))
-    for k, n in engines.items():
-        report.count("engines", k, n)
-    report.delay_s = delay_total
+            t.tags["delay"] = (t.start - ready) * 1e-6  # each task owns its tags
+            report.delay_s += t.tags["delay"]
+        w = t.work or _NO_WORK
+        events.append(TraceEvent(new[i], f"{t.name}#{n}" if n else t.name, t.op, t.engine, unit, rank,
+                                 (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes,
+                                 sorted({new[d] for d in t.deps}), t.tags, w.precision))
+        report.count("engines", t.engine)
     report.tasks = len(events)
     return events, units
 

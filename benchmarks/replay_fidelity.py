@@ -38,7 +38,7 @@ from pathlib import Path
 
 from megaloom.runtime.metrics import HOST_ENGINES, busy_path, metrics
 from megaloom.runtime.trace import Trace
-from megaloom.scheduler.fidelity import fidelity, frozen
+from megaloom.scheduler.fidelity import fidelity, frozen_share
 from megaloom.scheduler.importers import import_torch_profiler
 from megaloom.scheduler.replay import WhatIf, replay
 
@@ -148,9 +148,8 @@ def fidelity_figures(path: Path) -> None:
         emit(trace=name, figure="device_delay", median_us=statistics.median(delays) * 1e6,
              p99_us=delays[int(0.99 * (len(delays) - 1))] * 1e6, max_us=delays[-1] * 1e6,
              share_of_device_busy=sum(delays) / sum(v for k, v in m.busy.items() if k not in HOST_ENGINES))
-    share = frozen(trace)
-    run = max(e.end for e in trace.events) - min(e.start for e in trace.events)
-    emit(trace=name, figure="frozen", share=sum(share.values()) / run, causes={k: v / run for k, v in share.items()})
+    share = frozen_share(trace)
+    emit(trace=name, figure="frozen", share=sum(share.values()), causes=share)
     fast = metrics(replay(trace, whatif=WhatIf(speedup={k: 1000.0 for k in m.busy if k not in HOST_ENGINES})).trace)
     emit(trace=name, figure="device_ops_1000x_faster", makespan_ratio=fast.makespan / m.makespan,
          device_span_ratio=fast.device_span / m.device_span)

@@ -88,15 +88,21 @@ def frozen(trace: Trace) -> dict[str, float]:
     return out
 
 
-def frozen_line(trace: Trace) -> str:
-    """The frozen share of ``trace``'s span as the CLI prints it (empty without delays)."""
+def frozen_share(trace: Trace) -> dict[str, float]:
+    """:func:`frozen` as shares of the run (its first start to its last device op's end)."""
     parts = frozen(trace)
     device = [e.end for e in trace.events if e.engine not in HOST_ENGINES]
     span = max(device or [e.end for e in trace.events]) - min(e.start for e in trace.events) if parts else 0.0
-    if span <= 0:
+    return {k: v / span for k, v in parts.items()} if span > 0 else {}
+
+
+def frozen_line(trace: Trace) -> str:
+    """The frozen share of ``trace``'s run as the CLI prints it (empty without delays)."""
+    parts = frozen_share(trace)
+    if not parts:
         return ""
-    causes = ", ".join(f"{k} {v / span:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
-    return f"  frozen (no what-if moves it): {sum(parts.values()) / span:.1%} of the run: {causes}"
+    causes = ", ".join(f"{k} {v:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return f"  frozen (no what-if moves it): {sum(parts.values()):.1%} of the run: {causes}"
 
 
 def _us(x: float) -> str:

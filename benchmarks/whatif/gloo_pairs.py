@@ -28,15 +28,15 @@ BUCKET = 1 << 21
 WIDTH, TOKENS = 512, 64
 
 
-def mlp() -> nn.Module:
+def mlp(width: int = WIDTH) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH), nn.ReLU(),
-                         nn.Linear(WIDTH, 4 * WIDTH), nn.ReLU(), nn.Linear(4 * WIDTH, WIDTH))
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width), nn.ReLU(),
+                         nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
 
 
 def _training(model: nn.Module, extra: Callable[[], None] | None = None) -> Callable[[], None]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(TOKENS, WIDTH)
+    x = torch.randn(TOKENS, model[0].in_features if isinstance(model, nn.Sequential) else WIDTH)
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
@@ -48,10 +48,11 @@ def _training(model: nn.Module, extra: Callable[[], None] | None = None) -> Call
 
 
 def workload(name: str) -> Callable[[], None]:
-    """``bucket:N`` (the MLP step, then an all-reduce of N floats), ``ddp`` (the MLP in DDP), ``mlp``."""
+    """``bucket:N`` (a quarter-width MLP step, then an all-reduce of N floats: comm about half the
+    step), ``ddp`` (the MLP in DDP), ``mlp``."""
     if name.startswith("bucket:"):
-        buf = torch.ones(int(name.split(":")[1]))
-        return _training(mlp(), lambda: dist.all_reduce(buf))
+        buf = torch.zeros(int(name.split(":")[1]))
+        return _training(mlp(WIDTH // 4), lambda: dist.all_reduce(buf))
     if name == "ddp":
         return _training(nn.parallel.DistributedDataParallel(mlp()))
     return _training(mlp())

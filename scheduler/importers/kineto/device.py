@@ -10,6 +10,7 @@ duration), from its own arguments (copies, collectives) or from the launching
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 from megaloom.scheduler.importers.kineto.classes import collective, device_class
@@ -83,10 +84,7 @@ def tasks(m: Model) -> None:
                 tags["annotations"] = list(dict.fromkeys((*(call.anns if call else ()), *op.anns)))
             grid = s.args.get("grid")
             if isinstance(grid, list) and grid and all(type(g) is int and g > 0 for g in grid):
-                blocks = 1
-                for g in grid:
-                    blocks *= g
-                tags["blocks"] = blocks
+                tags["blocks"] = math.prod(grid)
             work, name = None, s.name
             if cls.engine == "copy":
                 work = copy_work(s.name, s.args)

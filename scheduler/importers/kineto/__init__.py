@@ -4,13 +4,17 @@
 ``tensorboard_trace_handler`` writes them) and returns a :class:`~megaloom.runtime.trace.Trace`
 plus an :class:`ImportReport` that accounts for every event. ``import_ranks(paths)`` reads
 one file per rank into one trace whose collectives replay together. The dependency model is
-in :mod:`.model` and docs/replay.md; classes in :mod:`.classes`; work figures in :mod:`.work`.
+in :mod:`.host`, :mod:`.device` and :mod:`.waits` (shared records in :mod:`.model`) and
+docs/replay.md; classes in :mod:`.classes`; work figures in :mod:`.work`. The format registers
+itself with :mod:`megaloom.scheduler.importers`.
 
 Events carry, in their tags: ``delay`` (seconds of untraced time between the moment their
 dependencies were met and their recorded start, which replay keeps), ``cpu`` (the part of a
 host call's delay spent inside CPU ops), ``class`` (the class table's label), ``stream`` or
 ``thread``, ``annotations`` (the annotations over them), ``inferred`` (the dependencies
-inferred from timing) and, for device ops, ``blocks`` (their grid) when the trace records it.
+inferred from timing), ``sync`` (what a call's waiting piece waited for), ``sources`` (the ops
+and shapes their work figures come from), ``grad_bytes`` (a gradient accumulated), ``peer`` and
+``tag`` (send / recv) and, for device ops, ``blocks`` (their grid) when the trace records it.
 The trace's ``meta['t0_us']`` is its time origin on the file's clock.
 """
 from __future__ import annotations

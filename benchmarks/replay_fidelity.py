@@ -9,6 +9,8 @@ repository or one of its parents. Prints one JSON line per figure:
 
 * per trace, ``device_delay``: the time before each device op that its dependencies leave
   unexplained (launch and queue latency; large values would mean missing dependencies);
+* per trace, ``frozen``: the share of the run no what-if moves, by cause; what every device op
+  1000x faster and ``--comm-speedup 2`` do to the run (``device_ops_1000x_faster``, ``comm_speedup_2``);
 * per trace, identity replay: ``span_error`` (device span, target |e| <= 2%),
   ``exposed_comm_error`` (target |e| <= 10% of the recorded exposed comm or 1% of the span),
   ``on_time`` (device ops starting within 1% of the span of their recorded start, target >= 95%);
@@ -36,9 +38,9 @@ from pathlib import Path
 
 from megaloom.runtime.metrics import HOST_ENGINES, busy_path, metrics
 from megaloom.runtime.trace import Trace
-from megaloom.scheduler.fidelity import fidelity
+from megaloom.scheduler.fidelity import fidelity, frozen_share
 from megaloom.scheduler.importers import import_torch_profiler
-from megaloom.scheduler.replay import replay
+from megaloom.scheduler.replay import WhatIf, replay
 
 
 def traces_dir(arg: str | None) -> Path:
@@ -146,6 +148,14 @@ def fidelity_figures(path: Path) -> None:
         emit(trace=name, figure="device_delay", median_us=statistics.median(delays) * 1e6,
              p99_us=delays[int(0.99 * (len(delays) - 1))] * 1e6, max_us=delays[-1] * 1e6,
              share_of_device_busy=sum(delays) / sum(v for k, v in m.busy.items() if k not in HOST_ENGINES))
+    share = frozen_share(trace)
+    emit(trace=name, figure="frozen", share=sum(share.values()), causes=share)
+    fast = metrics(replay(trace, whatif=WhatIf(speedup={k: 1000.0 for k in m.busy if k not in HOST_ENGINES})).trace)
+    emit(trace=name, figure="device_ops_1000x_faster", makespan_ratio=fast.makespan / m.makespan,
+         device_span_ratio=fast.device_span / m.device_span)
+    if m.busy.get("comm"):
+        comm = metrics(replay(trace, whatif=WhatIf(comm_speedup=2.0)).trace)
+        emit(trace=name, figure="comm_speedup_2", makespan_ratio=comm.makespan / m.makespan)
     emit(trace=name, figure="critical_path_le_span", critical_path_us=m.critical_path * 1e6,
          device_span_us=m.device_span * 1e6, ok=m.critical_path <= m.device_span * (1 + 1e-9))
     try:

@@ -1,14 +1,22 @@
 """How well a replay reproduces its recording, and the side-by-side table the CLI prints.
 
 Every what-if is shown beside the identity replay's error (the recording replayed on its own
-device): if the identity replay is off by 5%, no what-if is better than that.
+device): if the identity replay is off by 5%, no what-if is better than that; and beside the
+share of the recorded span that no what-if can move (:func:`frozen`), by cause.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from megaloom.runtime.metrics import HOST_ENGINES, Metrics, metrics
 from megaloom.runtime.trace import Trace
+
+ERROR_BARS = Path(__file__).with_name("whatif_errors.json")
+"""Per kind of what-if, the errors ``benchmarks/whatif_fidelity.py`` measured on real A/B pairs."""
+LAUNCH_LATENCY = 10e-6
+"""A device op's delay up to this is launch latency; beyond it, a wait the trace does not explain."""
 
 START_TOLERANCE = 0.01
 """A replayed device op starts "on time" within this fraction of the recorded device span."""
@@ -51,6 +59,52 @@ def fidelity(recorded: Trace, replayed: Trace) -> Fidelity:
     return Fidelity(a, b, sum(d <= tol for d in diffs) / len(diffs) if diffs else 1.0, max(diffs, default=0.0), errors)
 
 
+def frozen(trace: Trace) -> dict[str, float]:
+    """Seconds of the recorded run that no what-if moves, by cause: the untraced delays along the
+    chain that ends the run (from its last device op, else its last task, back through each
+    task's latest-ending dependency). Waits that are edges move with what they wait for."""
+    by = {(e.rank, e.task_id): e for e in trace.events}
+    device = [e for e in trace.events if e.engine not in HOST_ENGINES]
+    e = max(device or trace.events, key=lambda e: e.end, default=None)
+    first = min((e.start for e in trace.events), default=0.0)
+    out: dict[str, float] = {}
+    while e is not None:
+        d = e.tags.get("delay", 0.0)
+        d = min(d, e.start - first) if isinstance(d, (int, float)) and not e.deps else d  # inside the span only
+        if isinstance(d, (int, float)) and d > 0:
+            if e.engine in HOST_ENGINES or trace.meta.get("cpu_only"):
+                cpu = min(d, float(e.tags.get("cpu", 0.0)))
+                causes = {"host between calls: CPU ops": cpu, "host between calls: untraced (Python, idle)": d - cpu}
+            else:
+                causes = {"device: launch latency" if d <= LAUNCH_LATENCY else "device: waits no record explains": d}
+        else:
+            causes = {}
+        if e.engine in HOST_ENGINES and "Launch" not in e.op:  # launches move with --cuda-graphs
+            causes["host: runtime calls other than launches"] = e.end - e.start
+        for k, v in causes.items():
+            if v > 0:
+                out[k] = out.get(k, 0.0) + v
+        e = max((by[(e.rank, p)] for p in e.deps if (e.rank, p) in by), key=lambda p: p.end, default=None)
+    return out
+
+
+def frozen_share(trace: Trace) -> dict[str, float]:
+    """:func:`frozen` as shares of the run (its first start to its last device op's end)."""
+    parts = frozen(trace)
+    device = [e.end for e in trace.events if e.engine not in HOST_ENGINES]
+    span = max(device or [e.end for e in trace.events]) - min(e.start for e in trace.events) if parts else 0.0
+    return {k: v / span for k, v in parts.items()} if span > 0 else {}
+
+
+def frozen_line(trace: Trace) -> str:
+    """The frozen share of ``trace``'s run as the CLI prints it (empty without delays)."""
+    parts = frozen_share(trace)
+    if not parts:
+        return ""
+    causes = ", ".join(f"{k} {v:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
+    return f"  frozen (no what-if moves it): {sum(parts.values()):.1%} of the run: {causes}"
+
+
 def _us(x: float) -> str:
     return f"{x * 1e6:14.1f}"
 
@@ -84,4 +138,19 @@ def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-
                      w.critical_path if w else None))
     lines.append(f"  device ops starting within {START_TOLERANCE:.0%} of the span of their recorded start: "
                  f"{identity.on_time * 100:.1f}% (largest difference {identity.worst_start * 1e6:.1f} us)")
+    return "\n".join(lines)
+
+
+def error_bars(kinds: list[str]) -> str:
+    """One line per what-if kind: the median and worst error measured on real pairs of that kind."""
+    try:
+        data = json.loads(ERROR_BARS.read_text())
+    except (OSError, ValueError):
+        data = {}
+    lines = []
+    for k in kinds:
+        bar = data.get("kinds", {}).get(k)
+        lines.append(f"  error bar of {k.replace('_', ' ')} what-ifs: " + (
+            f"median |error| {bar['median_abs_error']:.1%}, worst {bar['worst_abs_error']:.1%} over {bar['pairs']} "
+            f"real A/B pairs ({data.get('source', '?')}, {data.get('machine', '?')})" if bar else "not measured"))
     return "\n".join(lines)

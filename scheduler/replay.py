@@ -9,33 +9,36 @@ the recording back: every task starts when its dependencies and its delay allow.
 
 Ranks: a trace of several ranks whose events include collectives replays them together
 (:mod:`megaloom.scheduler.world`): collectives are matched across ranks (by process group and
-sequence number where the trace has them, else by order), each rank's copy starts when that
-rank reaches it and ends when the slowest rank has arrived plus the transfer (the shortest
-recorded copy, which waited least), so a slow rank shows as exposed comm on the others.
-Other multi-rank traces replay rank by rank.
+sequence number where the trace has them, else by order; send/recv by peer and tag), each
+rank's copy starts when that rank reaches it and ends when the slowest rank has arrived plus
+the time the copy took in the recording after the last rank arrived (its transfer, scaled by
+a what-if that changes it), so a slow rank shows as exposed comm on the others. Other
+multi-rank traces replay rank by rank.
 
 What-ifs: another device (``profile``; each task scaled by the cost model's ratio between
-the devices), and :class:`WhatIf` knobs (comm faster by a factor or at a link bandwidth, a
-class of kernels faster by a factor).
+the devices), and :class:`~megaloom.scheduler.whatif.WhatIf` knobs, applied to the events
+before they are replayed (on the recorded device's figures).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, TraceFormatError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
-from megaloom.runtime.registry import ENGINE_KINDS, Cost
+from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace, TraceEvent, merge
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
-from megaloom.scheduler.importers.kineto.classes import labels
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 from megaloom.scheduler.simulator import Simulator, gc_paused
-from megaloom.scheduler.world import COLLECTIVE_OPS, match_collectives, simulate_world
+from megaloom.scheduler.whatif import WhatIf, event_width, recost
+from megaloom.scheduler.world import COLLECTIVE_OPS, P2P_OPS, match_collectives, simulate_world
 
+__all__ = ["WhatIf", "device_ratio", "event_width", "graph_from_events", "replay"]
+
+JOINED = COLLECTIVE_OPS | P2P_OPS
+"""Ops every rank of a group (or both ends of a message) take part in."""
 DELAY_TAG = "delay"
 """Event tag: seconds of untraced time between the moment its dependencies were met and its start."""
 DELAY_ENGINE = "delay"
@@ -98,18 +101,6 @@ def imported(trace: Trace) -> bool:
     return trace.meta.get("mode") == "import"
 
 
-def event_width(e: TraceEvent, profile: HardwareProfile, whole_chip: bool) -> float:
-    """Units an event spans on ``profile``: its grid's blocks (at most every unit), the whole
-    engine for an imported op without a grid, else one unit (a megaloom tile)."""
-    n = profile.units.get(e.engine, 1)
-    if e.engine == "comm":
-        return n if whole_chip else 1
-    blocks = e.tags.get("blocks")
-    if isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0:
-        return min(blocks, n)
-    return n if whole_chip else 1
-
-
 def device_ratio(recorded: HardwareProfile, target: HardwareProfile, whole_chip: bool = False) -> Scale:
     """Per event, the cost model's duration on ``target`` over its duration on ``recorded``.
 
@@ -118,82 +109,7 @@ def device_ratio(recorded: HardwareProfile, target: HardwareProfile, whole_chip:
     profile has no figures for (``host``, copies without a ``host`` link) keep their duration.
     """
     a, b = CostModel(recorded), CostModel(target)
-
-    def ratio(e: TraceEvent) -> float:
-        if not (e.flops or e.bytes or e.comm_bytes):
-            return 1.0
-        cost = Cost(e.flops, e.bytes, e.comm_bytes, e.precision)
-        link = str(e.tags.get("link", "intra"))
-        try:
-            was = a.duration(cost, e.engine, link, op=e.op, width=event_width(e, recorded, whole_chip))
-            now = b.duration(cost, e.engine, link, op=e.op, width=event_width(e, target, whole_chip))
-        except ConfigError:
-            return 1.0
-        return now / was if was > 0 else 1.0
-
-    return ratio
-
-
-@dataclass(slots=True)
-class WhatIf:
-    """Changes to replay under: ``comm_speedup`` divides every comm duration; ``link_bandwidth``
-    (B/s) re-costs comm ops that carry comm bytes at that bandwidth (others keep theirs);
-    ``speedup`` divides the durations of a class label or engine kind (``{"flash": 2}``)."""
-
-    comm_speedup: float = 1.0
-    link_bandwidth: float | None = None
-    speedup: dict[str, float] = field(default_factory=dict)
-
-    def check(self) -> None:
-        known = [*ENGINE_KINDS, "copy", "host", *labels()]
-        unknown = sorted(k for k in self.speedup if k not in known)
-        if unknown:
-            raise ConfigError(f"speedup names unknown class(es) {', '.join(map(repr, unknown))}; "
-                              f"known: {', '.join(dict.fromkeys(known))}")
-        for name, f in (("comm speedup", self.comm_speedup), ("link bandwidth", self.link_bandwidth),
-                        *((f"speedup of {k!r}", v) for k, v in self.speedup.items())):
-            if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0):
-                raise ConfigError(f"{name} must be a positive finite number, got {f!r}")
-
-    def empty(self) -> bool:
-        return self.comm_speedup == 1.0 and self.link_bandwidth is None and not self.speedup
-
-    def scale(self, profile: HardwareProfile, whole_chip: bool) -> Scale:
-        """The factor this what-if applies to each event's duration (on ``profile``)."""
-        self.check()
-        model = CostModel(profile)
-
-        def f(e: TraceEvent) -> float:
-            x = 1.0
-            if e.engine == "comm":
-                x /= self.comm_speedup
-                if self.link_bandwidth is not None and e.comm_bytes > 0:
-                    link = str(e.tags.get("link", "intra"))
-                    cost = Cost(e.flops, e.bytes, e.comm_bytes, e.precision)
-                    width = event_width(e, profile, whole_chip)
-                    try:
-                        was = model.duration(cost, "comm", link, op=e.op, width=width)
-                        alpha = profile.link(link)[0]
-                        now = model.duration(cost, "comm", link, op=e.op, width=width,
-                                             link_override=(alpha, self.link_bandwidth))
-                    except ConfigError:
-                        was = now = 1.0
-                    x *= now / was if was > 0 else 1.0
-            for key in (e.engine, e.tags.get("class")):
-                if key in self.speedup:
-                    x /= self.speedup[key]
-            return x
-
-        return f
-
-
-def _combine(*scales: Scale | None) -> Scale | None:
-    fs = [s for s in scales if s is not None]
-    if not fs:
-        return None
-    if len(fs) == 1:
-        return fs[0]
-    return lambda e: math.prod(f(e) for f in fs)
+    return lambda e: recost(a, e, whole_chip, on=b)
 
 
 def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
@@ -233,16 +149,19 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
     recorded = load_profile(recorded_profile if recorded_profile is not None else meta.get("profile") or "cpu")
     prof = load_profile(profile) if profile is not None else recorded
     whole = imported(trace)
-    device = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
-    scale = _combine(device, whatif.scale(prof, whole) if whatif is not None and not whatif.empty() else None)
+    scale = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
+    if whatif is not None and not whatif.empty():
+        trace, recording = whatif.apply(trace, recorded, whole), trace
+    else:
+        recording = trace
     rec_units = recorded_units(trace)
     chosen = {**prof.units, **rec_units, **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
     ranks = trace.ranks or [0]
     per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
     name = str(meta.get("graph", "replay"))
-    if len(ranks) > 1 and any(e.op in COLLECTIVE_OPS for e in trace.events):
-        out = _replay_world(per_rank, name, prof, chosen, pol, scale)
+    if len(ranks) > 1 and any(e.op in JOINED for e in trace.events):
+        out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in recording.events})
     else:
         results = []
         for rank, events in per_rank.items():
@@ -261,19 +180,22 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
 
 
 def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: HardwareProfile, units: dict[str, int],
-                  policy: Policy | str | None, scale: Scale | None) -> Trace:
-    """Every rank at once, collectives joined (see the module docstring)."""
+                  policy: Policy | str | None, scale: Scale | None, recorded: dict[tuple, TraceEvent]) -> Trace:
+    """Every rank at once, collectives joined (see the module docstring); ``recorded``: the
+    events before any what-if, by rank and task id."""
     ranks = sorted(per_rank)
-    colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in COLLECTIVE_OPS) for r in ranks}
+    colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
     durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
     plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
-    for rv in match_collectives(plain):  # each copy lasts the transfer: the shortest recorded copy
+    for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank arrived
         tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
         by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
         members = [(r, by_name[r][n]) for r, n in tids]
-        transfer = min(durs[r][t] for r, t in members)
-        for r, t in members:
-            durs[r][t] = transfer
+        if all((r, t) in recorded for r, t in members):
+            last = max(recorded[r, t].start for r, t in members)
+            for r, t in members:
+                e = recorded[r, t]
+                durs[r][t] = max(e.end - last, 0.0) * (durs[r][t] / (e.end - e.start) if e.end > e.start else 1.0)
     graphs = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
     world_units = dict(units)
     world_units[DELAY_ENGINE] = max(1, max(len(c) for c in colls.values()))

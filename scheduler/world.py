@@ -23,7 +23,8 @@ task id, which is the ``chain`` order when the collectives are chained
 (:func:`megaloom.comm.ops.chain`, as real ranks must). Every rank must issue the same number
 of them with the same ops in that order, else :class:`ScheduleError` names the first
 mismatch; they span the whole world. Point-to-point ``send``/``recv`` pairs are
-matched by (source, destination, ``tag``) in issue order and rendezvous pairwise; one
+matched by (source, destination, ``tag``) in issue order (``attrs``, else the ``peer`` and
+``tag`` tags of imported traces) and rendezvous pairwise; one
 without its partner raises ScheduleError. Orders that would deadlock real ranks (a cycle
 through rendezvous) raise ScheduleError too.
 
@@ -50,7 +51,7 @@ from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.profile import HardwareProfile
 from megaloom.scheduler.simulator import Simulator
 
-COLLECTIVE_OPS = frozenset({"all_to_all", "all_gather", "reduce_scatter", "all_reduce",
+COLLECTIVE_OPS = frozenset({"all_to_all", "all_gather", "reduce_scatter", "all_reduce", "barrier", "broadcast",
                             "shard_all_gather", "shard_reduce_scatter"})
 """Ops that every rank joins (matched by issue order)."""
 P2P_OPS = frozenset({"send", "recv"})
@@ -150,11 +151,11 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
             task = g.tasks[t]
             if task.op not in P2P_OPS:
                 continue
-            peer = task.attrs.get("peer")
+            peer = task.attrs.get("peer", task.tags.get("peer"))  # imported traces: a tag
             if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world or peer == r:
                 raise ScheduleError(f"rank {r}: {task.op} {task.name!r} has peer {peer!r}, "
                                     f"not another rank of a world of {world}")
-            tag = task.attrs.get("tag", 0)
+            tag = task.attrs.get("tag", task.tags.get("tag", 0))
             if task.op == "send":
                 sends.setdefault((r, peer, tag), []).append((r, t))
             else:

@@ -1,27 +1,13 @@
 """``megaloom replay``: re-simulate a recorded run, on its own device (the identity replay,
-whose error is always shown) and under what-ifs: another device, comm faster or at another
-link bandwidth, a class of kernels faster, other unit counts or policy (megaloom traces)."""
+whose error is always shown, with the share of the run no what-if moves) and under what-ifs
+aimed at ops, scopes, shapes, comm and parallelism, each printed with the error bar its kind
+measured on real A/B pairs; other unit counts or policy (megaloom traces)."""
 from __future__ import annotations
 
 import argparse
 
 from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 from megaloom.runtime.errors import ConfigError
-
-
-def _factors(items: list[str] | None) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for item in (x.strip() for text in items or () for x in text.split(",")):
-        if not item:
-            continue
-        key, sep, val = item.partition("=")
-        try:
-            out[key.strip()] = float(val) if sep and key.strip() else float("nan")
-        except ValueError:
-            out[key.strip()] = float("nan")
-        if not out[key.strip()] > 0 or out[key.strip()] == float("inf"):
-            raise ConfigError(f"bad --speedup {item!r}: expected CLASS=FACTOR with a positive factor, e.g. flash=2")
-    return out
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,22 +19,66 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="device to predict; each task is scaled by the cost model's ratio to the recorded device")
     p.add_argument("--recorded-profile", default=None,
                    help="device the trace was recorded on (default: from the trace's deviceProperties or profile)")
-    p.add_argument("--comm-speedup", type=float, default=1.0, metavar="F", help="what-if: comm ops F times faster")
-    p.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
-                   help="what-if: comm ops with recorded message sizes at this link bandwidth")
-    p.add_argument("--speedup", action="append", metavar="CLASS=F",
-                   help="what-if: a kernel class (e.g. nccl, flash, cublas, cudnn) or engine kind F times faster; "
-                        "repeat or separate with commas")
+    what = p.add_argument_group("what-ifs (PATTERN: a class, engine kind, op or kernel name, or a glob of one)")
+    what.add_argument("--speedup", action="append", metavar="PATTERN=F", help="matching tasks F times faster "
+                      "(flash=2, 'attn*=2', aten::mm=1.5); repeat or separate with commas")
+    what.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="matching tasks removed")
+    what.add_argument("--scope", action="append", default=[], metavar="ANNOTATION",
+                      help="limit --speedup, --remove, --dim, --cuda-graphs and --ep to tasks under this annotation "
+                           "or module (a glob; plain text matches inside names)")
+    what.add_argument("--cuda-graphs", action="store_true", help="host work lasts nothing (launches from a graph)")
+    what.add_argument("--dim", action="append", metavar="D=D2", help="every recorded tensor dimension D (and the "
+                      "flattened products it is part of) becomes D2, tasks re-costed: width, batch, sequence")
+    what.add_argument("--layers", metavar="GLOB=N", help="the blocks under annotations matching GLOB removed or "
+                      "repeated to N")
+    what.add_argument("--hot-experts", metavar="GLOB=F", help="MoE routing skew: the first expert under GLOB gets F "
+                      "times the mean tokens, the others share the rest")
+    what.add_argument("--comm-speedup", type=float, default=1.0, metavar="F", help="comm tasks F times faster")
+    what.add_argument("--comm-bytes", type=float, default=1.0, metavar="F", help="messages F times larger (alpha-beta)")
+    what.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
+                      help="comm tasks with recorded message sizes at this link bandwidth")
+    what.add_argument("--dp", type=int, metavar="N", help="data-parallel degree: gradient all-reduces re-costed "
+                      "(or added to a one-rank CPU trace)")
+    what.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree: all-to-alls re-costed, the expert "
+                      "work in --scope shared among N ranks")
     add_common(p)
     p.set_defaults(func=run)
 
 
+def _pairs(items: list[str] | None, what: str, key=str, value=float) -> dict:
+    """``KEY=VALUE`` items (repeated or comma-separated); a bad one raises ConfigError."""
+    out = {}
+    for item in (x for text in items or () for x in text.split(",") if x.strip()):
+        k, sep, v = item.partition("=")
+        try:
+            if not sep or not k.strip():
+                raise ValueError(item)
+            out[key(k.strip())] = value(v.strip())
+        except ValueError:
+            raise ConfigError(f"bad {what} {item!r}: expected {what.lstrip('-').upper()}=VALUE") from None
+    return out
+
+
+def _whatif(args: argparse.Namespace):
+    from megaloom.scheduler.whatif import WhatIf
+
+    one = lambda text, what, value: next(iter(_pairs([text], what, value=value).items())) if text else None  # noqa: E731
+    w = WhatIf(args.comm_speedup, args.link_bandwidth * 1e9 if args.link_bandwidth is not None else None,
+               _pairs(args.speedup, "--speedup"), tuple(args.scope), tuple(args.remove), args.cuda_graphs,
+               _pairs(args.dim, "--dim", int, int), one(args.layers, "--layers", int),
+               one(args.hot_experts, "--hot-experts", float), args.comm_bytes, args.dp, args.ep)
+    w.check()
+    return w
+
+
 def run(args: argparse.Namespace) -> int:
     from megaloom.runtime.metrics import metrics, summary
-    from megaloom.scheduler.fidelity import fidelity, table
+    from megaloom.scheduler.fidelity import error_bars, fidelity, frozen_line, table
     from megaloom.scheduler.importers import load_traces
-    from megaloom.scheduler.replay import WhatIf, imported, replay
+    from megaloom.scheduler.replay import imported, replay
 
+    whatif = _whatif(args)  # before a long import
+    policy, units = policy_and_units(args)
     recorded, reports = load_traces(args.trace_files)
     for rep in reports:
         print(rep.text())
@@ -56,11 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if len(reports) == 1 and reports[0].world_size > 1:
         print(f"notice: rank {reports[0].rank} of {reports[0].world_size} alone: its comm kernels' recorded "
               "durations include waiting for the other ranks; give every rank's file to split wait and transfer\n")
-    policy, units = policy_and_units(args)
     check_units(units, [e.engine for e in recorded.events])
-    whatif = WhatIf(args.comm_speedup, args.link_bandwidth * 1e9 if args.link_bandwidth is not None else None,
-                    _factors(args.speedup))
-    whatif.check()
     if imported(recorded) and (units or policy is not None):
         print("notice: --units and --policy cannot change an imported trace: it keeps one unit per recorded "
               "thread and stream, and its dependencies decide every start\n")
@@ -82,5 +108,9 @@ def run(args: argparse.Namespace) -> int:
     print(summary(result))
     print()
     print(table(check, metrics(result) if changed else None, label))
+    for line in (frozen_line(recorded) if imported(recorded) else "",
+                 error_bars(whatif.kinds() + (["device"] if args.profile else [])) if changed else ""):
+        if line:
+            print(line)
     write_outputs(result, args)
     return 0

@@ -10,6 +10,7 @@ import argparse
 import os
 
 from megaloom.commands import write_file
+from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.trace import Trace
@@ -32,17 +33,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.set_defaults(func=run_plot)
 
 
+def _load(path: str) -> Trace:
+    """A megaloom trace; a profiler (JSON) trace is refused with the command that reads it."""
+    try:
+        return Trace.load(path)
+    except TraceFormatError:
+        with open(path, "rb") as f:
+            head = f.read(64)
+        if head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["):
+            raise TraceFormatError(f"{path}: a profiler (JSON) trace, not a megaloom trace: `megaloom replay {path}` "
+                                   "imports it (import report, identity replay, what-ifs)") from None
+        raise
+
+
 def _out(args: argparse.Namespace, suffix: str) -> str:
     return args.out or os.path.splitext(args.trace)[0] + suffix
 
 
 def run_summary(args: argparse.Namespace) -> int:
-    print(summary(Trace.load(args.trace)))
+    print(summary(_load(args.trace)))
     return 0
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    trace = Trace.load(args.trace)
+    trace = _load(args.trace)
     out = _out(args, ".json")
     write_file(write_chrome, trace, out)
     print(f"wrote {out} ({len(trace.events)} tasks; open it in https://ui.perfetto.dev)")
@@ -52,7 +66,7 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_plot(args: argparse.Namespace) -> int:
     from megaloom.runtime.plot import plot_gantt
 
-    trace = Trace.load(args.trace)
+    trace = _load(args.trace)
     out = _out(args, ".png")
     write_file(plot_gantt, trace, out, title=args.title)
     print(f"wrote {out} ({len(trace.events)} tasks)")

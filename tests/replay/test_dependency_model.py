@@ -226,5 +226,41 @@ def test_collectives_match_by_process_group_and_sequence_number(tmp_path):
     trace, _ = import_ranks(paths)
     out = replay(trace).trace  # by order, a would meet b
     got = {(e.rank, e.task): (round(e.start * 1e6, 6), round(e.end * 1e6, 6)) for e in out.events if e.engine == "comm"}
-    assert got[(0, "ncclKernel_AllReduce_a")][1] == got[(1, "ncclKernel_AllReduce_a")][1]
-    assert got[(0, "ncclKernel_AllReduce_b")][1] == got[(1, "ncclKernel_AllReduce_b")][1]
+    for k in ("a", "b"):  # matched by group: no rank's copy ends before the other rank has reached it
+        mine, theirs = got[(0, f"ncclKernel_AllReduce_{k}")], got[(1, f"ncclKernel_AllReduce_{k}")]
+        assert mine[1] >= theirs[0] and theirs[1] >= mine[0]
+
+
+def test_flow_edges_join_forward_to_backward_across_threads(tmp_path):
+    flow = {"cat": "fwdbwd", "name": "fwdbwd", "id": 1, "pid": 1}
+    trace, rep, ev = load(tmp_path, [
+        cpu("aten::mm", 0, 10, tid=1), dict(flow, ph="s", tid=1, ts=0),
+        cpu("MmBackward0", 50, 10, tid=2), dict(flow, ph="f", tid=2, ts=50, bp="e"),
+    ])
+    assert ev["aten::mm"].task_id in ev["MmBackward0"].deps and rep.deps == {"flow fwdbwd": 1}
+    out = by_name(replay(trace, whatif=WhatIf(speedup={"aten::mm": 0.1})).trace)  # forward 10x slower
+    assert out["aten::mm"] == (0, 100) and out["MmBackward0"] == (140, 150)  # backward follows, its 40 us gap kept
+
+
+def test_launch_blocked_on_a_full_queue_waits_for_the_device(tmp_path):
+    trace, rep, ev = load(tmp_path, [
+        call("cudaLaunchKernel", 0, 2, 1), kernel("A", 3, 200, 1),
+        call("cudaLaunchKernel", 3, 2, 2), kernel("B", 203, 5, 2),
+        call("cudaLaunchKernel", 6, 200, 3), kernel("C", 208, 5, 3),  # returns 3 us after A ends: blocked on it
+    ])
+    assert rep.inferred == {"implicit sync: launch queue full": 1}
+    assert ev["A"].task_id in ev["cudaLaunchKernel#3"].deps  # the call's return piece, after its (empty) host part
+    out = by_name(replay(trace, whatif=K2).trace)
+    assert out["A"] == (3, 103) and out["cudaLaunchKernel#3"] == (103, 106)  # the launch returns when A ends
+    assert out["C"] == (106, 108.5)
+
+
+def test_host_thread_woken_by_another_threads_end_waits_for_it(tmp_path):
+    trace, rep, ev = load(tmp_path, [
+        cpu("aten::add", 0, 10, tid=1), cpu("aten::sum", 1000, 10, tid=1),   # idle 990 us, woken ...
+        cpu("aten::mm", 20, 900, tid=2),                                     # ... 80 us after this ends
+    ])
+    assert rep.inferred == {"host waits for another thread (from timing)": 1}
+    assert ev["aten::mm"].task_id in ev["aten::sum"].deps and ev["aten::sum"].tags["delay"] == pytest.approx(80e-6)
+    out = by_name(replay(trace, whatif=WhatIf(speedup={"aten::mm": 2})).trace)
+    assert out["aten::sum"] == (550, 560)

@@ -4,26 +4,35 @@
 ``tensorboard_trace_handler`` writes them) and returns a :class:`~megaloom.runtime.trace.Trace`
 plus an :class:`ImportReport` that accounts for every event. ``import_ranks(paths)`` reads
 one file per rank into one trace whose collectives replay together. The dependency model is
-in :mod:`.model` and docs/replay.md; classes in :mod:`.classes`; work figures in :mod:`.work`.
+in :mod:`.host`, :mod:`.device` and :mod:`.waits` (shared records in :mod:`.model`) and
+docs/replay.md; classes in :mod:`.classes`; work figures in :mod:`.work`. The format registers
+itself with :mod:`megaloom.scheduler.importers`.
 
 Events carry, in their tags: ``delay`` (seconds of untraced time between the moment their
 dependencies were met and their recorded start, which replay keeps), ``cpu`` (the part of a
 host call's delay spent inside CPU ops), ``class`` (the class table's label), ``stream`` or
 ``thread``, ``annotations`` (the annotations over them), ``inferred`` (the dependencies
-inferred from timing) and, for device ops, ``blocks`` (their grid) when the trace records it.
+inferred from timing), ``sync`` (what a call's waiting piece waited for), ``sources`` (the ops
+and shapes their work figures come from), ``grad_bytes`` (a gradient accumulated), ``peer`` and
+``tag`` (send / recv) and, for device ops, ``blocks`` (their grid) when the trace records it.
 The trace's ``meta['t0_us']`` is its time origin on the file's clock.
 """
 from __future__ import annotations
 
 import os
 import statistics
+from heapq import heapify, heappop, heappush
+from pathlib import Path
 from typing import Any, Iterable
 
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.trace import Trace, TraceEvent
-from megaloom.scheduler.importers.kineto.classes import op_class
+from megaloom.scheduler.importers import Format, register
+from megaloom.scheduler.importers.kineto import device, host, waits
+from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels, op_class
 from megaloom.scheduler.importers.kineto.model import Model, Task
 from megaloom.scheduler.importers.kineto.read import RawTrace, read
+from megaloom.scheduler.importers.kineto.work import Work, reshape
 from megaloom.scheduler.importers.kineto.report import ImportReport
 from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
@@ -32,6 +41,7 @@ from megaloom.scheduler.world import COLLECTIVE_OPS
 __all__ = ["ImportReport", "import_ranks", "import_torch_profiler", "op_class"]
 
 SOURCE = "torch.profiler"
+_NO_WORK = Work()
 
 
 def _int(v: Any) -> int | None:
@@ -57,15 +67,7 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
 
 
 def _order(tasks: list[Task]) -> list[int]:
-    """Task indices by start time, each after its dependencies (ties: zero-length producers)."""
-    order = sorted(range(len(tasks)), key=lambda i: (tasks[i].start, tasks[i].end, i))
-    pos = [0] * len(tasks)
-    for k, i in enumerate(order):
-        pos[i] = k
-    if all(pos[d] < pos[i] for i, t in enumerate(tasks) for d in t.deps):
-        return order
-    from heapq import heapify, heappop, heappush
-
+    """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
     succ: list[list[int]] = [[] for _ in tasks]
     unmet = [0] * len(tasks)
     for i, t in enumerate(tasks):
@@ -89,6 +91,8 @@ def _order(tasks: list[Task]) -> list[int]:
 
 def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
             inferred: dict[int, list[int]]) -> tuple[list[TraceEvent], dict[str, int]]:
+    """The tasks as trace events in a topological order (ids renumbered), each on a unit of its
+    engine per track, named uniquely, with its delay (seconds) after its dependencies were met."""
     order = _order(tasks)
     new = [0] * len(tasks)
     for k, i in enumerate(order):
@@ -98,42 +102,23 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     units: dict[str, int] = {}
     unit_of: dict[tuple[str, tuple], int] = {}
     names: dict[str, int] = {}
-    engines: dict[str, int] = {}
     events = []
-    add = events.append
-    delay_total = 0.0
     for i in order:
         t = tasks[i]
-        key = (t.engine, t.track)
-        unit = unit_of.get(key)
+        unit = unit_of.get((t.engine, t.track))
         if unit is None:
-            unit = unit_of[key] = units.get(t.engine, 0)
+            unit = unit_of[t.engine, t.track] = units.get(t.engine, 0)
             units[t.engine] = unit + 1
-            engines.setdefault(t.engine, 0)
-        engines[t.engine] += 1
-        n = names.get(t.name, 0)
-        names[t.name] = n + 1
-        ds = t.deps
-        if ds:
-            deps = sorted({new[d] for d in ds}) if len(ds) > 1 else [new[ds[0]]]
-            ready = max(tasks[d].end for d in ds) if len(ds) > 1 else tasks[ds[0]].end
-        else:
-            deps, ready = [], t0
+        n = names[t.name] = names.get(t.name, -1) + 1
+        ready = max((tasks[d].end for d in t.deps), default=t0)
         if t.start > ready:
-            delay = (t.start - ready) * 1e-6
-            t.tags["delay"] = delay  # each task owns its tags
-            delay_total += delay
-        w = t.work
-        if w is None:
-            add(TraceEvent(new[i], t.name if n == 0 else f"{t.name}#{n}", t.op, t.engine, unit, rank,
-                           (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, 0.0, 0.0, 0.0, deps, t.tags))
-        else:
-            add(TraceEvent(new[i], t.name if n == 0 else f"{t.name}#{n}", t.op, t.engine, unit, rank,
-                           (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes, deps, t.tags,
-                           w.precision))
-    for k, n in engines.items():
-        report.count("engines", k, n)
-    report.delay_s = delay_total
+            t.tags["delay"] = (t.start - ready) * 1e-6  # each task owns its tags
+            report.delay_s += t.tags["delay"]
+        w = t.work or _NO_WORK
+        events.append(TraceEvent(new[i], f"{t.name}#{n}" if n else t.name, t.op, t.engine, unit, rank,
+                                 (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes,
+                                 sorted({new[d] for d in t.deps}), t.tags, w.precision))
+        report.count("engines", t.engine)
     report.tasks = len(events)
     return events, units
 
@@ -150,14 +135,36 @@ def import_torch_profiler(path: str | os.PathLike, rank: int | None = None,
         return _import(read(path), rank, t0)
 
 
+def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
+    """The tasks and edges of one trace: the passes of :mod:`.model`, in order."""
+    m = Model(raw, report, world)
+    tracks: dict[tuple, list] = {}
+    for s in raw.slices:
+        on_device = m.has_device and (s.cat in DEVICE_CATEGORIES or s.cat == "gpu_user_annotation")
+        tracks.setdefault((on_device, s.pid, s.tid), []).append(s)
+    for (on_device, *track), items in tracks.items():
+        (device.sweep if on_device else host.sweep)(m, tuple(track), items)
+    device.link_launches(m)
+    waits.syncs(m)
+    device.tasks(m)
+    host.tasks(m)
+    device.deps(m)
+    m.flows()
+    waits.explain(m)
+    return m
+
+
 def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, ImportReport]:
     path = raw.path
     info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
     rank = rank if rank is not None else _int(info.get("rank")) or 0
     world = _int(info.get("world_size"))
     report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
-    model = Model(raw, report, world)
-    tasks = model.build()
+    if isinstance(raw.header.get("otherData"), dict) and {"graph", "mode"} <= raw.header["otherData"].keys():
+        raise TraceFormatError(f"{path}: megaloom's own Perfetto export (no dependencies between its tasks) cannot be "
+                               "replayed: replay the megaloom trace it was written from (the .mlt or .trace file)")
+    model = _build(raw, report, world)
+    tasks = model.tasks
     profile = _device(raw, tasks, report) if model.has_device else None
     origin = model.t0 if t0 is None else t0
     events, units = _events(tasks, origin, rank, report, model.inferred)
@@ -204,8 +211,8 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
 
 def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[ImportReport]]:
     """One trace of several ranks' files: ranks from ``distributedInfo`` (else file order), one
-    time origin for all, clocks aligned on collective ends (:func:`_align_clocks`; ranks on
-    one clock keep their skew), collectives tagged for matching (process group and sequence
+    time origin for all, clocks aligned on collective ends (:func:`_align_clocks`) unless every
+    file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for matching (process group and sequence
     number where recorded)."""
     paths = list(paths)
     if not paths:
@@ -225,7 +232,9 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
             for e in t.events:
                 e.rank = i
             t.meta["rank"], rep.rank = i, i
-    offsets = _align_clocks(traces, reports)
+    hosts = {r.header.get("host_name") for r in raws}
+    one_host = len(hosts) == 1 and isinstance(hosts.pop(), str)  # one clock: nothing to align
+    offsets = {} if one_host else _align_clocks(traces, reports)
     events = [e for t in traces for e in t.events]
     shift = min((e.start for e in events), default=0.0)
     for e in events:  # one origin again: the earliest event of any rank, aligned
@@ -245,3 +254,14 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
     if len(profiles) == 1 and None not in profiles:
         meta["profile"] = profiles.pop()
     return Trace(events, meta), reports
+
+
+def _load(paths: list[Path]) -> tuple[Trace, list[ImportReport]]:
+    if len(paths) == 1:
+        trace, report = import_torch_profiler(paths[0])
+        return trace, [report]
+    return import_ranks(paths)
+
+
+register(Format(SOURCE, lambda head: head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["), _load, tuple(labels()),
+                reshape))

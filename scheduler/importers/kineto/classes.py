@@ -53,10 +53,14 @@ CPU_CLASSES: tuple[EventClass, ...] = (
     EventClass("cpu_comm", "comm", r"^c10d::|gloo|nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
                r"broadcast|\bsend\b|\brecv\b", "collectives run on the CPU"),
     EventClass("cpu_gemm", "cube", r"^(?:aten::)?(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|einsum|_scaled_mm|"
-               r"conv\w*|convolution\w*|cudnn_convolution\w*)$", "GEMMs and convolutions run on the CPU"),
+               r"_grouped_mm|conv\w*|convolution\w*|cudnn_convolution\w*)$|"
+               r"(?:Mm|Bmm|Linear|GroupedMm|Convolution)Backward\d*$", "GEMMs and convolutions run on the CPU, and "
+               "their autograd nodes (an op whose nest holds a GEMM is classed here too)"),
     EventClass("cpu_op", "vector", r"", "any other CPU op"),
 )
-"""Top-level CPU ops of a trace with no device activity (the CPU was the device)."""
+"""Top-level CPU ops of a trace with no device activity (the CPU was the device). A ``c10d::``
+op that only hands a collective to a backend thread is host work; the collective is a task
+on that thread (its ``gloo:all_reduce`` annotation)."""
 
 HOST = EventClass("runtime", "host", r"", "host work: runtime and driver calls, CPU ops launching device work")
 
@@ -80,6 +84,7 @@ COLLECTIVES: tuple[tuple[str, str], ...] = (
     ("broadcast", r"broadcast|bcast"),
     ("reduce", r"reduce"),
     ("send_recv", r"send|recv|sendrecv|p2p"),
+    ("barrier", r"barrier"),
 )
 """Collective kind of a comm kernel or of a ``Collective name`` argument, first match wins."""
 
@@ -87,6 +92,13 @@ _DEVICE = [(re.compile(c.pattern, re.I), c) for c in DEVICE_CLASSES]
 _CPU = [(re.compile(c.pattern, re.I), c) for c in CPU_CLASSES]
 _SYNC = [(re.compile(p), kind) for kind, p in SYNC_CALLS]
 _COLL = [(re.compile(p, re.I), kind) for kind, p in COLLECTIVES]
+_BACKEND_OP = re.compile(r"^(?:gloo|nccl|mpi|ucc|xccl):(\w+)$")
+IMPLICIT_SYNCS: tuple[tuple[str, str], ...] = (
+    ("launch queue full", r"Launch"), ("allocator", r"Malloc|Free|HostAlloc|HostRegister|MemPool"),
+    ("copy", r"Memcpy|Memset"), ("blocking call", r""))
+"""Why a host call that returned only when a device op ended waited, by the call's name
+(CUDA runtime API, "implicit synchronization": a full launch queue blocks the launch, freeing
+memory and pageable copies synchronise)."""
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "runtime"})
 CONTEXT_CATEGORIES = frozenset({"user_annotation", "gpu_user_annotation", "python_function"})
@@ -131,6 +143,22 @@ def collective(name: str) -> str | None:
         if rx.search(name):
             return kind
     return None
+
+
+def backend_op(name: str) -> str | None:
+    """The collective of a communication backend's own annotation (``gloo:all_reduce``,
+    ``gloo:send``: op ``send``), or None."""
+    m = _BACKEND_OP.match(name)
+    if m is None:
+        return None
+    kind = collective(m.group(1))
+    return m.group(1) if kind == "send_recv" and m.group(1) in ("send", "recv") else kind or m.group(1)
+
+
+@lru_cache(maxsize=None)
+def implicit_sync(name: str) -> str:
+    """Why a host call blocked on the device (see :data:`IMPLICIT_SYNCS`)."""
+    return next(cause for cause, p in IMPLICIT_SYNCS if re.search(p, name))
 
 
 def op_class(name: str, category: str = "cpu_op") -> str:

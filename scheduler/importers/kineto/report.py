@@ -12,7 +12,6 @@ class ImportReport:
     path: str = ""
     device: str = ""
     """The recorded device's name and the profile it matched (``"A100 -> a100"``)."""
-    profile: str | None = None
     rank: int = 0
     world_size: int = 1
     tasks: int = 0
@@ -45,28 +44,22 @@ class ImportReport:
         d = getattr(self, table)
         d[key] = d.get(key, 0) + n
 
-    def skip(self, what: str) -> None:
-        self.count("skipped", what)
-
     def text(self) -> str:
         """The report as the CLI prints it."""
         def kv(d: dict[str, int]) -> str:
             return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda x: (-x[1], x[0]))) or "none"
 
+        rows = [("tasks", f"{self.tasks} ({kv(self.engines)})"),
+                ("device ops", f"{self.device_ops} ({self.with_work} with work figures, {self.without_work} keep their "
+                               "recorded duration in what-ifs)"),
+                ("host calls", f"{self.host_calls} ({self.split_calls} split where a kernel started or a sync returned)"),
+                *((k, kv(getattr(self, k))) for k in ("deps", "inferred", "retargeted", "dropped")),
+                ("overhanging", f"{self.overhangs} children clamped to their parent (largest overhang "
+                                f"{self.max_overhang_us:.3f} us)"),
+                ("untraced time", f"{self.delay_s * 1e6:.1f} us kept as delays"),
+                ("context (tags)", kv(self.context)), ("not used", kv(self.skipped))]
         lines = [f"import of {self.path}: rank {self.rank} of {self.world_size}, device {self.device or 'unknown'}",
-                 f"  tasks               {self.tasks} ({kv(self.engines)})",
-                 f"  device ops          {self.device_ops} ({self.with_work} with work figures, {self.without_work} "
-                 f"keep their recorded duration in what-ifs)",
-                 f"  host calls          {self.host_calls} ({self.split_calls} split where a kernel started or a sync returned)",
-                 f"  dependencies        {kv(self.deps)}",
-                 f"  inferred            {kv(self.inferred)}",
-                 f"  retargeted          {kv(self.retargeted)}",
-                 f"  dropped             {kv(self.dropped)}",
-                 f"  overhanging         {self.overhangs} children clamped to their parent "
-                 f"(largest overhang {self.max_overhang_us:.3f} us)",
-                 f"  untraced time       {self.delay_s * 1e6:.1f} us kept as delays",
-                 f"  context (tags)      {kv(self.context)}",
-                 f"  not used            {kv(self.skipped)}"]
+                 *(f"  {k.replace('deps', 'dependencies'):<20}{v}" for k, v in rows)]
         if self.truncated or self.opaque:
             lines.append(f"  truncated {self.truncated}, unknown categories {self.opaque}")
         lines += [f"  note: {n}" for n in self.notes]

@@ -30,6 +30,8 @@ _DTYPE = {"float": "float32", "double": "float64", "c10::half": "float16", "c10:
           "unsigned char": "uint8", "byte": "uint8", "c10::float8_e4m3fn": "float8_e4m3fn",
           "float8_e4m3fn": "float8_e4m3fn"}
 _GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|linear|matmul)$")
+_GROUPED = "aten::_grouped_mm"
+_SDPA = re.compile(r"^aten::_?(?:scaled_dot_product|_scaled_dot_product)\w*attention\w*$")
 _CONV = re.compile(r"^aten::(_?convolution|conv[123]d)$")
 _CONV_BWD = "aten::convolution_backward"
 _WIRE = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
@@ -119,6 +121,18 @@ def _conv_backward(ts: list[tuple[list[int], str]]) -> Work | None:
     return Work(2.0 * _conv_flops(x, w, gy[2:]), float(nbytes), 0.0, precision_of(dt))
 
 
+def _attention(name: str, ts: list[tuple[list[int], str]]) -> Work | None:
+    """Scaled dot-product attention: ``4*b*h*sq*sk*d`` flops forward, 2.5 times that backward
+    (five matrix products instead of two); the tensors read and written once."""
+    if "backward" in name:
+        ts = ts[1:]  # the output's gradient comes first
+    if len(ts) < 3 or not len(ts[0][0]) == len(ts[1][0]) >= 3:
+        return None
+    (q, dt), (k, _) = ts[0], ts[1]
+    flops = 4.0 * prod(q) * k[-2] * (2.5 if "backward" in name else 1.0)
+    return Work(flops, float(itemsize(dt) * sum(prod(d) for d, _ in ts[:3]) * 2), 0.0, precision_of(dt))
+
+
 def op_work(name: str, args: dict) -> Work | None:
     """Figures of one CPU op from its recorded shapes, or None when it has none."""
     ts = _tensors(args)
@@ -126,6 +140,12 @@ def op_work(name: str, args: dict) -> Work | None:
         return None
     if _GEMM.match(name):
         return _gemm(name, ts)
+    if name == _GROUPED and len(ts) >= 2:  # [m, k] x [g, k, n], [g, m, k] x [g, k, n] or [k, m] x [m, n]
+        (a, dt), (b, _) = ts[0], ts[1]
+        out = prod(a) // a[-1] * b[-1] * (b[0] if len(a) == len(b) == 2 else 1)
+        return Work(2.0 * prod(a) * b[-1], float(itemsize(dt) * (prod(a) + prod(b) + out)), 0.0, precision_of(dt))
+    if _SDPA.match(name):
+        return _attention(name, ts)
     if _CONV.match(name):
         return _conv(args, ts)
     if name == _CONV_BWD:
@@ -135,8 +155,39 @@ def op_work(name: str, args: dict) -> Work | None:
 
 
 def has_formula(name: str) -> bool:
-    """Whether ``name`` is an op with its own formula (GEMM or convolution), looked for up the stack."""
-    return bool(_GEMM.match(name) or _CONV.match(name)) or name == _CONV_BWD
+    """Whether ``name`` is an op with its own formula (GEMM, convolution, attention), looked for up the stack."""
+    return bool(_GEMM.match(name) or _CONV.match(name) or _SDPA.match(name)) or name in (_CONV_BWD, _GROUPED)
+
+
+def total(works: list[Work | None]) -> Work | None:
+    """The sum of several ops' figures (at the first one's precision), or None when none has any."""
+    ws = [w for w in works if w is not None]
+    if not ws:
+        return None
+    return Work(sum(w.flops for w in ws), sum(w.bytes for w in ws), sum(w.comm_bytes for w in ws), ws[0].precision,
+                ws[0].link)
+
+
+def sources_work(sources: list, dims: dict[int, int] | None = None) -> Work | None:
+    """The summed figures of a task's ``sources`` tag (``[name, Input Dims, Input type, Concrete
+    Inputs]`` per op), with each tensor dimension renamed by ``dims``."""
+    def swap(d):
+        return [swap(x) for x in d] if isinstance(d, list) else dims.get(d, d) if dims else d
+
+    return total([op_work(n, {"Input Dims": swap(d), "Input type": t, "Concrete Inputs": c}) for n, d, t, c in sources])
+
+
+def reshape(sources: list, dims: dict[int, int]) -> tuple[float, float] | None:
+    """Flops and bytes factors of a task whose ops' dimensions are renamed by ``dims``."""
+    a, b = sources_work(sources), sources_work(sources, dims)
+    if a is None or b is None:
+        return None
+    return (b.flops / a.flops if a.flops else 1.0), (b.bytes / a.bytes if a.bytes else 1.0)
+
+
+def source(s_name: str, args: dict) -> list:
+    """The ``sources`` entry of one op: what :func:`sources_work` needs to recompute its figures."""
+    return [s_name, args.get("Input Dims"), args.get("Input type"), args.get("Concrete Inputs")]
 
 
 def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | None:
@@ -152,6 +203,23 @@ def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | No
     size = float(max(elems) * itemsize(dt))
     wire = size * _WIRE[kind](n) if n > 1 else 0.0
     return Work(0.0, float(sum(elems) * itemsize(dt)), wire, precision_of(dt), "inter" if n > NODE_GPUS else "intra")
+
+
+def tensor_bytes(args: dict) -> float:
+    """Bytes of an op's first tensor input (a gradient, for ``AccumulateGrad``), or 0."""
+    ts = _tensors(args)
+    return float(prod(ts[0][0]) * itemsize(ts[0][1])) if ts else 0.0
+
+
+def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
+    """Figures of a backend's own collective annotation (``gloo:all_reduce``) from its tensor's shape."""
+    ts = _tensors(args)
+    if not ts:
+        return None
+    d, dt = ts[0]
+    n = prod(d)
+    peer = "send_recv" if kind in ("send", "recv") else kind
+    return comm_work(peer, {"In msg nelems": n, "Out msg nelems": n, "dtype": dt}, world_size)
 
 
 def copy_work(name: str, args: dict) -> Work | None:

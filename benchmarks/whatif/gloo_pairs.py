@@ -1,0 +1,182 @@
+"""Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, and
+a second data-parallel rank. B is predicted from A's profiler traces alone, with the link's
+alpha-beta model measured once on these ranks (as ``megaloom calibrate`` would).
+
+The two ranks live in a pool of worker processes that stay up for the whole suite: each
+command (time a workload, record it, measure the link) runs on both at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from benchmarks.whatif.pair import Pair
+from benchmarks.whatif.record import STEPS, TRACE_DIR, predicted_ratio, profile_steps, timed
+from megaloom.scheduler.profile import load_profile
+from megaloom.scheduler.replay import WhatIf
+
+BUCKET = 1 << 21
+"""Floats all-reduced per step by the comm pair's side A (8 MiB)."""
+WIDTH, TOKENS = 512, 64
+
+
+def mlp(width: int = WIDTH) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width), nn.ReLU(),
+                         nn.Linear(width, 4 * width), nn.ReLU(), nn.Linear(4 * width, width))
+
+
+def _training(model: nn.Module, extra: Callable[[], None] | None = None) -> Callable[[], None]:
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(TOKENS, model[0].in_features if isinstance(model, nn.Sequential) else WIDTH)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        if extra:
+            extra()
+        opt.step()
+    return step
+
+
+def workload(name: str) -> Callable[[], None]:
+    """``bucket:N`` (a quarter-width MLP step, then an all-reduce of N floats: comm about half the
+    step), ``ddp`` (the MLP in DDP), ``mlp``."""
+    if name.startswith("bucket:"):
+        buf = torch.zeros(int(name.split(":")[1]))
+        return _training(mlp(WIDTH // 4), lambda: dist.all_reduce(buf))
+    if name == "ddp":
+        return _training(nn.parallel.DistributedDataParallel(mlp()))
+    return _training(mlp())
+
+
+def _worker(rank: int, port: int, conn) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    steps: dict[str, Callable[[], None]] = {}
+    try:
+        while True:
+            cmd, name, arg = conn.recv()
+            if cmd == "stop":
+                break
+            if cmd != "link" and name not in steps:
+                steps[name] = workload(name)
+            step = steps.get(name)
+            dist.barrier()
+            if cmd == "time":
+                t = time.perf_counter()
+                timed(step, arg)
+                dist.barrier()
+                conn.send(time.perf_counter() - t)
+            elif cmd == "record":
+                conn.send(profile_steps(step, f"{arg}.rank{rank}", tries=1))  # both ranks: one recording
+            else:  # the link: median all-reduce time per size
+                out = []
+                for n in arg:
+                    buf, times = torch.ones(n), []
+                    for _ in range(9):
+                        dist.barrier()
+                        t = time.perf_counter()
+                        dist.all_reduce(buf)
+                        times.append(time.perf_counter() - t)
+                    out.append(statistics.median(times))
+                conn.send(out)
+    finally:
+        dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = 29500 + os.getpid() % 1000
+        self.conns, self.procs = [], []
+        for r in range(2):
+            a, b = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, port, b), daemon=True)
+            p.start()
+            self.conns.append(a)
+            self.procs.append(p)
+
+    def ask(self, cmd: str, name: str = "", arg=None) -> list:
+        for c in self.conns:
+            c.send((cmd, name, arg))
+        return [c.recv() for c in self.conns]
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send(("stop", "", None))
+        for p in self.procs:
+            p.join(timeout=30)
+
+
+_pool: _Pool | None = None
+_link: dict = {}
+
+
+def pool() -> _Pool:
+    global _pool
+    if _pool is None:
+        _pool = _Pool()
+    return _pool
+
+
+def close() -> None:
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
+def link_profile():
+    """The ``cpu`` profile with the gloo link these ranks measured: alpha and beta from two sizes."""
+    if "profile" not in _link:
+        small, large = 1 << 14, 1 << 22
+        t = [max(x) for x in zip(*pool().ask("link", "", [small, large]))]
+        beta = 4 * (large - small) / (t[1] - t[0])  # a ring all-reduce of 2 ranks puts the message on the wire once
+        alpha = max(t[0] - 4 * small / beta, 0.0)
+        base = load_profile("cpu")
+        _link["profile"] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)})
+    return _link["profile"]
+
+
+def _ranks(name: str) -> Callable[[], float]:
+    return lambda: max(pool().ask("time", name, STEPS))
+
+
+def pairs() -> list[Pair]:
+    traces: dict = {}
+    local: dict = {}
+
+    def record_bucket() -> None:
+        traces["bucket"] = pool().ask("record", f"bucket:{BUCKET}", "bucket")
+
+    def record_single() -> None:
+        torch.set_num_threads(1)
+        local["mlp"] = workload("mlp")
+        traces["mlp"] = [profile_steps(local["mlp"], "mlp")]
+        link_profile()
+
+    def single() -> float:
+        t = time.perf_counter()
+        timed(local["mlp"])
+        return time.perf_counter() - t
+
+    return [
+        Pair("comm", f"2 gloo ranks, all-reduce of {BUCKET * 4 >> 20} MiB -> {BUCKET * 2 >> 20} MiB per step",
+             _ranks(f"bucket:{BUCKET}"), _ranks(f"bucket:{BUCKET // 2}"),
+             lambda: predicted_ratio(traces["bucket"], WhatIf(comm_bytes=0.5), link_profile()), record_bucket),
+        Pair("parallelism", "MLP step, data-parallel degree 1 -> 2 gloo ranks (DDP)", single, _ranks("ddp"),
+             lambda: predicted_ratio(traces["mlp"], WhatIf(dp=2), link_profile()), record_single),
+    ]
+
+
+__all__ = ["TRACE_DIR", "close", "pairs"]

@@ -1,0 +1,171 @@
+"""Device streams: each kernel, copy and fill is a task on its stream.
+
+A device op waits for its launch (the piece of its launch call that ends where it was
+launched: a kernel that starts before its call returns splits the call there) and for the
+previous op on its stream. Its class (engine and library) comes from the class table; its
+work figures from the CPU op that launched it (shared among that op's kernels by recorded
+duration), from its own arguments (copies, collectives) or from the launching
+``record_param_comms`` op (collectives). ``Stream Wait Event`` records join streams.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any
+
+from megaloom.scheduler.importers.kineto.classes import collective, device_class
+from megaloom.scheduler.importers.kineto.model import Call, Model, Op, Task, corr
+from megaloom.scheduler.importers.kineto.read import Slice
+from megaloom.scheduler.importers.kineto.work import Work, comm_work, copy_work, has_formula, op_work, source
+
+
+def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
+    """Device ops of one stream in start order, tagged with the GPU annotations over them."""
+    items.sort(key=lambda s: (s.start, -s.end, s.seq))
+    stack: list[tuple[float, tuple]] = []
+    mine = m.stream_ops.setdefault(track, [])
+    for s in items:
+        while stack and stack[-1][0] <= s.start:
+            stack.pop()
+        anns = stack[-1][1] if stack else ()
+        if s.cat == "gpu_user_annotation":
+            m.report.count("context", s.cat)
+            stack.append((s.end, anns + (s.name,)))
+            continue
+        mine.append(len(m.ops))
+        m.ops.append(Op(s, anns, corr(s)))
+
+
+def link_launches(m: Model) -> None:
+    """Each op's launching call, by correlation id; index of ops by stream and correlation."""
+    m.by_corr = {}
+    for track, ids in m.stream_ops.items():
+        pairs = sorted((m.ops[i].corr, i) for i in ids if m.ops[i].corr is not None)
+        m.by_corr[track] = ([c for c, _ in pairs], [i for _, i in pairs])
+    for i, op in enumerate(m.ops):
+        ci = m.corr_call.get(op.corr) if op.corr is not None else None
+        if ci is None:
+            m.report.count("deps", "device op without a recorded launch (stream order only)")
+            continue
+        op.call = ci
+        call = m.calls[ci]
+        call.launched.append(i)
+        if call.s.start < op.s.start < call.s.end:
+            call.cuts.append(op.s.start)
+
+
+def last_before(m: Model, stream: tuple, c: int) -> int | None:
+    """The last op launched on ``stream`` before correlation id ``c``."""
+    corrs, ids = m.by_corr.get(stream, ((), ()))
+    k = bisect.bisect_left(corrs, c) - 1
+    return ids[k] if k >= 0 else None
+
+
+def first_after(m: Model, stream: tuple, c: int) -> int | None:
+    """The first op launched on ``stream`` after correlation id ``c``."""
+    corrs, ids = m.by_corr.get(stream, ((), ()))
+    k = bisect.bisect_right(corrs, c)
+    return ids[k] if k < len(ids) else None
+
+
+def tasks(m: Model) -> None:
+    """A task per device op, with its class, tags and work figures."""
+    rep = m.report
+    shares: dict[int, list[int]] = {}  # launching CPU op (by seq) -> its kernels
+    op_of: dict[int, Slice] = {}
+    for track, ids in m.stream_ops.items():
+        for i in ids:
+            op = m.ops[i]
+            s = op.s
+            cls = device_class(s.name, s.cat)
+            call = m.calls[op.call] if op.call >= 0 else None
+            tags: dict[str, Any] = {"category": s.cat, "class": cls.label, "stream": s.tid}
+            if op.anns or (call is not None and call.anns):
+                tags["annotations"] = list(dict.fromkeys((*(call.anns if call else ()), *op.anns)))
+            grid = s.args.get("grid")
+            if isinstance(grid, list) and grid and all(type(g) is int and g > 0 for g in grid):
+                tags["blocks"] = math.prod(grid)
+            work, name = None, s.name
+            if cls.engine == "copy":
+                work = copy_work(s.name, s.args)
+            elif cls.engine == "comm":
+                work, name = _comm(m, s, call, tags)
+            elif call is not None and (src := _launching_op(call)) is not None:
+                shares.setdefault(src.seq, []).append(len(m.tasks))
+                op_of[src.seq] = src
+                tags["sources"] = [source(src.name, src.args)]
+            if work is not None and work.comm_bytes:
+                tags["link"] = work.link
+            if call is not None and call.ops:
+                tags["launched_by"] = call.ops[-1].name
+            op.task = m.new(Task(s.name, name, cls.engine, cls.label, track, s.start, s.end, tags=tags, work=work))
+    for seq, tids in shares.items():  # an op's figures shared among its kernels by recorded duration
+        w = op_work(op_of[seq].name, op_of[seq].args)
+        if w is None:
+            continue
+        whole = sum(m.tasks[t].end - m.tasks[t].start for t in tids)
+        for t in tids:
+            f = (m.tasks[t].end - m.tasks[t].start) / whole if whole > 0 else 1.0 / len(tids)
+            m.tasks[t].work = Work(w.flops * f, w.bytes * f, 0.0, w.precision)
+    for op in m.ops:
+        w = m.tasks[op.task].work
+        if w is not None and (w.flops or w.bytes or w.comm_bytes):
+            rep.with_work += 1
+        else:
+            rep.without_work += 1
+    rep.device_ops = len(m.ops)
+
+
+def _launching_op(call: Call) -> Slice | None:
+    """The CPU op whose shapes describe the call's kernels: the nearest one up the stack with
+    its own formula (GEMM, convolution, attention), else the innermost one with recorded shapes."""
+    for s in reversed(call.ops):
+        if has_formula(s.name) and "Input Dims" in s.args:
+            return s
+    return next((s for s in reversed(call.ops) if "Input Dims" in s.args), None)
+
+
+def _comm(m: Model, s: Slice, call: Call | None, tags: dict) -> tuple[Work | None, str]:
+    """Figures and op name of a comm kernel: its own arguments, else its launching op's."""
+    def has(args: dict) -> bool:
+        return "Collective name" in args or "In msg nelems" in args
+
+    src = s.args if has(s.args) else next((o.args for o in reversed(call.ops) if has(o.args)), None) if call else None
+    src = src or {}
+    kind = collective(str(src.get("Collective name", ""))) or collective(s.name)
+    pg, seq = src.get("Process Group Name"), src.get("Seq", src.get("seq"))
+    if pg is not None:
+        tags["pg"] = str(pg)
+    if type(seq) is int:
+        tags["seq"] = seq
+    return comm_work(kind, src, m.world_size), kind or s.name
+
+
+def deps(m: Model) -> None:
+    """Launch, stream order and recorded stream-wait edges of every device op."""
+    rep = m.report
+    for ids in m.stream_ops.values():
+        prev = None
+        for i in ids:
+            op = m.ops[i]
+            t = m.tasks[op.task]
+            if op.call >= 0:
+                done = [p for p in m.calls[op.call].pieces if m.tasks[p].end <= t.start]
+                # a kernel starting before its launch call: the clocks disagree; the thread's last task done by then
+                launch = done[-1] if done else m.consistent(m.calls[op.call].pieces[0], t.start,
+                                                             "launch (kernel starts before its launch call)")
+                if launch is not None:
+                    t.deps.append(launch)
+                    rep.count("deps", "launch")
+            if prev is not None:
+                p = m.consistent(m.ops[prev].task, t.start, "stream order")
+                if p is not None:
+                    t.deps.append(p)
+                    rep.count("deps", "stream order")
+            prev = i
+    for p, q in m.explicit_waits:
+        t = m.tasks[m.ops[q].task]
+        p2 = m.consistent(m.ops[p].task, t.start, "event wait")
+        if p2 is not None:
+            t.deps.append(p2)
+            rep.count("deps", "event wait")

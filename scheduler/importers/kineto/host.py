@@ -1,0 +1,200 @@
+"""Host threads: chains of their outermost runtime calls (in a trace with no device activity,
+of their outermost CPU ops, which were the device's work).
+
+The untraced host time between two calls is the later call's delay, tagged ``cpu`` with the
+part spent inside CPU ops. Annotations (``user_annotation``, ``nn.Module:`` Python frames) and
+the CPU ops around a call are its context (tags), never tasks. A call is cut where a kernel
+it launched started inside it, and where a sync it made returned (:mod:`.waits`): the time
+before the return was waiting, not host work.
+
+On the CPU, an op's work figures are the sum over the GEMM-like ops in its nest (each counted
+once: the innermost ones), else over its outermost ops with recorded shapes (itself, or the
+ops an autograd node ran); the ops and shapes are kept (tag ``sources``) for shape what-ifs; a communication backend's annotation
+(``gloo:all_reduce`` on gloo's thread, ``gloo:send`` inside ``c10d::send``) makes a comm task
+with the bytes of its tensor; a ``c10d::`` op that only hands a collective to a backend
+thread is host work.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from megaloom.scheduler.importers.kineto.classes import (
+    CONTEXT_CATEGORIES, HOST, RUNTIME_CATEGORIES, backend_op, cpu_class,
+)
+from megaloom.scheduler.importers.kineto.model import Call, Model, Task
+from megaloom.scheduler.importers.kineto.read import Slice
+from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, tensor_bytes, total
+
+_P2P_ARGS = re.compile(r"^-?\d+$")
+
+
+def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
+    """Outermost calls of one thread; annotations and CPU ops become their context."""
+    items.sort(key=lambda s: (s.start, -s.end, s.seq))
+    rep, gpu, calls_all, corr_call = m.report, m.has_device, m.calls, m.corr_call
+    calls = m.thread_calls.setdefault(track, [])
+    busy = m.thread_busy.setdefault(track, [])
+    marks = m.thread_marks.setdefault(track, [])
+    context: dict[str, int] = {}
+    stack: list[tuple[float, tuple, tuple, int]] = []  # (end, annotations, ops, owning call)
+    top = (float("inf"), (), (), -1)
+    for s in items:
+        start = s.start
+        while top[0] <= start:
+            stack.pop()
+            top = stack[-1] if stack else (float("inf"), (), (), -1)
+        end, anns, ops, owner = top
+        if s.end > end:  # overhangs its parent (clock rounding): clamp and count
+            rep.overhangs += 1
+            rep.max_overhang_us = max(rep.max_overhang_us, s.end - end)
+            s.end = end
+        marks += (start, s.end)
+        cat = s.cat
+        if cat in CONTEXT_CATEGORIES and (gpu or not backend_op(s.name)):
+            context[cat] = context.get(cat, 0) + 1
+            named = cat == "user_annotation" or s.name.startswith("nn.Module: ")
+            top = (s.end, anns + (s.name.removeprefix("nn.Module: "),) if named else anns, ops, owner)
+            stack.append(top)
+            continue
+        runtime = cat in RUNTIME_CATEGORIES
+        if not ops and owner < 0:
+            if busy and start <= busy[-1][1]:
+                busy[-1][1] = max(busy[-1][1], s.end)
+            else:
+                busy.append([start, s.end])
+        if owner < 0 and (runtime or not gpu):
+            owner = len(calls_all)
+            calls_all.append(Call(s, anns, ops))
+            calls.append(owner)
+        else:
+            if owner >= 0:
+                calls_all[owner].nested.append(s)
+            key = cat or "uncategorised"
+            context[key] = context.get(key, 0) + 1
+        c = s.args.get("correlation")
+        if type(c) is int and owner >= 0 and c not in corr_call:
+            corr_call[c] = owner
+        top = (s.end, anns, ops if runtime else ops + (s,), owner)
+        stack.append(top)
+    marks.sort()
+    for k, n in context.items():
+        rep.count("context", k, n)
+
+
+def tasks(m: Model) -> None:
+    """Each call as one task, or as pieces cut at launch points and at its sync's return."""
+    for track, ids in m.thread_calls.items():
+        prev = None
+        busy = m.thread_busy.get(track, [])
+        k, at = 0, m.t0
+        for ci in ids:
+            call = m.calls[ci]
+            _pieces(m, track, call)
+            for p in call.pieces:  # program order on the thread
+                t = m.tasks[p]
+                if prev is not None:
+                    t.deps.insert(0, prev)
+                if "sync" not in t.tags:  # the time before a sync's return was waiting
+                    k = _cpu_time(t, busy, k, at)
+                prev, at = p, t.end
+        last = busy[-1][1] if busy else at
+        if prev is not None and last > at:  # CPU work after the last call: the thread ends later
+            t = Task("thread end", "thread end", "host", HOST.label, track, last, last, [prev],
+                     {"category": "end of thread", "class": HOST.label, "thread": track[1]})
+            _cpu_time(t, busy, k, at)
+            m.new(t)
+    m.report.host_calls = len(m.calls)
+
+
+def _cpu_time(t: Task, busy: list[list[float]], k: int, since: float) -> int:
+    """Tag ``t`` with the seconds of ``[since, t.start)`` spent inside CPU ops (``cpu``); the
+    rest of that gap the thread was idle. ``k``: first busy interval that may overlap."""
+    while k < len(busy) and busy[k][1] <= since:
+        k += 1
+    covered, j = 0.0, k
+    while j < len(busy) and busy[j][0] < t.start:
+        covered += max(0.0, min(busy[j][1], t.start) - max(busy[j][0], since))
+        j += 1
+    if covered > 0:
+        t.tags["cpu"] = covered * 1e-6
+    return k
+
+
+def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
+    """Engine, class label, op and figures of a top-level CPU op of a trace with no device."""
+    s = call.s
+    nest = [s, *call.nested]
+    comm = next(((o, k) for o in nest if (k := backend_op(o.name))), None)
+    if comm is not None:
+        o, kind = comm
+        if kind in ("send", "recv"):
+            vals = s.args.get("Concrete Inputs") or []
+            peer = [int(v) for v in vals[2:4] if isinstance(v, str) and _P2P_ARGS.match(v)]
+            if len(peer) == 2:
+                tags.update(peer=peer[0], tag=peer[1])
+        return "comm", "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
+    grad = sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad")
+    if grad:
+        tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
+    cls = cpu_class(s.name)
+    shaped = [o for o in nest if "Input Dims" in o.args]
+    gemms = [o for o in shaped if has_formula(o.name)]
+    inner = [o for o in gemms if not any(g is not o and o.start <= g.start and g.end <= o.end for g in gemms)]
+    srcs, end = inner, float("-inf")
+    for o in shaped if not inner else ():  # no GEMM: the outermost ops with shapes (the op, or its node's)
+        if o.start >= end:
+            srcs, end = srcs + [o], o.end
+    if srcs:
+        tags["sources"] = [source(o.name, o.args) for o in srcs]
+    work = total([op_work(o.name, o.args) for o in srcs])
+    if cls.engine == "comm":  # it only handed the collective to a backend thread
+        return "host", HOST.label, s.name, None
+    if inner and cls.label == "cpu_op":
+        cls = cpu_class("aten::mm")
+    return cls.engine, cls.label, s.name, work
+
+
+def _pieces(m: Model, track: tuple, call: Call) -> None:
+    s, rep = call.s, m.report
+    tags: dict[str, Any] = {"category": s.cat or "uncategorised", "thread": s.tid}
+    op, work = s.name, None
+    if m.has_device or s.cat in RUNTIME_CATEGORIES:
+        engine, label = "host", HOST.label
+    else:
+        engine, label, op, work = _cpu_op(m, call, tags)
+        if s.cat not in ("cpu_op", "") and not backend_op(s.name):
+            rep.opaque += 1
+            op = "opaque"
+    tags["class"] = label
+    waits = [w for w in (m.consistent(m.ops[i].task, s.end, "sync") for i in call.waits) if w is not None]
+    ret = max((m.tasks[w].end for w in waits), default=s.start)
+    cuts = sorted(set(call.cuts))
+    if not cuts and not waits:
+        bounds, wait_piece = [(s.start, s.end)], 0
+    elif ret > s.start:  # the call waited: host part (lasting nothing), then its return after the waiting
+        before, after = [c for c in cuts if c < ret], [c for c in cuts if c > ret]
+        bounds = list(zip([s.start, *before], [*before, ret]))
+        bounds[-1] = (bounds[-1][0], bounds[-1][0])
+        bounds += list(zip([ret, *after], [*after, s.end]))
+        wait_piece = len(bounds) - 1 - len(after)
+    else:
+        bounds, wait_piece = list(zip([s.start, *cuts], [*cuts, s.end])), len(cuts)
+    if call.anns:
+        tags["annotations"] = list(call.anns)
+    if call.ops:
+        tags["op"] = call.ops[-1].name
+    if s.truncated:
+        tags["truncated"] = True
+        rep.truncated += 1
+    rep.split_calls += len(bounds) > 1
+    for k, (a, b) in enumerate(bounds):
+        piece_tags = dict(tags, piece=k) if len(bounds) > 1 else tags
+        call.pieces.append(m.new(Task(s.name, op, engine, label, track, a, b, [], piece_tags, work)))
+    if waits:
+        piece = call.pieces[wait_piece]
+        m.tasks[piece].deps.extend(waits)
+        m.tasks[piece].tags = dict(m.tasks[piece].tags, sync=call.wait_kind)
+        rep.count("inferred" if call.wait_inferred else "deps", call.wait_kind)
+        if call.wait_inferred:
+            m.inferred.setdefault(piece, []).extend(waits)

@@ -1,0 +1,135 @@
+"""Every kind of what-if on small pairs the test records itself (tiny torch workloads under
+torch.profiler on the CPU): the what-if applied to side A's trace must reproduce what side B's
+own trace records (work figures, task counts), and move the replay where it says."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from megaloom.runtime.errors import ConfigError
+from megaloom.scheduler.importers import import_torch_profiler, reshaped
+from megaloom.scheduler.replay import WhatIf, replay
+
+
+class Tiny(nn.Module):
+    """Layers of (linear, relu, linear) under ``layer.i``, then experts under ``expert.j``."""
+
+    def __init__(self, width=48, layers=2, experts=3, dropout=0.0):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(20, width), nn.ReLU(), nn.Dropout(dropout),
+                                                  nn.Linear(width, 20)) for _ in range(layers))
+        self.experts = nn.ModuleList(nn.Linear(20, 20) for _ in range(experts))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            with record_function(f"layer.{i}"):
+                x = layer(x)
+        out = 0
+        for j, expert in enumerate(self.experts):
+            with record_function(f"expert.{j}"):
+                out = out + expert(x[j::len(self.experts)]).sum()
+        return out
+
+
+def record(tmp_path, name, tokens=12, **kw):
+    torch.manual_seed(0)
+    model, x = Tiny(**kw), torch.randn(tokens, 20)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        model(x).backward()
+    path = tmp_path / f"{name}.json"
+    prof.export_chrome_trace(str(path))
+    return import_torch_profiler(path)[0]
+
+
+@pytest.fixture(scope="module")
+def a(tmp_path_factory):
+    return record(tmp_path_factory.mktemp("a"), "a")
+
+
+def gemm_flops(trace, scope=None):
+    return sum(e.flops for e in trace.events if e.engine == "cube"
+               and (scope is None or any(scope in x for x in e.tags.get("annotations", ()))))
+
+
+def test_backward_nodes_are_gemms_with_the_work_of_all_their_products(a):
+    nodes = [e for e in a.events if "AddmmBackward" in e.op]
+    assert nodes and all(e.engine == "cube" for e in nodes)
+    assert all(e.tags["annotations"] for e in nodes)  # the forward op's scope, through the fwd -> bwd flow
+    forward = {e.flops for e in a.events if e.op == "aten::linear" and "layer.1" in e.tags["annotations"]}
+    # two products each (the input's gradient and the weight's), not the figures of one of them
+    assert {e.flops for e in nodes if "layer.1" in e.tags["annotations"]} == {2 * f for f in forward}
+
+
+@pytest.mark.parametrize("change, dims", [({"width": 96}, {48: 96}), ({"tokens": 24}, {12: 24})],
+                         ids=["width", "batch"])
+def test_dims_what_if_gives_side_b_its_recorded_work(tmp_path, a, change, dims):
+    b = record(tmp_path, "b", **change)
+    src = a.meta["source"]
+    want = sum(e.flops * (reshaped(src, e.tags["sources"], dims) or (1, 1))[0] for e in a.events
+               if e.engine == "cube" and e.tags.get("sources") and "layer." in str(e.tags.get("annotations")))
+    assert want == pytest.approx(gemm_flops(b, "layer."), rel=1e-9) and want != gemm_flops(a, "layer.")
+    faster = replay(a, whatif=WhatIf(dims=dims)).trace
+    assert faster.makespan > replay(a).trace.makespan
+
+
+def test_layers_what_if_repeats_and_removes_the_recorded_layers(tmp_path, a):
+    b = record(tmp_path, "b", layers=4)
+    def n_layer_tasks(t):
+        return sum(1 for e in t.events if any(x.startswith("layer.") for x in e.tags.get("annotations", ())))
+    assert n_layer_tasks(b) == 2 * n_layer_tasks(a)
+    def busy(whatif):
+        out = replay(a, whatif=whatif).trace
+        return sum(e.duration for e in out.events if "layer.1" in e.tags.get("annotations", ()))
+    assert busy(WhatIf(layers=("layer.*", 4))) == pytest.approx(2 * busy(None))
+    assert busy(WhatIf(layers=("layer.*", 1))) == 0.0  # the second layer removed
+    with pytest.raises(ConfigError, match="no annotation of this trace matches 'block.*'"):
+        replay(a, whatif=WhatIf(layers=("block.*", 4)))
+
+
+def test_remove_what_if_drops_what_side_b_does_not_run(tmp_path):
+    a = record(tmp_path, "a", dropout=0.5)
+    b = record(tmp_path, "b", dropout=0.0)
+    def dropouts(t):
+        return [e for e in t.events if "dropout" in e.op.lower() and e.duration > 0]
+    assert dropouts(a) and not any("native_dropout" in e.op for e in dropouts(b))
+    out = replay(a, whatif=WhatIf(remove=("*dropout*",))).trace
+    assert not dropouts(out) and out.makespan < replay(a).trace.makespan
+
+
+def test_speedup_by_pattern_and_scope(a):
+    base = {e.task_id: e.duration for e in replay(a).trace.events}
+    out = {e.task_id: e for e in replay(a, whatif=WhatIf(speedup={"*": 2.0}, scope=("expert.1",))).trace.events}
+    for e in a.events:
+        inside = "expert.1" in e.tags.get("annotations", ())
+        assert out[e.task_id].duration == pytest.approx(base[e.task_id] / (2 if inside else 1))
+    out = {e.task_id: e for e in replay(a, whatif=WhatIf(speedup={"aten::linear": 4.0})).trace.events}
+    assert all(out[e.task_id].duration == pytest.approx(base[e.task_id] / 4) for e in a.events if e.op == "aten::linear")
+
+
+def test_hot_experts_shift_work_to_the_first_expert(a):
+    base = {e.task_id: e.duration for e in replay(a).trace.events}
+    out = {e.task_id: e.duration for e in replay(a, whatif=WhatIf(hot_experts=("expert.*", 2.0))).trace.events}
+    def change(scope):
+        ids = [e.task_id for e in a.events if scope in e.tags.get("annotations", ()) and e.flops]
+        return sum(out[i] for i in ids) / sum(base[i] for i in ids)
+    # tiny ops: mostly the cost model's per-task overhead, so the shift is small but one-sided
+    assert change("expert.0") > 1.0 > max(change("expert.1"), change("expert.2"))
+
+
+def test_dp_what_if_adds_gradient_all_reduces_of_every_parameter(a):
+    model = Tiny()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    out = replay(a, whatif=WhatIf(dp=2)).trace
+    added = [e for e in out.events if e.tags.get("class") == "added"]
+    assert added and sum(e.comm_bytes for e in added) == pytest.approx(params)  # 2 (n-1)/n = 1 for n = 2
+    assert out.makespan > replay(a).trace.makespan
+
+
+def test_what_if_kinds_and_checks():
+    assert WhatIf(dims={4: 8}, dp=2, speedup={"x": 2}).kinds() == ["op_speed", "shape", "parallelism"]
+    for bad, says in [(WhatIf(dp=0), "dp must be a positive whole number"), (WhatIf(dims={4: 0}), "dimension 4 -> 0"),
+                      (WhatIf(hot_experts=("e", -1.0)), "hot experts must be"), (WhatIf(comm_bytes=0), "comm bytes")]:
+        with pytest.raises(ConfigError, match=says):
+            bad.check()

@@ -1,7 +1,8 @@
 """Calibration: fit the cost model's per-op coefficients to measured traces.
 
 For each op class (the op name) the model is the cost model's own roofline,
-``duration = overhead + max(flops / throughput, bytes / mem_bw)``. Three candidates are
+``duration = overhead + max(work / throughput, bytes / mem_bw)``, where work is the flops of a
+compute op and the bytes on the wire (``comm_bytes``) of a comm or copy op. Three candidates are
 fitted by weighted least squares on relative error (durations span orders of
 magnitude): compute-bound (flops term only), memory-bound (bytes term only) and both
 (each slope from its single-term fit, overhead refitted). The candidate with the
@@ -14,6 +15,12 @@ out). :func:`dispatch_latency` measures it from the traces as the median gap bet
 moment a task could start (its unit free, its dependencies done) and its start;
 :func:`fit_traces` adds it to every op's overhead, since the simulator starts tasks the
 instant they can run.
+
+Units that share cores slow each other (:mod:`megaloom.scheduler.contention`): given a
+contention, each sample is the event's full-speed work under it, not its recorded duration.
+:func:`fit_contention` fits the contention itself: the shared cores (and the slowdown of
+compute overlapped by comm, when the traces show such overlap) under which the per-op fits
+explain the traces best.
 """
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ import numpy as np
 
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.trace import Trace
+from megaloom.scheduler.contention import work
 from megaloom.scheduler.cost import OpCoeffs
-from megaloom.scheduler.profile import HardwareProfile, parse_profile
+from megaloom.scheduler.profile import COMM, Contention, HardwareProfile, parse_profile
 
 UNBOUNDED = 1e30  # a rate so high its term never wins the roofline max
 
@@ -40,10 +48,6 @@ class OpFit:
     samples: int
     median_rel_error: float
     max_rel_error: float
-
-    def predict(self, flops: float, bytes_: float) -> float:
-        c = self.coeffs
-        return (c.overhead or 0.0) + max(flops / (c.throughput or UNBOUNDED), bytes_ / (c.mem_bw or UNBOUNDED))
 
 
 def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
@@ -102,17 +106,20 @@ def dispatch_latency(traces: Iterable[Trace]) -> float:
     return float(np.median(gaps)) if gaps else 0.0
 
 
-def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = True) -> dict[str, OpFit]:
+def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = True,
+               contention: Contention | None = None) -> dict[str, OpFit]:
     """Per-op fits over every event of ``traces`` (ops with fewer samples are left out);
-    with ``dispatch``, each overhead includes the traces' :func:`dispatch_latency`."""
+    with ``dispatch``, each overhead includes the traces' :func:`dispatch_latency`; with
+    ``contention``, each sample is the event's full-speed work under it."""
     traces = list(traces)
     latency = dispatch_latency(traces) if dispatch else 0.0
     rows: dict[str, list[tuple[float, float, float]]] = {}
     engine: dict[str, str] = {}
     for t in traces:
-        for e in t.events:
+        seconds = work(t.events, contention) if contention else [e.end - e.start for e in t.events]
+        for e, d in zip(t.events, seconds):
             if e.end > e.start:
-                rows.setdefault(e.op, []).append((e.flops, e.bytes, e.end - e.start))
+                rows.setdefault(e.op, []).append((e.comm_bytes if e.engine in COMM else e.flops, e.bytes, d))
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
@@ -123,6 +130,39 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
             f = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
             fits[op] = replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
     return fits
+
+
+def _most_at_once(traces: list[Trace], engines: Iterable[str]) -> int:
+    """The most events of ``engines`` running at one instant in any of ``traces``."""
+    most = 0
+    for t in traces:
+        edges = sorted([(e.start, 1) for e in t.events if e.engine in engines] +
+                       [(e.end, -1) for e in t.events if e.engine in engines])  # ends before starts
+        most = max([most, *np.cumsum([d for _, d in edges])])
+    return most
+
+
+def fit_contention(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
+    """``base`` with the shared cores (between 1 and the most shared events at once, in steps of
+    0.05) and the overlap slowdown (0 to 1, when comm overlaps compute in the traces) under which
+    :func:`fit_traces` (given ``options``) explains the traces best, and those fits. The score is
+    the sum over ops of samples times median relative error; a figure the traces cannot show
+    (nothing shared ran at once, no overlap) stays ``base``'s."""
+    traces = list(traces)
+
+    def fitted(c: Contention) -> tuple[float, Contention, dict[str, OpFit]]:
+        fits = fit_traces(traces, contention=c, **options)
+        return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
+
+    most = _most_at_once(traces, base.engines)
+    best = fitted(base)
+    if most > 1:
+        best = min((fitted(replace(base, cores=float(x))) for x in np.arange(1.0, most + 1e-9, 0.05)),
+                   key=lambda b: b[0])
+    if _most_at_once(traces, COMM) and any(e.engine not in COMM for t in traces for e in t.events):
+        best = min((fitted(replace(best[1], overlap=float(x))) for x in np.arange(0.0, 1.0 + 1e-9, 0.05)),
+                   key=lambda b: b[0])
+    return best[1], best[2]
 
 
 def fit_table(fits: dict[str, OpFit]) -> str:
@@ -141,9 +181,13 @@ def fit_table(fits: dict[str, OpFit]) -> str:
 
 
 def calibrated_profile(base: HardwareProfile, fits: dict[str, OpFit], name: str | None = None,
-                       source: str = "traces") -> HardwareProfile:
-    """``base`` with the fits in its ``ops`` section (coefficients and residuals)."""
+                       source: str = "traces", contention: Contention | None = None) -> HardwareProfile:
+    """``base`` with the fits in its ``ops`` section (coefficients and residuals), and
+    ``contention`` (as fitted with them) in place of its own."""
     data = base.to_dict()
+    if contention is not None:
+        data["contention"] = contention.to_dict()
+        data["sources"]["contention"] = f"fitted by `megaloom calibrate --from` on {source}"
     data["name"] = name or base.name
     data["ops"] = {**data.get("ops", {}), **{
         op: {"throughput": f.coeffs.throughput or UNBOUNDED, "overhead": f.coeffs.overhead or 0.0,

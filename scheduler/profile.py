@@ -25,6 +25,10 @@ Layout (numbers may be written ``1.6e12``)::
     task_overhead: 2.0e-6      # s added to every task
     ops:                       # optional, written by `megaloom calibrate --from`: fitted per-op
       matmul: {throughput: 7.0e10, overhead: 1.2e-5, mem_bw: 1.0e30, samples: 32, median_rel_error: 0.04}
+    contention:                # optional: engines sharing cores, comm slowing compute (scheduler.contention)
+      cores: 2
+      engines: [cube, vector, comm]
+      overlap: 0.0
     device:                    # optional: how a profiler trace's deviceProperties name this chip
       names: [Ascend910B]      # any of these in the device name; else every fingerprint key equal
       fingerprint: {compute: "9.0", sms: 132, warp: 32}
@@ -37,6 +41,7 @@ way a kernel library emulates a format with the next wider one.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +66,8 @@ OPTIONAL_LINKS = ("host",)  # host <-> device copies; replay keeps copy duration
 FINGERPRINT_KEYS = ("compute", "sms", "warp")
 OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
+COMM = ("comm", "copy")
+"""Engine kinds that move data; every other kind computes."""
 
 
 def user_profile_dir() -> Path:
@@ -70,6 +77,24 @@ def user_profile_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "megaloom" / "profiles"
+
+
+@dataclass(frozen=True, slots=True)
+class Contention:
+    """``engines`` share ``cores``; a compute task runs ``overlap`` slower while comm runs
+    (:mod:`megaloom.scheduler.contention`)."""
+
+    cores: float = math.inf
+    engines: tuple[str, ...] = ()
+    overlap: float = 0.0
+
+    def binds(self, units: dict[str, int]) -> bool:
+        """Whether any task can be slowed with these unit counts."""
+        return sum(units.get(e, 0) for e in self.engines) > self.cores or self.overlap > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        cores = {"cores": self.cores} if self.cores < math.inf else {}
+        return {**cores, "engines": list(self.engines), "overlap": self.overlap}
 
 
 @dataclass(slots=True)
@@ -87,6 +112,7 @@ class HardwareProfile:
     path: str = ""
     ops: dict[str, dict[str, float]] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=dict)
+    contention: Contention | None = None
 
     def peak(self, engine: str, precision: str = "fp32") -> float:
         """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
@@ -129,6 +155,7 @@ class HardwareProfile:
             "sources": dict(self.sources),
             **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
             **({"device": dict(self.device)} if self.device else {}),
+            **({"contention": self.contention.to_dict()} if self.contention else {}),
         }
 
 
@@ -197,8 +224,24 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where, ops=ops, device=_device(where, d.get("device")),
+        path=where, ops=ops, device=_device(where, d.get("device")), contention=_contention(where, d, units),
     )
+
+
+def _contention(where: str, d: dict[str, Any], units: dict[str, int]) -> Contention | None:
+    """The optional ``contention`` block: shared ``cores`` of ``engines`` and an ``overlap`` slowdown."""
+    if "contention" not in d:
+        return None
+    c = _mapping(where, "contention", d["contention"])
+    unknown = sorted(set(c) - {"cores", "engines", "overlap"})
+    engines = c.get("engines", [])
+    if unknown or not isinstance(engines, list) or not set(engines) <= set(units):
+        raise ConfigError(f"{where}: key 'contention' must hold cores, overlap and engines (a list of engine "
+                          f"kinds of 'units'), got {c!r:.80}")
+    if not isinstance(d["sources"].get("contention"), str):
+        raise ConfigError(f"{where}: missing source text 'sources.contention' (cite where the figure comes from)")
+    return Contention(_number(where, "contention.cores", c["cores"]) if "cores" in c else math.inf, tuple(engines),
+                      _number(where, "contention.overlap", c.get("overlap", 0.0), positive=False))
 
 
 def _device(where: str, v: Any) -> dict[str, Any]:

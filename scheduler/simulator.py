@@ -20,6 +20,11 @@ matter. Any other policy (``static``, ``expert_interleave``, custom push/pop), i
 loop declines (NaN durations or keys, keys that are not exact doubles) and stalls run the
 Python loop through the shared Core, which stays the specification. ``fast=False`` forces
 the Python loop; :attr:`Simulator.last_loop` says which loop the last run used.
+
+Contention: when the cost model's ``contention`` can bind (more units of the engines that
+share cores than cores, or comm slowing compute), the run takes the processor-sharing loop of
+:mod:`megaloom.scheduler.contention` (a Python loop over the same Core; ``last_loop`` is
+``"python"``), never the compiled one.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.plugins import parse_options
 from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
-from megaloom.scheduler import fastpath
+from megaloom.scheduler import contention, fastpath
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
 from megaloom.scheduler.profile import HardwareProfile, load_profile
@@ -118,7 +123,8 @@ class Simulator:
         dur = durations if durations is not None else task_durations(self.cost_model, graph)
         if len(dur) != len(graph.tasks):
             raise ScheduleError(f"graph {graph.name!r} has {len(graph.tasks)} tasks but {len(dur)} durations")
-        if self.fast:
+        contended = self.cost_model.contention is not None and self.cost_model.contention.binds(self.units)
+        if self.fast and not contended:
             if isinstance(self.policy, DurationAware):
                 self.policy.use_durations(dur)
             with gc_paused():
@@ -131,7 +137,10 @@ class Simulator:
             self.policy.use_durations(dur)
         core = Core(graph, self.units, self.policy)
         with gc_paused():
-            start, unit, order = self._loop(core, graph, dur)
+            if contended:  # tasks that share cores slow each other: a clock of its own
+                start, unit, order, dur = contention.run(self, core, graph, dur)
+            else:
+                start, unit, order = self._loop(core, graph, dur)
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")

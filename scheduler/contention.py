@@ -1,0 +1,130 @@
+"""Contention: units that share cores, and comm that overlaps compute, slow each other.
+
+A profile's optional ``contention`` section states the facts::
+
+    contention:
+      cores: 2                        # the engines below share this many cores (a fit may be fractional)
+      engines: [cube, vector, comm]
+      overlap: 0.0                    # a compute task runs this fraction slower while comm runs
+
+The simulator then shares time as an operating system shares cores (processor sharing):
+while ``n`` tasks of the shared engines run, each progresses at ``min(1, cores / n)`` of its
+full speed, and a compute task (any engine but ``comm`` and ``copy``) at ``1 / (1 + overlap)``
+of that while a comm task runs (Echo fits 37.76% for kernels overlapped with communication on
+GPUs). A cost-model duration is a task's work at full speed: the task ends when that work is
+done, so every start or end of another task moves its end. Durations measured on a real run
+(``attrs['duration']``, as replay builds them) already hold whatever slowed them: those tasks
+run as measured and are not counted.
+
+The compiled loop has no such clock: a run whose contention can bind (:meth:`Contention.binds`)
+takes :func:`run`, a Python loop over the same Core with the same dispatch order; when nothing
+is slowed it gives the plain loops' schedule exactly. :func:`work` is the inverse, for fitting:
+each recorded event's full-speed work, from the overlaps in its trace.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from megaloom.runtime.core import Core
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.trace import TraceEvent
+from megaloom.scheduler.cost import DURATION_ATTR
+from megaloom.scheduler.profile import COMM, Contention
+
+if TYPE_CHECKING:
+    from megaloom.scheduler.simulator import Simulator
+
+
+def run(sim: Simulator, core: Core, graph: TaskGraph,
+        dur: Sequence[float]) -> tuple[list[float], list[int], list[int], list[float]]:
+    """``(start, unit, order, durations)`` of ``graph`` under ``sim.cost_model.contention``
+    (``durations``: as they came out, ``dur`` where nothing slowed a task). Dispatch as the
+    simulator's loop: every free unit, in engine then unit order, before the clock moves;
+    completions of one instant in dispatch order."""
+    c: Contention = sim.cost_model.contention
+    engine = [t.engine for t in graph.tasks]
+    measured = [bool(t.attrs) and DURATION_ATTR in t.attrs for t in graph.tasks]
+    shares = [e in c.engines and not m for e, m in zip(engine, measured)]
+    moves = [e in COMM and not m for e, m in zip(engine, measured)]
+    slowed = [e not in COMM and not m for e, m in zip(engine, measured)]
+    n = len(dur)
+    start, unit_of, order, took = [0.0] * n, [0] * n, [], list(dur)
+    end: dict[int, float] = {}    # by dispatch number, of each running task: when it ends at its speed now
+    speed: dict[int, float] = {}
+    free = {e: list(range(k - 1, -1, -1)) for e, k in sim.units.items()}  # unit 0 on top
+    per_unit = getattr(sim.policy, "per_unit", False)
+    progress, every = sim.progress, sim.progress_every
+    mark = every if progress is not None else n + 1
+    now, shared, comm = 0.0, 0, 0
+    while True:
+        for e, f in free.items():
+            for u in f[::-1]:
+                tid = core.pop(e, u)
+                if tid < 0:
+                    if per_unit:
+                        continue  # each unit has its own queue
+                    break
+                f.remove(u)
+                start[tid], unit_of[tid] = now, u
+                end[len(order)], speed[len(order)] = now + dur[tid], 1.0
+                order.append(tid)
+                shared += shares[tid]
+                comm += moves[tid]
+        if not end:
+            break
+        if len(order) >= mark:
+            progress(n - core.remaining, n)
+            mark += every
+        share = min(1.0, c.cores / shared) if shared else 1.0
+        slow = 1.0 / (1.0 + c.overlap) if comm else 1.0
+        for seq, was in speed.items():  # a changed speed moves the end of the work left
+            tid = order[seq]
+            v = (share if shares[tid] else 1.0) * (slow if slowed[tid] else 1.0)
+            if v != was:
+                end[seq], speed[seq], took[tid] = now + (end[seq] - now) * was / v, v, -1.0
+        now = min(end.values())
+        for seq in sorted(s for s, t in end.items() if t == now):
+            tid = order[seq]
+            del end[seq], speed[seq]
+            if took[tid] < 0:  # slowed at some point
+                took[tid] = now - start[tid]
+            core.done(tid)
+            free[engine[tid]].append(unit_of[tid])
+            shared -= shares[tid]
+            comm -= moves[tid]
+    if progress is not None:
+        progress(n - core.remaining, n)
+    return start, unit_of, order, took
+
+
+def work(events: Sequence[TraceEvent], c: Contention) -> np.ndarray:
+    """Per event, the seconds it would take at full speed: its recorded duration times its mean
+    speed under ``c`` given the events that ran beside it (on its rank)."""
+    out = np.zeros(len(events))
+    for rank in {e.rank for e in events}:
+        idx = [i for i, e in enumerate(events) if e.rank == rank]
+        s = np.array([events[i].start for i in idx])
+        t = np.array([events[i].end for i in idx])
+        shares = np.array([events[i].engine in c.engines for i in idx])
+        moves = np.array([events[i].engine in COMM for i in idx])
+        times = np.unique(np.concatenate([s, t]))
+        i0, i1 = np.searchsorted(times, s), np.searchsorted(times, t)
+
+        def running(mask: np.ndarray) -> np.ndarray:  # tasks in mask running in each segment
+            d = np.zeros(len(times))
+            np.add.at(d, i0[mask], 1)
+            np.add.at(d, i1[mask], -1)
+            return np.cumsum(d)[:-1]
+
+        share = np.minimum(1.0, c.cores / np.maximum(running(shares), 1))
+        slow = np.where(running(moves) > 0, 1.0 / (1.0 + c.overlap), 1.0)
+        seg = np.diff(times)
+        for a in (False, True):
+            for b in (False, True):
+                mask = (shares == a) & (~moves == b)
+                v = (share if a else 1.0) * (slow if b else 1.0) * seg
+                prefix = np.concatenate([[0.0], np.cumsum(v)])
+                out[np.asarray(idx)[mask]] = (prefix[i1] - prefix[i0])[mask]
+    return out

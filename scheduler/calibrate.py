@@ -1,15 +1,20 @@
 """Measure this machine and write the ``cpu`` hardware profile.
 
-Matmul flop/s per dtype (square torch matmuls on all intra-op threads), memory bandwidth
-(large tensor copies), shared-memory copy latency, and the ThreadExecutor's per-task
-dispatch overhead. Each figure's source says how it was measured; the inter-node link is
-an estimate (nothing to measure on one machine).
+Every rate is one unit's, as the cost model charges it: a unit is one worker thread running
+kernels on one torch thread, so each figure is timed on one torch thread, repeated, and the
+best run counts (other jobs on a shared machine only ever slow a run down). Matmul flop/s
+per dtype, memory bandwidth (large tensor copies), shared-memory copy latency, the
+ThreadExecutor's per-task dispatch overhead, and the contention of the cores: as many
+matmul threads as the process has cores, run at once, give the cores they really share
+(``contention.cores``: their summed speed over one thread's). Each figure's source says how
+it was measured; the inter-node link is an estimate (nothing to measure on one machine).
 """
 from __future__ import annotations
 
 import os
 import platform
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -36,16 +41,32 @@ def _best(fn: Callable[[], object], seconds: float) -> float:
     return best
 
 
-def matmul_flops(dtype: torch.dtype, n: int, seconds: float) -> float:
+def _matmul(dtype: torch.dtype, n: int) -> Callable[[], object]:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     out = torch.empty(n, n, dtype=dtype)
-    return 2.0 * n ** 3 / _best(lambda: torch.matmul(a, b, out=out), seconds)
+    return lambda: torch.matmul(a, b, out=out)
 
 
 def copy_bandwidth(nbytes: int, seconds: float) -> float:
     src = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     dst = torch.empty_like(src)
     return 2.0 * src.numel() * 4 / _best(lambda: dst.copy_(src), seconds)
+
+
+def shared_cores(threads: int, n: int, seconds: float) -> float:
+    """How many cores ``threads`` fp32 matmul threads get together: the best time of one
+    matmul alone over the time per matmul of each thread when all run at once (best of
+    repeated rounds)."""
+    calls = [_matmul(torch.float32, n) for _ in range(threads)]
+    alone = _best(calls[0], seconds)
+
+    def together() -> None:
+        workers = [threading.Thread(target=call) for call in calls]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    return min(float(threads), threads * alone / _best(together, seconds))
 
 
 def dispatch_overhead(tasks: int) -> float:
@@ -63,29 +84,37 @@ def dispatch_overhead(tasks: int) -> float:
 
 def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float = 0.3, tasks: int = 500) -> HardwareProfile:
     """Measure this machine; the ``cpu`` profile (not yet written)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = torch.get_num_threads()
-    peaks = {p: matmul_flops(dt, matmul_size, seconds) for p, dt in DTYPES.items()}
-    bw = copy_bandwidth(copy_bytes, seconds)
-    latency = _best(lambda: torch.empty(1).copy_(torch.zeros(1)), min(seconds, 0.05))
+    torch.set_num_threads(1)  # one unit = one worker thread on one torch thread
+    try:
+        unit = {p: 2.0 * matmul_size ** 3 / _best(_matmul(dt, matmul_size), seconds) for p, dt in DTYPES.items()}
+        bw = copy_bandwidth(copy_bytes, seconds)
+        latency = _best(lambda: torch.empty(1).copy_(torch.zeros(1)), min(seconds, 0.05))
+        shared = shared_cores(cores, matmul_size, seconds)
+    finally:
+        torch.set_num_threads(threads)
     overhead = dispatch_overhead(tasks)
     machine = f"{platform.machine()} {platform.processor() or ''}".strip()
-    how = f"measured by `megaloom calibrate` on {platform.node()} ({machine}, {threads} torch threads, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    how = f"measured by `megaloom calibrate` on {platform.node()} ({machine}, {cores} cores, torch {torch.__version__}) at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     data = {
         "name": "cpu",
-        "description": f"this machine ({machine}, {os.cpu_count()} CPUs), calibrated",
-        "units": {"cube": threads, "vector": threads, "comm": 1},
-        "peak": {"cube": dict(peaks), "vector": dict(peaks)},
-        "mem_bw": bw,
+        "description": f"this machine ({machine}, {cores} cores), calibrated",
+        "units": {"cube": cores, "vector": cores, "comm": 1},
+        "peak": {e: {p: r * cores for p, r in unit.items()} for e in ("cube", "vector")},
+        "mem_bw": bw * cores,
         "links": {"intra": {"alpha": latency, "beta": bw / 2}, "inter": {"alpha": 5.0e-5, "beta": 1.25e9}},
         "task_overhead": overhead,
+        "contention": {"cores": shared, "engines": ["cube", "vector", "comm"], "overlap": 0.0},
         "sources": {
-            "units": f"torch.get_num_threads() = {threads}; one comm channel",
-            "peak.cube": f"{how}: best {matmul_size}x{matmul_size} torch.matmul per dtype",
+            "units": f"one cube and one vector unit per core ({cores} cores this process may use); one comm channel",
+            "peak.cube": f"{how}: best {matmul_size}x{matmul_size} torch.matmul per dtype on one thread, times the units",
             "peak.vector": "same as peak.cube (the same CPU cores)",
-            "mem_bw": f"{how}: best copy of {copy_bytes >> 20} MiB (read + write bytes)",
-            "links.intra": f"{how}: alpha = 1-element copy time, beta = half the copy bandwidth (shared memory)",
+            "mem_bw": f"{how}: best copy of {copy_bytes >> 20} MiB (read + write bytes) on one thread, times the units",
+            "links.intra": f"{how}: alpha = 1-element copy time, beta = half one thread's copy bandwidth",
             "links.inter": "estimate: 10 GbE (1.25 GB/s), 50 us latency",
             "task_overhead": f"{how}: ThreadExecutor null-kernel dispatch over {tasks} tasks",
+            "contention": f"{how}: {cores} fp32 matmul threads at once ran {shared:.2f}x one thread's speed in all",
         },
     }
     return parse_profile(data, "<calibration>")

@@ -16,7 +16,7 @@ done, so every start or end of another task moves its end. Durations measured on
 (``attrs['duration']``, as replay builds them) already hold whatever slowed them: those tasks
 run as measured and are not counted.
 
-The compiled loop has no such clock: a run whose contention can bind (:meth:`Contention.binds`)
+The compiled loop has no such clock: a run whose contention can slow a task (:func:`applies`)
 takes :func:`run`, a Python loop over the same Core with the same dispatch order; when nothing
 is slowed it gives the plain loops' schedule exactly. :func:`work` is the inverse, for fitting:
 each recorded event's full-speed work, from the overlaps in its trace.
@@ -37,6 +37,17 @@ if TYPE_CHECKING:
     from megaloom.scheduler.simulator import Simulator
 
 
+def measured(graph: TaskGraph) -> list[bool]:
+    """Per task, whether it carries a measured duration (which contention leaves as it is)."""
+    return graph.cached("measured", lambda: [bool(t.attrs) and DURATION_ATTR in t.attrs for t in graph.tasks])
+
+
+def applies(c: Contention | None, units: dict[str, int], graph: TaskGraph) -> bool:
+    """Whether ``c`` can slow a task of ``graph`` run with ``units``: it binds, and some task's
+    duration comes from the cost model."""
+    return c is not None and c.binds(units) and not all(measured(graph))
+
+
 def run(sim: Simulator, core: Core, graph: TaskGraph,
         dur: Sequence[float]) -> tuple[list[float], list[int], list[int], list[float]]:
     """``(start, unit, order, durations)`` of ``graph`` under ``sim.cost_model.contention``
@@ -45,10 +56,9 @@ def run(sim: Simulator, core: Core, graph: TaskGraph,
     completions of one instant in dispatch order."""
     c: Contention = sim.cost_model.contention
     engine = [t.engine for t in graph.tasks]
-    measured = [bool(t.attrs) and DURATION_ATTR in t.attrs for t in graph.tasks]
-    shares = [e in c.engines and not m for e, m in zip(engine, measured)]
-    moves = [e in COMM and not m for e, m in zip(engine, measured)]
-    slowed = [e not in COMM and not m for e, m in zip(engine, measured)]
+    shares = [e in c.engines and not m for e, m in zip(engine, measured(graph))]
+    moves = [e in COMM and not m for e, m in zip(engine, measured(graph))]
+    slowed = [e not in COMM and not m for e, m in zip(engine, measured(graph))]
     n = len(dur)
     start, unit_of, order, took = [0.0] * n, [0] * n, [], list(dur)
     end: dict[int, float] = {}    # by dispatch number, of each running task: when it ends at its speed now

@@ -123,7 +123,7 @@ class Simulator:
         dur = durations if durations is not None else task_durations(self.cost_model, graph)
         if len(dur) != len(graph.tasks):
             raise ScheduleError(f"graph {graph.name!r} has {len(graph.tasks)} tasks but {len(dur)} durations")
-        contended = self.cost_model.contention is not None and self.cost_model.contention.binds(self.units)
+        contended = contention.applies(self.cost_model.contention, self.units, graph)
         if self.fast and not contended:
             if isinstance(self.policy, DurationAware):
                 self.policy.use_durations(dur)

@@ -56,7 +56,7 @@ def copy_bandwidth(nbytes: int, seconds: float) -> float:
 def shared_cores(threads: int, n: int, seconds: float) -> float:
     """How many cores ``threads`` fp32 matmul threads get together: the best time of one
     matmul alone over the time per matmul of each thread when all run at once (best of
-    repeated rounds)."""
+    repeated rounds), between 1 and ``threads``."""
     calls = [_matmul(torch.float32, n) for _ in range(threads)]
     alone = _best(calls[0], seconds)
 
@@ -66,7 +66,7 @@ def shared_cores(threads: int, n: int, seconds: float) -> float:
             w.start()
         for w in workers:
             w.join()
-    return min(float(threads), threads * alone / _best(together, seconds))
+    return min(float(threads), max(1.0, threads * alone / _best(together, seconds)))
 
 
 def dispatch_overhead(tasks: int) -> float:

@@ -4,17 +4,16 @@ Every rate is one unit's, as the cost model charges it: a unit is one worker thr
 kernels on one torch thread, so each figure is timed on one torch thread, repeated, and the
 best run counts (other jobs on a shared machine only ever slow a run down). Matmul flop/s
 per dtype, memory bandwidth (large tensor copies), shared-memory copy latency, the
-ThreadExecutor's per-task dispatch overhead, and the contention of the cores: as many
-matmul threads as the process has cores, run at once, give the cores they really share
-(``contention.cores``: their summed speed over one thread's). Each figure's source says how
-it was measured; the inter-node link is an estimate (nothing to measure on one machine).
+ThreadExecutor's per-task dispatch overhead. The cube, vector and comm workers share the
+cores this process may use (``contention``; ``megaloom calibrate --from`` fits the cores they
+really get from traces). Each figure's source says how it was measured; the inter-node link
+is an estimate (nothing to measure on one machine).
 """
 from __future__ import annotations
 
 import os
 import platform
 import re
-import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -53,22 +52,6 @@ def copy_bandwidth(nbytes: int, seconds: float) -> float:
     return 2.0 * src.numel() * 4 / _best(lambda: dst.copy_(src), seconds)
 
 
-def shared_cores(threads: int, n: int, seconds: float) -> float:
-    """How many cores ``threads`` fp32 matmul threads get together: the best time of one
-    matmul alone over the time per matmul of each thread when all run at once (best of
-    repeated rounds), between 1 and ``threads``."""
-    calls = [_matmul(torch.float32, n) for _ in range(threads)]
-    alone = _best(calls[0], seconds)
-
-    def together() -> None:
-        workers = [threading.Thread(target=call) for call in calls]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    return min(float(threads), max(1.0, threads * alone / _best(together, seconds)))
-
-
 def dispatch_overhead(tasks: int) -> float:
     """Seconds per task of the ThreadExecutor on independent no-op tasks (null kernels)."""
     from megaloom.runtime.executors.threaded import ThreadExecutor
@@ -91,7 +74,6 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
         unit = {p: 2.0 * matmul_size ** 3 / _best(_matmul(dt, matmul_size), seconds) for p, dt in DTYPES.items()}
         bw = copy_bandwidth(copy_bytes, seconds)
         latency = _best(lambda: torch.empty(1).copy_(torch.zeros(1)), min(seconds, 0.05))
-        shared = shared_cores(cores, matmul_size, seconds)
     finally:
         torch.set_num_threads(threads)
     overhead = dispatch_overhead(tasks)
@@ -105,7 +87,7 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
         "mem_bw": bw * cores,
         "links": {"intra": {"alpha": latency, "beta": bw / 2}, "inter": {"alpha": 5.0e-5, "beta": 1.25e9}},
         "task_overhead": overhead,
-        "contention": {"cores": shared, "engines": ["cube", "vector", "comm"], "overlap": 0.0},
+        "contention": {"cores": cores, "engines": ["cube", "vector", "comm"], "overlap": 0.0},
         "sources": {
             "units": f"one cube and one vector unit per core ({cores} cores this process may use); one comm channel",
             "peak.cube": f"{how}: best {matmul_size}x{matmul_size} torch.matmul per dtype on one thread, times the units",
@@ -114,7 +96,7 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
             "links.intra": f"{how}: alpha = 1-element copy time, beta = half one thread's copy bandwidth",
             "links.inter": "estimate: 10 GbE (1.25 GB/s), 50 us latency",
             "task_overhead": f"{how}: ThreadExecutor null-kernel dispatch over {tasks} tasks",
-            "contention": f"{how}: {cores} fp32 matmul threads at once ran {shared:.2f}x one thread's speed in all",
+            "contention": "the cube, vector and comm workers share the cores (os.sched_getaffinity)",
         },
     }
     return parse_profile(data, "<calibration>")

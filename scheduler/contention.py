@@ -23,6 +23,7 @@ each recorded event's full-speed work, from the overlaps in its trace.
 """
 from __future__ import annotations
 
+from itertools import product
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -53,7 +54,7 @@ def run(sim: Simulator, core: Core, graph: TaskGraph,
     """``(start, unit, order, durations)`` of ``graph`` under ``sim.cost_model.contention``
     (``durations``: as they came out, ``dur`` where nothing slowed a task). Dispatch as the
     simulator's loop: every free unit, in engine then unit order, before the clock moves;
-    completions of one instant in dispatch order."""
+    completions of one instant in dispatch order. ``sim.progress`` is called once, at the end."""
     c: Contention = sim.cost_model.contention
     engine = [t.engine for t in graph.tasks]
     shares = [e in c.engines and not m for e, m in zip(engine, measured(graph))]
@@ -65,8 +66,6 @@ def run(sim: Simulator, core: Core, graph: TaskGraph,
     speed: dict[int, float] = {}
     free = {e: list(range(k - 1, -1, -1)) for e, k in sim.units.items()}  # unit 0 on top
     per_unit = getattr(sim.policy, "per_unit", False)
-    progress, every = sim.progress, sim.progress_every
-    mark = every if progress is not None else n + 1
     now, shared, comm = 0.0, 0, 0
     while True:
         for e, f in free.items():
@@ -84,9 +83,6 @@ def run(sim: Simulator, core: Core, graph: TaskGraph,
                 comm += moves[tid]
         if not end:
             break
-        if len(order) >= mark:
-            progress(n - core.remaining, n)
-            mark += every
         share = min(1.0, c.cores / shared) if shared else 1.0
         slow = 1.0 / (1.0 + c.overlap) if comm else 1.0
         for seq, was in speed.items():  # a changed speed moves the end of the work left
@@ -104,8 +100,8 @@ def run(sim: Simulator, core: Core, graph: TaskGraph,
             free[engine[tid]].append(unit_of[tid])
             shared -= shares[tid]
             comm -= moves[tid]
-    if progress is not None:
-        progress(n - core.remaining, n)
+    if sim.progress is not None:
+        sim.progress(n - core.remaining, n)
     return start, unit_of, order, took
 
 
@@ -113,28 +109,25 @@ def work(events: Sequence[TraceEvent], c: Contention) -> np.ndarray:
     """Per event, the seconds it would take at full speed: its recorded duration times its mean
     speed under ``c`` given the events that ran beside it (on its rank)."""
     out = np.zeros(len(events))
-    for rank in {e.rank for e in events}:
-        idx = [i for i, e in enumerate(events) if e.rank == rank]
-        s = np.array([events[i].start for i in idx])
-        t = np.array([events[i].end for i in idx])
+    rank = np.array([e.rank for e in events])
+    for r in set(rank.tolist()):
+        idx = np.flatnonzero(rank == r)
+        s, t = np.array([events[i].start for i in idx]), np.array([events[i].end for i in idx])
         shares = np.array([events[i].engine in c.engines for i in idx])
-        moves = np.array([events[i].engine in COMM for i in idx])
+        computes = np.array([events[i].engine not in COMM for i in idx])
         times = np.unique(np.concatenate([s, t]))
         i0, i1 = np.searchsorted(times, s), np.searchsorted(times, t)
 
-        def running(mask: np.ndarray) -> np.ndarray:  # tasks in mask running in each segment
+        def running(mask: np.ndarray) -> np.ndarray:  # events of ``mask`` running in each segment
             d = np.zeros(len(times))
             np.add.at(d, i0[mask], 1)
             np.add.at(d, i1[mask], -1)
             return np.cumsum(d)[:-1]
 
         share = np.minimum(1.0, c.cores / np.maximum(running(shares), 1))
-        slow = np.where(running(moves) > 0, 1.0 / (1.0 + c.overlap), 1.0)
-        seg = np.diff(times)
-        for a in (False, True):
-            for b in (False, True):
-                mask = (shares == a) & (~moves == b)
-                v = (share if a else 1.0) * (slow if b else 1.0) * seg
-                prefix = np.concatenate([[0.0], np.cumsum(v)])
-                out[np.asarray(idx)[mask]] = (prefix[i1] - prefix[i0])[mask]
+        slow = np.where(running(~computes) > 0, 1.0 / (1.0 + c.overlap), 1.0)
+        for a, b in product((False, True), repeat=2):  # sharing the cores or not, computing or not
+            prefix = np.concatenate([[0.0], np.cumsum(share ** a * slow ** b * np.diff(times))])
+            mask = (shares == a) & (computes == b)
+            out[idx[mask]] = (prefix[i1] - prefix[i0])[mask]
     return out

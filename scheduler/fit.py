@@ -25,6 +25,7 @@ explain the traces best.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import Iterable
 
 import numpy as np
@@ -132,36 +133,23 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
     return fits
 
 
-def _most_at_once(traces: list[Trace], engines: Iterable[str]) -> int:
-    """The most events of ``engines`` running at one instant in any of ``traces``."""
-    most = 0
-    for t in traces:
-        edges = sorted([(e.start, 1) for e in t.events if e.engine in engines] +
-                       [(e.end, -1) for e in t.events if e.engine in engines])  # ends before starts
-        most = max([most, *np.cumsum([d for _, d in edges])])
-    return most
-
-
 def fit_contention(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
-    """``base`` with the shared cores (between 1 and the most shared events at once, in steps of
-    0.05) and the overlap slowdown (0 to 1, when comm overlaps compute in the traces) under which
-    :func:`fit_traces` (given ``options``) explains the traces best, and those fits. The score is
-    the sum over ops of samples times median relative error; a figure the traces cannot show
-    (nothing shared ran at once, no overlap) stays ``base``'s."""
+    """``base`` with the shared cores (1 to ``base.cores``) and then the overlap slowdown (0 to 1,
+    when the traces hold comm) under which :func:`fit_traces` (given ``options``) explains the
+    traces best, and those fits. The score is the sum over ops of samples times median relative
+    error; where the traces cannot tell (nothing shared ran at once, no comm beside compute)
+    ``base``'s figure stays."""
     traces = list(traces)
 
     def fitted(c: Contention) -> tuple[float, Contention, dict[str, OpFit]]:
         fits = fit_traces(traces, contention=c, **options)
         return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
 
-    most = _most_at_once(traces, base.engines)
-    best = fitted(base)
-    if most > 1:
-        best = min((fitted(replace(base, cores=float(x))) for x in np.arange(1.0, most + 1e-9, 0.05)),
-                   key=lambda b: b[0])
-    if _most_at_once(traces, COMM) and any(e.engine not in COMM for t in traces for e in t.events):
-        best = min((fitted(replace(best[1], overlap=float(x))) for x in np.arange(0.0, 1.0 + 1e-9, 0.05)),
-                   key=lambda b: b[0])
+    best = min((fitted(replace(base, cores=float(x))) for x in (base.cores, *np.linspace(1.0, base.cores, 41))),
+               key=itemgetter(0))  # the first of equal scores: base's figure
+    if any(e.engine in COMM for t in traces for e in t.events):
+        best = min((fitted(replace(best[1], overlap=float(x))) for x in (base.overlap, *np.linspace(0.0, 1.0, 21))),
+                   key=itemgetter(0))
     return best[1], best[2]
 
 

@@ -41,7 +41,6 @@ way a kernel library emulates a format with the next wider one.
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,7 +51,6 @@ from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import load_yaml
 from megaloom.runtime.plugins import Registry
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
 FALLBACK: dict[str, tuple[str, ...]] = {
     "mxfp8": ("fp8", "bf16", "fp16", "fp32"),
     "fp8": ("bf16", "fp16", "fp32"),
@@ -84,7 +82,7 @@ class Contention:
     """``engines`` share ``cores``; a compute task runs ``overlap`` slower while comm runs
     (:mod:`megaloom.scheduler.contention`)."""
 
-    cores: float = math.inf
+    cores: float
     engines: tuple[str, ...] = ()
     overlap: float = 0.0
 
@@ -93,8 +91,7 @@ class Contention:
         return sum(units.get(e, 0) for e in self.engines) > self.cores or self.overlap > 0
 
     def to_dict(self) -> dict[str, Any]:
-        cores = {"cores": self.cores} if self.cores < math.inf else {}
-        return {**cores, "engines": list(self.engines), "overlap": self.overlap}
+        return {"cores": self.cores, "engines": list(self.engines), "overlap": self.overlap}
 
 
 @dataclass(slots=True)
@@ -209,7 +206,8 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         links[k] = (_number(where, f"links.{k}.alpha", link["alpha"], positive=False),
                     _number(where, f"links.{k}.beta", link["beta"]))
     sources = _mapping(where, "sources", d["sources"])
-    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in links), "task_overhead"]
+    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in links), "task_overhead",
+              *(["contention"] if "contention" in d else [])]
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise ConfigError(f"{where}: missing source text 'sources.{key}' (cite where the figure comes from)")
@@ -224,23 +222,20 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where, ops=ops, device=_device(where, d.get("device")), contention=_contention(where, d, units),
+        path=where, ops=ops, device=_device(where, d.get("device")), contention=_contention(where, d.get("contention"), units),
     )
 
 
-def _contention(where: str, d: dict[str, Any], units: dict[str, int]) -> Contention | None:
-    """The optional ``contention`` block: shared ``cores`` of ``engines`` and an ``overlap`` slowdown."""
-    if "contention" not in d:
+def _contention(where: str, c: Any, units: dict[str, int]) -> Contention | None:
+    """The optional ``contention`` block: the ``cores`` its ``engines`` share, an ``overlap`` slowdown."""
+    if c is None:
         return None
-    c = _mapping(where, "contention", d["contention"])
-    unknown = sorted(set(c) - {"cores", "engines", "overlap"})
+    c = _mapping(where, "contention", c)
     engines = c.get("engines", [])
-    if unknown or not isinstance(engines, list) or not set(engines) <= set(units):
+    if set(c) - {"cores", "engines", "overlap"} or "cores" not in c or not set(engines) <= set(units):
         raise ConfigError(f"{where}: key 'contention' must hold cores, overlap and engines (a list of engine "
                           f"kinds of 'units'), got {c!r:.80}")
-    if not isinstance(d["sources"].get("contention"), str):
-        raise ConfigError(f"{where}: missing source text 'sources.contention' (cite where the figure comes from)")
-    return Contention(_number(where, "contention.cores", c["cores"]) if "cores" in c else math.inf, tuple(engines),
+    return Contention(_number(where, "contention.cores", c["cores"]), tuple(engines),
                       _number(where, "contention.overlap", c.get("overlap", 0.0), positive=False))
 
 

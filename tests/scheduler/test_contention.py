@@ -47,7 +47,7 @@ def test_units_sharing_fewer_cores_share_their_time():
 
 def test_comm_overlapping_compute_slows_it():
     g, d = modelled([("cube", 1.0, []), ("comm", 0.5, [])])
-    got, _ = spans(g, d, {"cube": 1, "comm": 1}, Contention(overlap=0.5))
+    got, _ = spans(g, d, {"cube": 1, "comm": 1}, Contention(1.0, (), overlap=0.5))
     assert got["t1"] == (0.0, 0.5)                                   # comm itself is not slowed
     assert got["t0"][1] == pytest.approx(0.5 + (1.0 - 0.5 / 1.5))   # a third of its work done beside comm
 
@@ -102,7 +102,7 @@ def test_profile_contention_section_round_trips_and_checks():
     assert p.contention == Contention(1.5, ("cube", "vector"), 0.25)
     assert parse_profile(p.to_dict(), "<again>").contention == p.contention
     assert CostModel(p).contention == p.contention
-    for bad, msg in (({"cores": 0}, "contention.cores"), ({"engines": ["tpu"]}, "engine kinds"),
+    for bad, msg in (({"cores": 0}, "contention.cores"), ({"engines": ["tpu"]}, "engine kinds"), ({"engines": "cube"}, "engine kinds"),
                      ({"overlap": -1}, "contention.overlap"), ({"speed": 2}, "contention")):
         with pytest.raises(ConfigError, match=msg):
             parse_profile({**data, "contention": {**data["contention"], **bad}}, "<bad>")

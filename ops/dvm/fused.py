@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from megaloom.ops.basic import precision
 from megaloom.ops import native
 from megaloom.ops.dvm.backend import cache_epoch, check_options, compile_program, options
-from megaloom.ops.dvm.primitives import primitive
 from megaloom.ops.dvm.program import Program
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.registry import Cost, OpDef, TensorSpec, register
@@ -74,14 +73,6 @@ def _cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
                 precision=precision(outs[0].dtype if outs else "float32"))
 
 
-def _compute(attrs: dict[str, Any], rate: Callable[[str, str], float]) -> float:
-    """Seconds of arithmetic on one unit: each primitive's flops at ``rate("dvm.<name>", precision
-    of its result)``, summed (the cost model's ``extra["compute"]`` hook)."""
-    prog = program_of(attrs)
-    return sum(primitive(ins.op).flops * math.prod(shape) / rate(f"dvm.{ins.op}", precision(dtype))
-               for ins, (shape, dtype) in zip(prog.code, prog.specs[len(prog.inputs):]))
-
-
 def _reference(*ins, program: dict, operand_shapes: list | None = None, **_: Any):
     prog = program_of({"program": program})
     outs = prog.run_reference([x.reshape(s) for x, (s, _) in zip(ins, prog.inputs)])
@@ -108,5 +99,6 @@ def fused_kernel(ins, outs, program: dict, backend: str | None = None, operand_s
     kernel(ins, outs)
 
 
-register(OpDef(OP, ("vector",), _reference, _shape, _cost, fused_kernel, extra={"compute": _compute},
-               doc="a fused chain of DVM primitives (attrs: program, backend, members)"))
+register(OpDef(OP, ("vector",), _reference, _shape, _cost, fused_kernel,
+               doc="a fused chain of DVM primitives (attrs: program, backend, members)",
+               extra={"compute": lambda attrs, rate: program_of(attrs).seconds(rate)}))  # each primitive at its rate

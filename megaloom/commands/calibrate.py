@@ -33,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_profile(profile, args.out)
     for k in profile.peaks["cube"]:
         print(f"matmul {k:<5} {profile.unit_peak('cube', k) / 1e9:10.2f} GFLOP/s per unit (one thread)")
-    print(f"memory bandwidth {profile.unit_mem_bw('cube') / 1e9:.2f} GB/s per unit, task overhead "
-          f"{profile.task_overhead * 1e6:.2f} us, {profile.units['cube']} cores")
+    print(f"memory bandwidth {profile.unit_mem_bw('cube') / 1e9:.2f} GB/s per unit, task overhead {profile.task_overhead * 1e6:.2f} us")
     print(f"wrote profile {profile.name!r}: {path}")
     return 0
 

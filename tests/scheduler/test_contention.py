@@ -94,6 +94,22 @@ def test_work_inverts_the_contention_and_the_fit_finds_the_cores():
     assert max(f.max_rel_error for f in fits.values()) < 0.02
 
 
+def test_the_fit_finds_the_overlap_slowdown_and_fits_comm_by_its_bytes():
+    spec = [("cube", 1.0 + 0.25 * (i % 3), []) for i in range(8)] + [("comm", 0.5 + 0.25 * (i % 2), []) for i in range(6)]
+    g, d = modelled(spec)
+    c = Contention(4.0, ("cube",), overlap=0.4)
+    cm = CostModel("cpu")
+    cm.contention = c
+    events = Simulator("cpu", {"cube": 1, "comm": 1}, "fifo", cm).run(g, durations=d).trace.events
+    for e in events:
+        e.op = "send" if e.engine == "comm" else f"mm{d[e.task_id]}"
+        e.comm_bytes = 1e6 * d[e.task_id] if e.engine == "comm" else 0.0  # comm at 1 MB/ms, no overhead
+    from megaloom.runtime.trace import Trace
+    fitted, fits = fit_contention([Trace(events, {})], Contention(4.0, ("cube",)), dispatch=False)
+    assert fitted.overlap == pytest.approx(0.4) and fitted.cores == 4.0  # nothing shared ran at once: kept
+    assert fits["send"].coeffs.throughput == pytest.approx(1e6) and fits["send"].max_rel_error < 1e-9
+
+
 def test_profile_contention_section_round_trips_and_checks():
     data = load_profile("cpu").to_dict()
     data["contention"] = {"cores": 1.5, "engines": ["cube", "vector"], "overlap": 0.25}

@@ -40,6 +40,7 @@ except ImportError:  # run as a script from benchmarks/whatif
 UNITS = {"cube": 1, "vector": 1, "comm": 1}
 REPEATS = 3       # executions per measured run (the best counts)
 RECORDED = 6      # recorded runs of side A that the calibration fits
+FITTED: dict[str, dict] = {}  # per pair: the fitted contention and A's identity error (simulated / recorded median)
 
 
 @dataclass
@@ -125,7 +126,10 @@ def pair(name: str, a: Side, b: Side) -> Pair:
 
     def predict() -> float:
         profile = calibrated(recorded)
-        return b.simulate(profile) / a.simulate(profile)
+        sim_a = a.simulate(profile)
+        FITTED[name] = {"cores": round(profile.contention.cores, 3),
+                        "identity": round(sim_a / statistics.median(t.makespan for t in recorded) - 1, 4)}
+        return b.simulate(profile) / sim_a
 
     return Pair("megaloom_graph", name, a.seconds, b.seconds, predict, setup)
 
@@ -163,7 +167,8 @@ def main() -> None:
         results.append(r)
         print(json.dumps({"kind": p.kind, "pair": p.name, "measured": round(r.measured, 4),
                           "range": [round(x, 4) for x in r.spread], "predicted": round(r.predicted, 4),
-                          "error": round(r.error, 4), "load": os.getloadavg()[0]}), flush=True)
+                          "error": round(r.error, 4), "fitted": FITTED.get(p.name), "load": os.getloadavg()[0]}),
+              flush=True)
     print(f"\n| pair | measured B/A (range) | predicted | error |\n|---|---:|---:|---:|")
     for r in results:
         print(f"| {r.pair.name} | {r.measured:.3f} ({r.spread[0]:.3f}-{r.spread[1]:.3f}) | {r.predicted:.3f} | "

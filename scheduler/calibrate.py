@@ -4,16 +4,17 @@ Every rate is one unit's, as the cost model charges it: a unit is one worker thr
 kernels on one torch thread, so each figure is timed on one torch thread, repeated, and the
 best run counts (other jobs on a shared machine only ever slow a run down). Matmul flop/s
 per dtype, memory bandwidth (large tensor copies), shared-memory copy latency, the
-ThreadExecutor's per-task dispatch overhead. The cube, vector and comm workers share the
-cores this process may use (``contention``; ``megaloom calibrate --from`` fits the cores they
-really get from traces). Each figure's source says how it was measured; the inter-node link
-is an estimate (nothing to measure on one machine).
+ThreadExecutor's per-task dispatch overhead, and the cores the cube, vector and comm workers
+really share (``contention.cores``): as many matmul threads as the process may use cores, at
+once, against one alone. Each figure's source says how it was measured; the inter-node link is
+an estimate (nothing to measure on one machine).
 """
 from __future__ import annotations
 
 import os
 import platform
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,25 @@ def copy_bandwidth(nbytes: int, seconds: float) -> float:
     return 2.0 * src.numel() * 4 / _best(lambda: dst.copy_(src), seconds)
 
 
+def shared_cores(threads: int, n: int, seconds: float, calls: int = 4) -> float:
+    """The cores ``threads`` threads of fp32 ``n``-square matmuls get together: ``threads`` times
+    the best time of ``calls`` matmuls on one thread alone over the best time of every thread
+    doing as many at once; between 1 and ``threads`` (other jobs take their share)."""
+    fns = [_matmul(torch.float32, n) for _ in range(threads)]
+
+    def batch(fn: Callable[[], object]) -> None:
+        for _ in range(calls):
+            fn()
+
+    def together() -> None:
+        workers = [threading.Thread(target=batch, args=(fn,)) for fn in fns]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    return min(float(threads), max(1.0, threads * _best(lambda: batch(fns[0]), seconds) / _best(together, seconds)))
+
+
 def dispatch_overhead(tasks: int) -> float:
     """Seconds per task of the ThreadExecutor on independent no-op tasks (null kernels)."""
     from megaloom.runtime.executors.threaded import ThreadExecutor
@@ -73,6 +93,7 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
     try:
         unit = {p: 2.0 * matmul_size ** 3 / _best(_matmul(dt, matmul_size), seconds) for p, dt in DTYPES.items()}
         bw = copy_bandwidth(copy_bytes, seconds)
+        shared = shared_cores(cores, matmul_size, seconds)
         latency = _best(lambda: torch.empty(1).copy_(torch.zeros(1)), min(seconds, 0.05))
     finally:
         torch.set_num_threads(threads)
@@ -87,7 +108,7 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
         "mem_bw": bw * cores,
         "links": {"intra": {"alpha": latency, "beta": bw / 2}, "inter": {"alpha": 5.0e-5, "beta": 1.25e9}},
         "task_overhead": overhead,
-        "contention": {"cores": cores, "engines": ["cube", "vector", "comm"], "overlap": 0.0},
+        "contention": {"cores": shared, "engines": ["cube", "vector", "comm"], "overlap": 0.0},
         "sources": {
             "units": f"one cube and one vector unit per core ({cores} cores this process may use); one comm channel",
             "peak.cube": f"{how}: best {matmul_size}x{matmul_size} torch.matmul per dtype on one thread, times the units",
@@ -96,7 +117,8 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
             "links.intra": f"{how}: alpha = 1-element copy time, beta = half one thread's copy bandwidth",
             "links.inter": "estimate: 10 GbE (1.25 GB/s), 50 us latency",
             "task_overhead": f"{how}: ThreadExecutor null-kernel dispatch over {tasks} tasks",
-            "contention": "the cube, vector and comm workers share the cores (os.sched_getaffinity)",
+            "contention": f"{how}: {cores} matmul threads at once ran {shared:.2f}x one thread's speed in all "
+                          "(the cube, vector and comm workers share the cores)",
         },
     }
     return parse_profile(data, "<calibration>")

@@ -44,9 +44,10 @@ def measured(graph: TaskGraph) -> list[bool]:
 
 
 def applies(c: Contention | None, units: dict[str, int], graph: TaskGraph) -> bool:
-    """Whether ``c`` can slow a task of ``graph`` run with ``units``: it binds, and some task's
-    duration comes from the cost model."""
-    return c is not None and c.binds(units) and not all(measured(graph))
+    """Whether ``c`` can slow a task of ``graph`` run with ``units``: more units share the cores
+    than there are, or comm slows compute; and some task's duration comes from the cost model."""
+    binds = c is not None and (sum(units.get(e, 0) for e in c.engines) > c.cores or c.overlap > 0)
+    return binds and not all(measured(graph))
 
 
 def run(sim: Simulator, core: Core, graph: TaskGraph,

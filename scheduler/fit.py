@@ -18,9 +18,9 @@ instant they can run.
 
 Units that share cores slow each other (:mod:`megaloom.scheduler.contention`): given a
 contention, each sample is the event's full-speed work under it, not its recorded duration.
-:func:`fit_contention` fits the contention itself: the shared cores (and the slowdown of
-compute overlapped by comm, when the traces show such overlap) under which the per-op fits
-explain the traces best.
+:func:`fit_overlap` fits the slowdown of compute overlapped by comm (as Echo does), the
+contention figure that traces show best; the shared cores are measured (``megaloom
+calibrate``).
 """
 from __future__ import annotations
 
@@ -133,24 +133,21 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
     return fits
 
 
-def fit_contention(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
-    """``base`` with the shared cores (1 to ``base.cores``) and then the overlap slowdown (0 to 1,
-    when the traces hold comm) under which :func:`fit_traces` (given ``options``) explains the
-    traces best, and those fits. The score is the sum over ops of samples times median relative
-    error; where the traces cannot tell (nothing shared ran at once, no comm beside compute)
+def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
+    """``base`` with the overlap slowdown (0 to 1 in steps of 0.05) under which :func:`fit_traces`
+    (given ``options``) explains the traces best, and those fits. The score is the sum over ops
+    of samples times median relative error; where the traces hold no comm, or cannot tell,
     ``base``'s figure stays."""
     traces = list(traces)
 
-    def fitted(c: Contention) -> tuple[float, Contention, dict[str, OpFit]]:
+    def fitted(overlap: float) -> tuple[float, Contention, dict[str, OpFit]]:
+        c = replace(base, overlap=float(overlap))
         fits = fit_traces(traces, contention=c, **options)
         return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
 
-    best = min((fitted(replace(base, cores=float(x))) for x in (base.cores, *np.linspace(1.0, base.cores, 41))),
-               key=itemgetter(0))  # the first of equal scores: base's figure
-    if any(e.engine in COMM for t in traces for e in t.events):
-        best = min((fitted(replace(best[1], overlap=float(x))) for x in (base.overlap, *np.linspace(0.0, 1.0, 21))),
-                   key=itemgetter(0))
-    return best[1], best[2]
+    comm = any(e.engine in COMM for t in traces for e in t.events)
+    best = min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))
+    return best[1], best[2]  # the first of equal scores: base's figure
 
 
 def fit_table(fits: dict[str, OpFit]) -> str:

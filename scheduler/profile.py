@@ -86,10 +86,6 @@ class Contention:
     engines: tuple[str, ...] = ()
     overlap: float = 0.0
 
-    def binds(self, units: dict[str, int]) -> bool:
-        """Whether any task can be slowed with these unit counts."""
-        return sum(units.get(e, 0) for e in self.engines) > self.cores or self.overlap > 0
-
     def to_dict(self) -> dict[str, Any]:
         return {"cores": self.cores, "engines": list(self.engines), "overlap": self.overlap}
 

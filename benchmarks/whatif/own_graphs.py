@@ -2,11 +2,12 @@
 A), the same family under other unit counts, policies, tiles or shapes (side B), and B/A
 predicted by the simulator from a cost model calibrated on A's recorded runs alone.
 
-The calibration is ``megaloom calibrate --from``'s: per-op roofline fits of A's traces and the
-contention (cores shared by the cube, vector and comm workers, starting from the ``cpu``
-profile's) that explains them best. Both sides are then simulated with it and the prediction is
-their ratio. Each measured run is the best of ``REPEATS`` executions, so a burst of load from
-other jobs on a shared machine does not decide a round.
+The calibration is ``megaloom calibrate``'s: the cores the workers really share, measured as
+matmul threads at once against one alone (right after A's runs, so under the same load), and
+per-op roofline fits of A's traces under that contention (``calibrate --from``). Both sides
+are then simulated with it and the prediction is their ratio. Each measured run is the best of ``REPEATS`` executions, so a burst of load from
+other jobs on a shared machine does not decide a round; alike, the calibration fits the
+fastest ``KEPT`` of ``RECORDED`` runs of A (the least disturbed ones).
 
     python benchmarks/whatif/own_graphs.py [--rounds 9]     # just these pairs: a table and JSON lines
 
@@ -27,7 +28,8 @@ from megaloom.graphs.mlp import build_mlp, mlp_inputs
 from megaloom.graphs.moe import MegaMoESpec, build_backward, build_forward, make_routing
 from megaloom.runtime import TaskGraph, ThreadExecutor
 from megaloom.scheduler import Simulator, load_profile, make_policy
-from megaloom.scheduler.fit import calibrated_profile, fit_contention
+from megaloom.scheduler.calibrate import shared_cores
+from megaloom.scheduler.fit import calibrated_profile, fit_traces
 from megaloom.scheduler.profile import Contention
 
 try:
@@ -38,8 +40,8 @@ except ImportError:  # run as a script from benchmarks/whatif
     from benchmarks.whatif.pair import Pair, evaluate, summarise
 
 UNITS = {"cube": 1, "vector": 1, "comm": 1}
-REPEATS = 3       # executions per measured run (the best counts)
-RECORDED = 6      # recorded runs of side A that the calibration fits
+REPEATS = 5       # executions per measured run (the best counts)
+RECORDED, KEPT = 12, 4  # recorded runs of side A; the fastest ones, which the calibration fits
 FITTED: dict[str, dict] = {}  # per pair: the fitted contention and A's identity error (simulated / recorded median)
 
 
@@ -109,23 +111,24 @@ def gate(direction: str = "fwd", tokens: int = 2048, hidden: int = 512, experts:
     return Side(g, {k: v for k, v in inputs.items() if k in g.buffers}, **side)
 
 
-def calibrated(traces) -> object:
-    """The ``cpu`` profile with per-op fits and the contention fitted to ``traces``."""
-    base = load_profile("cpu")
-    start = base.contention or Contention(float(os.cpu_count() or 1), tuple(UNITS))
-    contention, fits = fit_contention(traces, start)
-    return calibrated_profile(base, fits, "cpu-fit", source="side A's runs", contention=contention)
+def calibrated(traces, cores: float) -> object:
+    """The ``cpu`` profile with per-op fits to ``traces``, made under ``cores`` shared by the workers."""
+    contention = Contention(cores, tuple(UNITS))
+    fits = fit_traces(traces, contention=contention)
+    return calibrated_profile(load_profile("cpu"), fits, "cpu-fit", source="side A's runs", contention=contention)
 
 
 def pair(name: str, a: Side, b: Side) -> Pair:
     recorded: list = []
+    cores: list[float] = []
 
     def setup() -> None:
         a.run(), b.run()  # warm-up
-        recorded.extend(a.run() for _ in range(RECORDED))
+        recorded.extend(sorted((a.run() for _ in range(RECORDED)), key=lambda t: t.makespan)[:KEPT])
+        cores.append(shared_cores(os.cpu_count() or 1, 256, 0.5))
 
     def predict() -> float:
-        profile = calibrated(recorded)
+        profile = calibrated(recorded, cores[-1])
         sim_a = a.simulate(profile)
         FITTED[name] = {"cores": round(profile.contention.cores, 3),
                         "identity": round(sim_a / statistics.median(t.makespan for t in recorded) - 1, 4)}

@@ -31,22 +31,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--matmul-size and --copy-mib must be positive, --seconds non-negative")
     profile = calibrate(args.matmul_size, args.copy_mib << 20, args.seconds)
     path = write_profile(profile, args.out)
-    for k in profile.peaks["cube"]:
-        print(f"matmul {k:<5} {profile.unit_peak('cube', k) / 1e9:10.2f} GFLOP/s per unit (one thread)")
-    print(f"memory bandwidth {profile.unit_mem_bw('cube') / 1e9:.2f} GB/s per unit, task overhead {profile.task_overhead * 1e6:.2f} us")
+    print("matmul per unit (one thread): " + ", ".join(f"{k} {profile.unit_peak('cube', k) / 1e9:.2f}" for k in profile.peaks["cube"]) + " GFLOP/s")
+    print(f"memory bandwidth {profile.unit_mem_bw('cube') / 1e9:.2f} GB/s per unit, task overhead "
+          f"{profile.task_overhead * 1e6:.2f} us, {profile.contention.cores:.2f} cores shared")
     print(f"wrote profile {profile.name!r}: {path}")
     return 0
 
 
 def _from_traces(args: argparse.Namespace, write_profile) -> int:
-    from megaloom.scheduler.fit import calibrated_profile, fit_contention, fit_table, fit_traces
+    from megaloom.scheduler.fit import calibrated_profile, fit_overlap, fit_table, fit_traces
     from megaloom.scheduler.importers import load_trace
     from megaloom.scheduler.profile import load_profile
 
     traces, base = [load_trace(p) for p in args.traces], load_profile(args.base)
-    contention, fits = fit_contention(traces, base.contention) if base.contention else (None, fit_traces(traces))
-    print(fit_table(fits) + (f"\ncontention: {contention.cores:.2f} cores shared by {', '.join(contention.engines)}, "
-                             f"compute {contention.overlap:.0%} slower under comm" if contention else ""))
+    contention, fits = fit_overlap(traces, base.contention) if base.contention else (None, fit_traces(traces))
+    print(fit_table(fits) + (f"\ncompute {contention.overlap:.0%} slower under comm" if contention else ""))
     profile = calibrated_profile(base, fits, args.name, ", ".join(str(p) for p in args.traces), contention)
     print(f"wrote profile {profile.name!r}: {write_profile(profile, args.out)}")
     return 0

@@ -130,7 +130,6 @@ class StaticPolicy(DurationAware, Policy):
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._queues: dict[str, list[deque[int]]] = {e: [deque() for _ in range(n)] for e, n in units.items()}
         self._ready = bytearray(len(graph.tasks))
-        self._unit = [0] * len(graph.tasks)
         durs = self.durations(graph) if self.assign == "balanced" else None
         load = {e: [0.0] * n for e, n in units.items()}
         turn = dict.fromkeys(units, 0)
@@ -148,7 +147,6 @@ class StaticPolicy(DurationAware, Policy):
             else:
                 u = turn[t.engine] % n
                 turn[t.engine] += 1
-            self._unit[tid] = u
             self._queues[t.engine][u].append(tid)
 
     def push(self, tid: int) -> None:
@@ -163,10 +161,6 @@ class StaticPolicy(DurationAware, Policy):
     def has_ready(self, engine: str) -> bool:
         ready = self._ready
         return any(q and ready[q[0]] for q in self._queues[engine])
-
-    def unit_of(self, tid: int) -> int:
-        """The unit a task was assigned to."""
-        return self._unit[tid]
 
 
 class ExpertInterleavePolicy(Policy):

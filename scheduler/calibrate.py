@@ -5,8 +5,8 @@ kernels on one torch thread, so each figure is timed on one torch thread, repeat
 best run counts (other jobs on a shared machine only ever slow a run down). Matmul flop/s
 per dtype, memory bandwidth (large tensor copies), shared-memory copy latency, the
 ThreadExecutor's per-task dispatch overhead, and the cores the cube, vector and comm workers
-really share (``contention.cores``): as many matmul threads as the process may use cores, at
-once, against one alone. Each figure's source says how it was measured; the inter-node link is
+really share (``contention.cores``): a graph of matmul tasks on as many cube workers as the
+process may use cores, against one (the median over repeated rounds). Each figure's source says how it was measured; the inter-node link is
 an estimate (nothing to measure on one machine).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import platform
 import re
-import threading
+import statistics
 import time
 from pathlib import Path
 from typing import Callable
@@ -53,23 +53,29 @@ def copy_bandwidth(nbytes: int, seconds: float) -> float:
     return 2.0 * src.numel() * 4 / _best(lambda: dst.copy_(src), seconds)
 
 
-def shared_cores(threads: int, n: int, seconds: float, calls: int = 4) -> float:
-    """The cores ``threads`` threads of fp32 ``n``-square matmuls get together: ``threads`` times
-    the best time of ``calls`` matmuls on one thread alone over the best time of every thread
-    doing as many at once; between 1 and ``threads`` (other jobs take their share)."""
-    fns = [_matmul(torch.float32, n) for _ in range(threads)]
+def shared_cores(units: int, n: int, seconds: float, tasks: int = 32) -> float:
+    """The cores ``units`` cube workers of the ThreadExecutor get together: ``units`` times the
+    makespan of ``tasks`` independent fp32 ``n``-square matmuls on one cube worker over that on
+    ``units`` (each beside a vector worker running as many small tasks, as a graph's workers do),
+    the median over rounds within about ``seconds`` (at least 5); between 1 and ``units``. Other
+    jobs take their share, and a worker that loses its core loses it for a scheduler slice, so a
+    loaded machine gives fewer than its cores; the median, since a moment when they pause says
+    little of a run."""
+    from megaloom.runtime.executors.threaded import ThreadExecutor
+    from megaloom.runtime.graph import TaskGraph
 
-    def batch(fn: Callable[[], object]) -> None:
-        for _ in range(calls):
-            fn()
-
-    def together() -> None:
-        workers = [threading.Thread(target=batch, args=(fn,)) for fn in fns]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    return min(float(threads), max(1.0, threads * _best(lambda: batch(fns[0]), seconds) / _best(together, seconds)))
+    g = TaskGraph("calibrate-cores")
+    a, b = g.input("a", (n, n)), g.input("b", (n, n))
+    for i in range(tasks):
+        g.task("matmul", [a, b], [g.output(f"c{i}", (n, n))])
+        g.task("silu", [a], [g.output(f"s{i}", (n, n))])
+    inputs = {"a": torch.randn(n, n), "b": torch.randn(n, n)}
+    one, many = (ThreadExecutor({"cube": k, "vector": 1}, intra_op_threads=1) for k in (1, units))
+    one.run(g, inputs), many.run(g, inputs)  # warm-up
+    ratios, t_end = [], time.perf_counter() + seconds
+    while len(ratios) < 5 or time.perf_counter() < t_end:
+        ratios.append(units * one.run(g, inputs).trace.makespan / many.run(g, inputs).trace.makespan)
+    return min(float(units), max(1.0, statistics.median(ratios)))
 
 
 def dispatch_overhead(tasks: int) -> float:
@@ -93,7 +99,7 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
     try:
         unit = {p: 2.0 * matmul_size ** 3 / _best(_matmul(dt, matmul_size), seconds) for p, dt in DTYPES.items()}
         bw = copy_bandwidth(copy_bytes, seconds)
-        shared = shared_cores(cores, matmul_size, seconds)
+        shared = shared_cores(cores, min(matmul_size, 128), seconds)
         latency = _best(lambda: torch.empty(1).copy_(torch.zeros(1)), min(seconds, 0.05))
     finally:
         torch.set_num_threads(threads)
@@ -117,8 +123,8 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
             "links.intra": f"{how}: alpha = 1-element copy time, beta = half one thread's copy bandwidth",
             "links.inter": "estimate: 10 GbE (1.25 GB/s), 50 us latency",
             "task_overhead": f"{how}: ThreadExecutor null-kernel dispatch over {tasks} tasks",
-            "contention": f"{how}: {cores} matmul threads at once ran {shared:.2f}x one thread's speed in all "
-                          "(the cube, vector and comm workers share the cores)",
+            "contention": f"{how}: {cores} cube workers of the ThreadExecutor ran matmul tasks {shared:.2f}x "
+                          "as fast as one (the cube, vector and comm workers share the cores)",
         },
     }
     return parse_profile(data, "<calibration>")

@@ -3,7 +3,7 @@ A), the same family under other unit counts, policies, tiles or shapes (side B),
 predicted by the simulator from a cost model calibrated on A's recorded runs alone.
 
 The calibration is ``megaloom calibrate``'s: the cores the workers really share, measured as
-matmul threads at once against one alone (right after A's runs, so under the same load), and
+matmul tasks on more cube workers against one (right after A's runs, so under the same load), and
 per-op roofline fits of A's traces under that contention (``calibrate --from``). Both sides
 are then simulated with it and the prediction is their ratio. Each measured run is the best of ``REPEATS`` executions, so a burst of load from
 other jobs on a shared machine does not decide a round; alike, the calibration fits the
@@ -125,7 +125,7 @@ def pair(name: str, a: Side, b: Side) -> Pair:
     def setup() -> None:
         a.run(), b.run()  # warm-up
         recorded.extend(sorted((a.run() for _ in range(RECORDED)), key=lambda t: t.makespan)[:KEPT])
-        cores.append(shared_cores(os.cpu_count() or 1, 256, 0.5))
+        cores.append(shared_cores(os.cpu_count() or 1, 128, 1.0))
 
     def predict() -> float:
         profile = calibrated(recorded, cores[-1])

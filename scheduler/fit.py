@@ -11,8 +11,9 @@ figure cannot take over. Ops with no flops and no bytes get the mean duration as
 overhead.
 
 A real executor also spends time between tasks (waking a worker, handing the task
-out). :func:`dispatch_latency` measures it from the traces as the median gap between the
-moment a task could start (its unit free, its dependencies done) and its start;
+out). :func:`dispatch_latency` measures it from the traces as the mean gap between the
+moment a task could start (its unit free, its dependencies done) and its start (the mean,
+not the median: a run's length is the sum of its gaps, the rare long ones included);
 :func:`fit_traces` adds it to every op's overhead, since the simulator starts tasks the
 instant they can run.
 
@@ -90,7 +91,7 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
 
 
 def dispatch_latency(traces: Iterable[Trace]) -> float:
-    """Median seconds from "could start" (unit free, dependencies done) to start, over the
+    """Mean seconds from "could start" (unit free, dependencies done) to start, over the
     tasks that had something to wait for (a dependency or an earlier task on their unit)."""
     gaps = []
     for t in traces:
@@ -104,7 +105,7 @@ def dispatch_latency(traces: Iterable[Trace]) -> float:
             if waits and max(waits) <= e.start:
                 gaps.append(e.start - max(waits))
             unit_free[key] = e.end
-    return float(np.median(gaps)) if gaps else 0.0
+    return float(np.mean(gaps)) if gaps else 0.0
 
 
 def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = True,

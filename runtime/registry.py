@@ -96,7 +96,9 @@ class OpDef:
     With ``context=True`` both also receive ``ctx=`` (rank, communicator, device).
     ``extra["in_place"] = True`` says the kernel may write an output over an input equal to
     it (element-wise ops); the thread executor otherwise hands the kernel a copy of any
-    input that a task's outputs overlap. ``grad_of`` (a backward op's) names the forward op
+    input that a task's outputs overlap. ``extra["compute"](attrs, rate)``: the seconds of arithmetic of one
+    task on one unit, for ops whose flops run at several rates (``rate(op class, precision)``
+    gives each one's; the cost model uses it instead of one rate for all the op's flops). ``grad_of`` (a backward op's) names the forward op
     whose gradient it computes, and how.
     """
 

@@ -7,10 +7,11 @@ A task runs on one unit unless it spans ``width`` units (an imported kernel runs
 SMs as its grid fills, a collective on the whole link): its rates are multiplied by them.
 Copies (engine ``copy``) are costed as comm over their link (``host`` for PCIe copies).
 
-A ``dvm.fused`` task is one vector task: its memory traffic is its inputs and outputs only
-(intermediates stay in registers / on-chip buffers) and its compute is the sum of its
-primitives', each at its own rate (the vector peak at its result's precision, or the
-primitive's op class fit ``dvm.<name>``; a fit of ``dvm.fused`` itself takes precedence).
+An op that knows its arithmetic better than one rate for all its flops says so in its registry
+entry, ``extra["compute"](attrs, rate)`` (seconds on one unit, given ``rate(op class,
+precision)``, the fit of that class or else the engine's peak): a ``dvm.fused`` task sums its
+primitives, each at its own rate, while its memory traffic is its inputs and outputs only
+(intermediates stay on chip). A fit of the task's own op class takes precedence.
 
 A task that carries a measured duration (``attrs["duration"]`` in seconds, as trace
 replay builds them) takes exactly that. Coefficients per op class (the op name) can be
@@ -26,12 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
-from megaloom.ops.basic import precision
-from megaloom.ops.dvm import primitive, program_of
-from megaloom.ops.dvm.fused import OP as FUSED
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Task, TaskGraph
-from megaloom.runtime.registry import Cost
+from megaloom.runtime.registry import OPS, Cost
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 
 DURATION_ATTR = "duration"
@@ -75,6 +73,8 @@ class CostModel:
         fitted = {op: {k: v for k, v in fit.items() if k in ("throughput", "overhead", "mem_bw")}
                   for op, fit in self.profile.ops.items()}
         self.overrides = {op: _coeffs(op, v) for op, v in {**fitted, **(overrides or {})}.items()}
+        self.contention = self.profile.contention
+        """How units slow each other in the simulator (:mod:`megaloom.scheduler.contention`); None: not at all."""
 
     def duration(self, cost: Cost, engine: str, link: str = "intra", *, op: str | None = None, width: float = 1,
                  link_override: tuple[float, float] | None = None, compute: float | None = None) -> float:
@@ -114,21 +114,23 @@ class CostModel:
                                   f"seconds, got {d!r}")
             return float(d)
         cost = graph.task_cost(task)
-        compute = self.fused_compute(task) if task.op == FUSED else None
-        d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op, compute=compute)
+        d = self.duration(cost, task.engine, task.tags.get("link", "intra"), op=task.op, compute=self.compute(task))
         if not 0 <= d < math.inf:
             raise ConfigError(f"task {task.name!r}: its cost {cost} gives a duration of {d!r} s")
         return d
 
-    def fused_compute(self, task: Task) -> float:
-        """Seconds of arithmetic of a ``dvm.fused`` task on one unit: the sum over its primitives."""
-        prog, total = program_of(task.attrs), 0.0
-        for ins, (shape, dtype) in zip(prog.code, prog.specs[len(prog.inputs):]):
-            o = self.overrides.get(f"dvm.{ins.op}")
-            rate = o.throughput if o is not None and o.throughput is not None else \
-                self.profile.unit_peak(task.engine, precision(dtype))
-            total += primitive(ins.op).flops * math.prod(shape) / rate
-        return total
+    def compute(self, task: Task) -> float | None:
+        """Seconds of arithmetic of ``task`` on one unit when its op computes them (``extra["compute"]``,
+        as a fused DVM node sums its primitives at their own rates), else None."""
+        fn = OPS.get(task.op).extra.get("compute") if task.op in OPS else None
+        if fn is None:
+            return None
+
+        def rate(op: str, precision: str) -> float:
+            o = self.overrides.get(op)
+            return o.throughput if o is not None and o.throughput is not None else \
+                self.profile.unit_peak(task.engine, precision)
+        return fn(task.attrs, rate)
 
     def durations(self, graph: TaskGraph) -> list[float]:
         """Every task's duration, by task id."""

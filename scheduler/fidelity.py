@@ -47,9 +47,11 @@ def _rel(a: float, b: float, floor: float = 0.0) -> float:
 def fidelity(recorded: Trace, replayed: Trace) -> Fidelity:
     """Compare a replay with its recording, task by task (events match by rank and task id)."""
     a, b = metrics(recorded), metrics(replayed)
-    rec = {(e.rank, e.task_id): e.start for e in recorded.events if e.engine not in HOST_ENGINES}
+    # starts from each trace's first event: a wall-clock recording starts wherever its clock stood
+    r0, p0 = (min((e.start for e in t.events), default=0.0) for t in (recorded, replayed))
+    rec = {(e.rank, e.task_id): e.start - r0 for e in recorded.events if e.engine not in HOST_ENGINES}
     tol = START_TOLERANCE * a.device_span
-    diffs = [abs(e.start - rec[(e.rank, e.task_id)]) for e in replayed.events if (e.rank, e.task_id) in rec]
+    diffs = [abs(e.start - p0 - rec[(e.rank, e.task_id)]) for e in replayed.events if (e.rank, e.task_id) in rec]
     errors = {"span": _rel(a.device_span, b.device_span),
               # exposed comm: relative to the recorded figure, or to a tenth of the span when that is
               # larger (so "within 10%" means within 10% of it or 1% of the span)

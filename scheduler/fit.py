@@ -1,7 +1,8 @@
 """Calibration: fit the cost model's per-op coefficients to measured traces.
 
 For each op class (the op name) the model is the cost model's own roofline,
-``duration = overhead + max(flops / throughput, bytes / mem_bw)``. Three candidates are
+``duration = overhead + max(work / throughput, bytes / mem_bw)``, where work is the flops of a
+compute op and the bytes on the wire (``comm_bytes``) of a comm or copy op. Three candidates are
 fitted by weighted least squares on relative error (durations span orders of
 magnitude): compute-bound (flops term only), memory-bound (bytes term only) and both
 (each slope from its single-term fit, overhead refitted). The candidate with the
@@ -10,22 +11,31 @@ figure cannot take over. Ops with no flops and no bytes get the mean duration as
 overhead.
 
 A real executor also spends time between tasks (waking a worker, handing the task
-out). :func:`dispatch_latency` measures it from the traces as the median gap between the
-moment a task could start (its unit free, its dependencies done) and its start;
+out). :func:`dispatch_latency` measures it from the traces as the mean gap between the
+moment a task could start (its unit free, its dependencies done) and its start (the mean,
+not the median: a run's length is the sum of its gaps, the rare long ones included);
 :func:`fit_traces` adds it to every op's overhead, since the simulator starts tasks the
 instant they can run.
+
+Units that share cores slow each other (:mod:`megaloom.scheduler.contention`): given a
+contention, each sample is the event's full-speed work under it, not its recorded duration.
+:func:`fit_overlap` fits the slowdown of compute overlapped by comm (as Echo does), the
+contention figure that traces show best; the shared cores are measured (``megaloom
+calibrate``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from operator import itemgetter
 from typing import Iterable
 
 import numpy as np
 
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.trace import Trace
+from megaloom.scheduler.contention import work
 from megaloom.scheduler.cost import OpCoeffs
-from megaloom.scheduler.profile import HardwareProfile, parse_profile
+from megaloom.scheduler.profile import COMM, Contention, HardwareProfile, parse_profile
 
 UNBOUNDED = 1e30  # a rate so high its term never wins the roofline max
 
@@ -40,10 +50,6 @@ class OpFit:
     samples: int
     median_rel_error: float
     max_rel_error: float
-
-    def predict(self, flops: float, bytes_: float) -> float:
-        c = self.coeffs
-        return (c.overhead or 0.0) + max(flops / (c.throughput or UNBOUNDED), bytes_ / (c.mem_bw or UNBOUNDED))
 
 
 def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
@@ -85,7 +91,7 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
 
 
 def dispatch_latency(traces: Iterable[Trace]) -> float:
-    """Median seconds from "could start" (unit free, dependencies done) to start, over the
+    """Mean seconds from "could start" (unit free, dependencies done) to start, over the
     tasks that had something to wait for (a dependency or an earlier task on their unit)."""
     gaps = []
     for t in traces:
@@ -99,20 +105,23 @@ def dispatch_latency(traces: Iterable[Trace]) -> float:
             if waits and max(waits) <= e.start:
                 gaps.append(e.start - max(waits))
             unit_free[key] = e.end
-    return float(np.median(gaps)) if gaps else 0.0
+    return float(np.mean(gaps)) if gaps else 0.0
 
 
-def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = True) -> dict[str, OpFit]:
+def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = True,
+               contention: Contention | None = None) -> dict[str, OpFit]:
     """Per-op fits over every event of ``traces`` (ops with fewer samples are left out);
-    with ``dispatch``, each overhead includes the traces' :func:`dispatch_latency`."""
+    with ``dispatch``, each overhead includes the traces' :func:`dispatch_latency`; with
+    ``contention``, each sample is the event's full-speed work under it."""
     traces = list(traces)
     latency = dispatch_latency(traces) if dispatch else 0.0
     rows: dict[str, list[tuple[float, float, float]]] = {}
     engine: dict[str, str] = {}
     for t in traces:
-        for e in t.events:
+        seconds = work(t.events, contention) if contention else [e.end - e.start for e in t.events]
+        for e, d in zip(t.events, seconds):
             if e.end > e.start:
-                rows.setdefault(e.op, []).append((e.flops, e.bytes, e.end - e.start))
+                rows.setdefault(e.op, []).append((e.comm_bytes if e.engine in COMM else e.flops, e.bytes, d))
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
@@ -123,6 +132,23 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
             f = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
             fits[op] = replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
     return fits
+
+
+def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
+    """``base`` with the overlap slowdown (0 to 1 in steps of 0.05) under which :func:`fit_traces`
+    (given ``options``) explains the traces best, and those fits. The score is the sum over ops
+    of samples times median relative error; where the traces hold no comm, or cannot tell,
+    ``base``'s figure stays."""
+    traces = list(traces)
+
+    def fitted(overlap: float) -> tuple[float, Contention, dict[str, OpFit]]:
+        c = replace(base, overlap=float(overlap))
+        fits = fit_traces(traces, contention=c, **options)
+        return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
+
+    comm = any(e.engine in COMM for t in traces for e in t.events)
+    best = min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))
+    return best[1], best[2]  # the first of equal scores: base's figure
 
 
 def fit_table(fits: dict[str, OpFit]) -> str:
@@ -141,9 +167,13 @@ def fit_table(fits: dict[str, OpFit]) -> str:
 
 
 def calibrated_profile(base: HardwareProfile, fits: dict[str, OpFit], name: str | None = None,
-                       source: str = "traces") -> HardwareProfile:
-    """``base`` with the fits in its ``ops`` section (coefficients and residuals)."""
+                       source: str = "traces", contention: Contention | None = None) -> HardwareProfile:
+    """``base`` with the fits in its ``ops`` section (coefficients and residuals), and
+    ``contention`` (as fitted with them) in place of its own."""
     data = base.to_dict()
+    if contention is not None:
+        data["contention"] = contention.to_dict()
+        data["sources"]["contention"] = f"fitted by `megaloom calibrate --from` on {source}"
     data["name"] = name or base.name
     data["ops"] = {**data.get("ops", {}), **{
         op: {"throughput": f.coeffs.throughput or UNBOUNDED, "overhead": f.coeffs.overhead or 0.0,

@@ -130,7 +130,6 @@ class StaticPolicy(DurationAware, Policy):
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._queues: dict[str, list[deque[int]]] = {e: [deque() for _ in range(n)] for e, n in units.items()}
         self._ready = bytearray(len(graph.tasks))
-        self._unit = [0] * len(graph.tasks)
         durs = self.durations(graph) if self.assign == "balanced" else None
         load = {e: [0.0] * n for e, n in units.items()}
         turn = dict.fromkeys(units, 0)
@@ -148,7 +147,6 @@ class StaticPolicy(DurationAware, Policy):
             else:
                 u = turn[t.engine] % n
                 turn[t.engine] += 1
-            self._unit[tid] = u
             self._queues[t.engine][u].append(tid)
 
     def push(self, tid: int) -> None:
@@ -163,10 +161,6 @@ class StaticPolicy(DurationAware, Policy):
     def has_ready(self, engine: str) -> bool:
         ready = self._ready
         return any(q and ready[q[0]] for q in self._queues[engine])
-
-    def unit_of(self, tid: int) -> int:
-        """The unit a task was assigned to."""
-        return self._unit[tid]
 
 
 class ExpertInterleavePolicy(Policy):
@@ -187,11 +181,8 @@ class ExpertInterleavePolicy(Policy):
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._engine = [t.engine for t in graph.tasks]
         self._group = [self._group_of(t.tags) for t in graph.tasks]
-        groups = {e: sorted({g for g, te in zip(self._group, self._engine) if te == e}) for e in units}
-        self._slot = {e: {g: i for i, g in enumerate(gs)} for e, gs in groups.items()}
-        self._queues = {e: [deque() for _ in gs] for e, gs in groups.items()}
-        self._count = dict.fromkeys(units, 0)
-        self._next = dict.fromkeys(units, 0)
+        self._queues: dict[str, dict[int, deque[int]]] = {e: {} for e in units}  # group -> its ready tasks
+        self._last: dict[str, int | None] = dict.fromkeys(units)  # the group served last
 
     def _group_of(self, tags: dict[str, Any]) -> int:
         if "group" in tags:
@@ -201,26 +192,18 @@ class ExpertInterleavePolicy(Policy):
         return -1
 
     def push(self, tid: int) -> None:
-        e = self._engine[tid]
-        self._queues[e][self._slot[e][self._group[tid]]].append(tid)
-        self._count[e] += 1
+        self._queues[self._engine[tid]].setdefault(self._group[tid], deque()).append(tid)
 
     def pop(self, engine: str, unit: int) -> int:
-        if not self._count.get(engine):
+        ready = [g for g, q in self._queues[engine].items() if q]
+        if not ready:
             return -1
-        qs = self._queues[engine]
-        n = len(qs)
-        start = self._next[engine]
-        for i in range(n):
-            k = (start + i) % n
-            if qs[k]:
-                self._next[engine] = (k + 1) % n
-                self._count[engine] -= 1
-                return qs[k].popleft()
-        return -1
+        last = self._last[engine]
+        g = self._last[engine] = min((g for g in ready if last is None or g > last), default=min(ready))
+        return self._queues[engine][g].popleft()
 
     def has_ready(self, engine: str) -> bool:
-        return bool(self._count.get(engine))
+        return any(self._queues[engine].values())
 
 
 class RotatedPolicy(_Keyed):

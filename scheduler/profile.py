@@ -25,6 +25,10 @@ Layout (numbers may be written ``1.6e12``)::
     task_overhead: 2.0e-6      # s added to every task
     ops:                       # optional, written by `megaloom calibrate --from`: fitted per-op
       matmul: {throughput: 7.0e10, overhead: 1.2e-5, mem_bw: 1.0e30, samples: 32, median_rel_error: 0.04}
+    contention:                # optional: engines sharing cores, comm slowing compute (scheduler.contention)
+      cores: 2
+      engines: [cube, vector, comm]
+      overlap: 0.0
     device:                    # optional: how a profiler trace's deviceProperties name this chip
       names: [Ascend910B]      # any of these in the device name; else every fingerprint key equal
       fingerprint: {compute: "9.0", sms: 132, warp: 32}
@@ -47,7 +51,6 @@ from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import load_yaml
 from megaloom.runtime.plugins import Registry
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "mxfp8", "fp64")
 FALLBACK: dict[str, tuple[str, ...]] = {
     "mxfp8": ("fp8", "bf16", "fp16", "fp32"),
     "fp8": ("bf16", "fp16", "fp32"),
@@ -61,6 +64,8 @@ OPTIONAL_LINKS = ("host",)  # host <-> device copies; replay keeps copy duration
 FINGERPRINT_KEYS = ("compute", "sms", "warp")
 OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
+COMM = ("comm", "copy")
+"""Engine kinds that move data; every other kind computes."""
 
 
 def user_profile_dir() -> Path:
@@ -70,6 +75,19 @@ def user_profile_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "megaloom" / "profiles"
+
+
+@dataclass(frozen=True, slots=True)
+class Contention:
+    """``engines`` share ``cores``; a compute task runs ``overlap`` slower while comm runs
+    (:mod:`megaloom.scheduler.contention`)."""
+
+    cores: float
+    engines: tuple[str, ...] = ()
+    overlap: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cores": self.cores, "engines": list(self.engines), "overlap": self.overlap}
 
 
 @dataclass(slots=True)
@@ -87,6 +105,7 @@ class HardwareProfile:
     path: str = ""
     ops: dict[str, dict[str, float]] = field(default_factory=dict)
     device: dict[str, Any] = field(default_factory=dict)
+    contention: Contention | None = None
 
     def peak(self, engine: str, precision: str = "fp32") -> float:
         """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
@@ -129,6 +148,7 @@ class HardwareProfile:
             "sources": dict(self.sources),
             **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
             **({"device": dict(self.device)} if self.device else {}),
+            **({"contention": self.contention.to_dict()} if self.contention else {}),
         }
 
 
@@ -182,7 +202,8 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         links[k] = (_number(where, f"links.{k}.alpha", link["alpha"], positive=False),
                     _number(where, f"links.{k}.beta", link["beta"]))
     sources = _mapping(where, "sources", d["sources"])
-    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in links), "task_overhead"]
+    needed = ["units", *(f"peak.{e}" for e in peaks), "mem_bw", *(f"links.{k}" for k in links), "task_overhead",
+              *(["contention"] if "contention" in d else [])]
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise ConfigError(f"{where}: missing source text 'sources.{key}' (cite where the figure comes from)")
@@ -197,8 +218,21 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where, ops=ops, device=_device(where, d.get("device")),
+        path=where, ops=ops, device=_device(where, d.get("device")), contention=_contention(where, d.get("contention"), units),
     )
+
+
+def _contention(where: str, c: Any, units: dict[str, int]) -> Contention | None:
+    """The optional ``contention`` block: the ``cores`` its ``engines`` share, an ``overlap`` slowdown."""
+    if c is None:
+        return None
+    c = _mapping(where, "contention", c)
+    engines = c.get("engines", [])
+    if set(c) - {"cores", "engines", "overlap"} or "cores" not in c or not set(engines) <= set(units):
+        raise ConfigError(f"{where}: key 'contention' must hold cores, overlap and engines (a list of engine "
+                          f"kinds of 'units'), got {c!r:.80}")
+    return Contention(_number(where, "contention.cores", c["cores"]), tuple(engines),
+                      _number(where, "contention.overlap", c.get("overlap", 0.0), positive=False))
 
 
 def _device(where: str, v: Any) -> dict[str, Any]:

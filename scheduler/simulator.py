@@ -20,6 +20,11 @@ matter. Any other policy (``static``, ``expert_interleave``, custom push/pop), i
 loop declines (NaN durations or keys, keys that are not exact doubles) and stalls run the
 Python loop through the shared Core, which stays the specification. ``fast=False`` forces
 the Python loop; :attr:`Simulator.last_loop` says which loop the last run used.
+
+Contention: when the cost model's ``contention`` can bind (more units of the engines that
+share cores than cores, or comm slowing compute), the run takes the processor-sharing loop of
+:mod:`megaloom.scheduler.contention` (a Python loop over the same Core; ``last_loop`` is
+``"python"``), never the compiled one.
 """
 from __future__ import annotations
 
@@ -35,7 +40,7 @@ from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import Task, TaskGraph
 from megaloom.runtime.plugins import parse_options
 from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
-from megaloom.scheduler import fastpath
+from megaloom.scheduler import contention, fastpath
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
 from megaloom.scheduler.profile import HardwareProfile, load_profile
@@ -119,7 +124,8 @@ class Simulator:
             raise ScheduleError(f"graph {graph.name!r} has {len(graph)} tasks but {len(dur)} durations")
         if isinstance(self.policy, DurationAware):
             self.policy.use_durations(dur)
-        if self.fast:
+        contended = contention.applies(self.cost_model.contention, self.units, graph)
+        if self.fast and not contended:
             with gc_paused():
                 out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
             if out is not None:
@@ -128,7 +134,11 @@ class Simulator:
         self.last_loop = "python"
         core = Core(graph, self.units, self.policy)
         with gc_paused():
-            start, unit, order = self._loop(core, graph, dur.tolist())
+            if contended:  # tasks that share cores slow each other: a clock of its own
+                start, unit, order, took = contention.run(self, core, graph, dur.tolist())
+                dur = np.asarray(took, dtype=np.float64)
+            else:
+                start, unit, order = self._loop(core, graph, dur.tolist())
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")

@@ -1,5 +1,6 @@
 """``megaloom calibrate``: measure this machine and write the ``cpu`` hardware profile, or
-(``--from TRACE...``) fit the cost model's per-op coefficients to measured traces."""
+(``--from TRACE...``) fit the cost model's per-op coefficients to measured traces (and the
+base profile's contention, when it has one)."""
 from __future__ import annotations
 
 import argparse
@@ -30,22 +31,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--matmul-size and --copy-mib must be positive, --seconds non-negative")
     profile = calibrate(args.matmul_size, args.copy_mib << 20, args.seconds)
     path = write_profile(profile, args.out)
-    for k, v in profile.peaks["cube"].items():
-        print(f"matmul {k:<5} {v / 1e9:10.2f} GFLOP/s")
-    print(f"memory bandwidth {profile.mem_bw / 1e9:.2f} GB/s, task overhead {profile.task_overhead * 1e6:.2f} us")
+    print("matmul per unit (one thread): " + ", ".join(f"{k} {profile.unit_peak('cube', k) / 1e9:.2f}" for k in profile.peaks["cube"]) + " GFLOP/s")
+    print(f"memory bandwidth {profile.unit_mem_bw('cube') / 1e9:.2f} GB/s per unit, task overhead "
+          f"{profile.task_overhead * 1e6:.2f} us, {profile.contention.cores:.2f} cores shared")
     print(f"wrote profile {profile.name!r}: {path}")
     return 0
 
 
 def _from_traces(args: argparse.Namespace, write_profile) -> int:
-    from megaloom.scheduler.fit import calibrated_profile, fit_table, fit_traces
+    from megaloom.scheduler.fit import calibrated_profile, fit_overlap, fit_table, fit_traces
     from megaloom.scheduler.importers import load_trace
     from megaloom.scheduler.profile import load_profile
 
-    traces = [load_trace(p) for p in args.traces]
-    fits = fit_traces(traces)
-    print(fit_table(fits))
-    profile = calibrated_profile(load_profile(args.base), fits, args.name,
-                                 source=", ".join(str(p) for p in args.traces))
+    traces, base = [load_trace(p) for p in args.traces], load_profile(args.base)
+    contention, fits = fit_overlap(traces, base.contention) if base.contention else (None, fit_traces(traces))
+    print(fit_table(fits) + (f"\ncompute {contention.overlap:.0%} slower under comm" if contention else ""))
+    profile = calibrated_profile(base, fits, args.name, ", ".join(str(p) for p in args.traces), contention)
     print(f"wrote profile {profile.name!r}: {write_profile(profile, args.out)}")
     return 0

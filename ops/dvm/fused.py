@@ -100,4 +100,5 @@ def fused_kernel(ins, outs, program: dict, backend: str | None = None, operand_s
 
 
 register(OpDef(OP, ("vector",), _reference, _shape, _cost, fused_kernel,
-               doc="a fused chain of DVM primitives (attrs: program, backend, members)"))
+               doc="a fused chain of DVM primitives (attrs: program, backend, members)",
+               extra={"compute": lambda attrs, rate: program_of(attrs).seconds(rate)}))  # each primitive at its rate

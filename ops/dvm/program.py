@@ -10,11 +10,13 @@ dim: ``f`` full, ``b`` broadcast size 1, ``-`` absent); never sizes.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+from megaloom.ops.basic import precision
 from megaloom.ops.dvm.primitives import PREFIX, bind, broadcast, infer, primitive
 from megaloom.runtime.dtypes import dtype_name
 from megaloom.runtime.errors import GraphError
@@ -93,13 +95,13 @@ class Program:
 
     def flops(self) -> float:
         """Arithmetic of one evaluation: each instruction over its own result size."""
-        total = 0.0
-        for k, ins in enumerate(self.code):
-            n = 1
-            for d in self.specs[len(self.inputs) + k][0]:
-                n *= d
-            total += primitive(ins.op).flops * n
-        return total
+        return self.seconds(lambda op, precision: 1.0)
+
+    def seconds(self, rate: Callable[[str, str], float]) -> float:
+        """Seconds of one evaluation on one unit: each instruction's flops (over its own result
+        size) at ``rate("dvm.<name>", precision of its result)``, summed."""
+        return sum(primitive(ins.op).flops * math.prod(shape) / rate(f"{PREFIX}{ins.op}", precision(dtype))
+                   for ins, (shape, dtype) in zip(self.code, self.specs[len(self.inputs):]))
 
     def run_reference(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Evaluate instruction by instruction into fresh tensors (the unfused semantics)."""

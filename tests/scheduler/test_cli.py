@@ -93,3 +93,34 @@ def test_calibrate_writes_a_loadable_profile(tmp_path, capsys):
     assert main(["calibrate", *small]) == 0  # default: the user profile directory, which wins over the packaged cpu
     assert "calibrated" in load_profile("cpu").description
     assert main(["calibrate", "--matmul-size", "0"]) == 2
+
+
+def test_calibrate_times_one_thread_per_unit_and_keeps_the_best(monkeypatch):
+    """Rates are one unit's (one torch thread), the best of repeated runs; chip-wide figures are
+    that times the units; the cores the units share are measured with all of them at once."""
+    import os
+    import time
+
+    import torch
+
+    from megaloom.scheduler import calibrate as cal
+
+    threads, seen = torch.get_num_threads(), []
+
+    def best(fn, seconds):
+        seen.append(torch.get_num_threads())
+        return 1e-3
+
+    monkeypatch.setattr(cal, "_best", best)
+    monkeypatch.setattr(cal, "dispatch_overhead", lambda tasks: 2e-5)
+    monkeypatch.setattr(cal, "shared_cores", lambda units, n, seconds: 1.5)
+    p = cal.calibrate(matmul_size=10, copy_bytes=1 << 20, seconds=0)
+    assert seen and set(seen) == {1} and torch.get_num_threads() == threads
+    cores = len(os.sched_getaffinity(0))
+    assert p.units == {"cube": cores, "vector": cores, "comm": 1}
+    assert p.unit_peak("cube", "fp32") == pytest.approx(2 * 10 ** 3 / 1e-3)
+    assert p.contention.cores == 1.5 and p.contention.engines == ("cube", "vector", "comm")
+    calls = iter([0.001, 0.05] + [0.001] * 10)  # warm-up, a run slowed by other jobs, then quiet runs
+    monkeypatch.undo()
+    assert cal._best(lambda: time.sleep(next(calls)), 0.0) < 0.01  # a slow run (other jobs) does not count
+    assert 1.0 <= cal.shared_cores(2, 16, 0.0, tasks=4) <= 2.0

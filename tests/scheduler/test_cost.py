@@ -111,7 +111,7 @@ def test_a_fused_swiglu_tile_simulates_faster_than_its_unfused_chain(profile, wh
     io = sum(b.nbytes for b in (*fused.inputs, *fused.outputs))
     assert fused.costs()[0].bytes == io  # intermediates never reach memory
     assert cm.task_duration(fused, task) == pytest.approx(
-        max(io / cm.profile.unit_mem_bw("vector"), cm.fused_compute(task)) + cm.profile.task_overhead)
+        max(io / cm.profile.unit_mem_bw("vector"), cm.compute(task)) + cm.profile.task_overhead)
 
 
 def test_fused_compute_is_the_sum_of_its_primitives_at_their_own_rates():
@@ -123,12 +123,12 @@ def test_fused_compute_is_the_sum_of_its_primitives_at_their_own_rates():
     (task,) = fused.tasks
     cm = CostModel("ascend-910b")
     peak = cm.profile.unit_peak("vector", "fp32")
-    assert cm.fused_compute(task) == pytest.approx(sum(c.flops for c in chain.costs()) / peak)
+    assert cm.compute(task) == pytest.approx(sum(c.flops for c in chain.costs()) / peak)
     slow_tanh = CostModel("ascend-910b", overrides={"dvm.tanh": (1e6, None)})
-    assert slow_tanh.fused_compute(task) == pytest.approx(cm.fused_compute(task) + 64 * 64 * (4 / 1e6 - 4 / peak))
+    assert slow_tanh.compute(task) == pytest.approx(cm.compute(task) + 64 * 64 * (4 / 1e6 - 4 / peak))
     # a compute-bound fused node: its duration is its primitives' compute plus one overhead
     overhead = cm.profile.task_overhead
-    assert slow_tanh.task_duration(fused, task) == pytest.approx(slow_tanh.fused_compute(task) + overhead)
+    assert slow_tanh.task_duration(fused, task) == pytest.approx(slow_tanh.compute(task) + overhead)
     fit = CostModel("ascend-910b", overrides={"dvm.fused": (1e9, 1e-6)})  # a fit of the fused class wins
     assert fit.task_duration(fused, task) == pytest.approx(max(prog.flops() / 1e9, fused.costs()[0].bytes /
                                                                cm.profile.unit_mem_bw("vector")) + 1e-6)

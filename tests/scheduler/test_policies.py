@@ -51,12 +51,28 @@ def test_static_per_unit_queues_run_in_order():
     assert StaticPolicy.per_unit is True
 
 
+def test_static_unit_waits_for_its_queue_head_even_when_a_later_task_is_ready():
+    #  unit 0: t0 (3), t2 (1)      unit 1: t1 (1), t3 (1, after t0), t5 (1)      t4 on unit 0
+    g = timed_graph([("cube", 3.0, []), ("cube", 1.0, []), ("cube", 1.0, []), ("cube", 1.0, [0]),
+                     ("cube", 1.0, []), ("cube", 1.0, [])])
+    units = {"cube": 2}
+    static = {e.task: (e.unit, e.start) for e in Simulator("ascend-910b", units, "static").run(g).trace.events}
+    # t5 is ready at 0 but queued behind t3, which waits for t0: unit 1 idles from 1 to 3
+    assert static["t3"] == (1, 3.0) and static["t5"] == (1, 4.0)
+    assert static["t4"] == (0, 4.0)
+    p = make_policy("static")
+    p.prepare(g, units)
+    for tid in (1, 5):
+        p.push(tid)
+    assert p.pop("cube", 1) == 1 and p.pop("cube", 1) == -1  # head t3 not ready: t5 must wait
+    assert not p.has_ready("cube")
+
+
 def test_static_assignment_by_tag_and_balanced():
     g = timed_graph([("cube", 4.0, []), ("cube", 1.0, []), ("cube", 1.0, []), ("cube", 1.0, [])],
                     tags=[{}, {"unit": 3}, {}, {}])
-    p = make_policy("static", assign="balanced")
-    Simulator("ascend-910b", {"cube": 2}, p).run(g)
-    assert [p.unit_of(t) for t in range(4)] == [0, 1, 1, 1]
+    trace = Simulator("ascend-910b", {"cube": 2}, make_policy("static", assign="balanced")).run(g).trace
+    assert [e.unit for e in sorted(trace.events, key=lambda e: e.task_id)] == [0, 1, 1, 1]
     with pytest.raises(ConfigError, match="assign"):
         make_policy("static", assign="random")
 

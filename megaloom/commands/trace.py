@@ -37,9 +37,12 @@ def _load(path: str) -> Trace:
     """A megaloom trace; a profiler (JSON) trace is refused with the command that reads it."""
     try:
         return Trace.load(path)
-    except TraceFormatError:
-        with open(path, "rb") as f:
-            head = f.read(64)
+    except TraceFormatError as e:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(64)
+        except OSError:
+            raise e from None  # the load's own error says why the file cannot be read
         if head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["):
             raise TraceFormatError(f"{path}: a profiler (JSON) trace, not a megaloom trace: `megaloom replay {path}` "
                                    "imports it (import report, identity replay, what-ifs)") from None

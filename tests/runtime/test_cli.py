@@ -73,7 +73,7 @@ def test_plot_panels_of_several_traces(trace_file, tmp_path):
 @pytest.mark.parametrize("content, needle", [
     (None, "cannot read"),
     (b"\x93\x01", "not a valid msgpack file"),
-    (b'{"traceEvents": []}', "looks like JSON"),
+    (b'{"traceEvents": []}', "megaloom replay"),
     (b"\x92\x01\x02", "not a megaloom-trace file"),
     (b"\x80", "not a megaloom-trace file"),
 ])

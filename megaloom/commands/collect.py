@@ -12,6 +12,7 @@ import threading
 
 from megaloom.commands import require_positive, write_file
 from megaloom.comm.stream import MAX_EVENTS, MAX_MESSAGE, Collector
+from megaloom.runtime.files import check_outputs
 from megaloom.runtime.trace import Trace
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.metrics import summary
@@ -28,11 +29,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=float, default=30.0, help="write the trace so far every this many seconds (default 30)")
     p.add_argument("--out", default="trace.mlt", help="merged msgpack trace (default: trace.mlt)")
     p.add_argument("--perfetto", default=None, help="also write Chrome/Perfetto JSON here")
+    p.add_argument("--force", action="store_true", help="overwrite existing files megaloom did not write")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     require_positive(args, "ranks", "idle", "duration", "max_message", "max_events", "save_every")
+    check_outputs([args.out, args.perfetto], (), args.force)
     col = Collector(args.bind, max_message=args.max_message, max_events=args.max_events)
     stopped_by: list[int] = []
 

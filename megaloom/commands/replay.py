@@ -7,6 +7,7 @@ import argparse
 
 from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import check_outputs
 
 
 def _factors(items: list[str] | None) -> dict[str, float]:
@@ -49,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from megaloom.scheduler.importers import load_traces
     from megaloom.scheduler.replay import WhatIf, imported, replay
 
+    check_outputs([args.trace, args.perfetto], args.trace_files, args.force)
     recorded, reports = load_traces(args.trace_files)
     for rep in reports:
         print(rep.text())

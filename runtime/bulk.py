@@ -116,10 +116,9 @@ def _costs(costs: Any, n: int) -> list[Cost | None]:
     if costs is None or isinstance(costs, Cost):
         return [costs] * n
     table, codes = _column(costs, n, "costs") if isinstance(costs, tuple) else (_per_task(costs, n, "costs"), None)
-    if not set(map(type, table)) <= {Cost, type(None)}:
-        bad = next((c for c in table if c is not None and not isinstance(c, Cost)), None)
-        if bad is not None:
-            raise GraphError(f"from_arrays costs: {bad!r} is not a Cost (or None)")
+    bad = next((c for c in table if c is not None and not (isinstance(c, Cost) and c.valid())), None)
+    if bad is not None:
+        raise GraphError(f"from_arrays costs: {bad!r} is not a Cost with finite figures >= 0 (or None)")
     return table if codes is None else list(map(table.__getitem__, codes.tolist()))
 
 

@@ -254,6 +254,8 @@ class TaskGraph:
     """
 
     def __init__(self, name: str = "graph"):
+        if not isinstance(name, str):
+            raise GraphError(f"a graph name must be a string, got {name!r}")
         self.name = name
         self.buffers: dict[str, Buffer] = {}
         self._op_names: list[str] = []
@@ -315,6 +317,8 @@ class TaskGraph:
         """A buffer of any role (:meth:`input`, :meth:`output`, :meth:`inout` and :meth:`buffer`
         name the four)."""
         inp, out = bool(is_input), bool(is_output)
+        if not isinstance(name, str):
+            raise GraphError(f"a buffer name must be a string, got {name!r}")
         if name in self.buffers:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
         if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
@@ -386,6 +390,8 @@ class TaskGraph:
         if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
             raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
         priority = _integer(priority, f"task {name or op!r}: priority")
+        if cost is not None and not (isinstance(cost, Cost) and cost.valid()):
+            raise GraphError(f"task {name or op!r}: cost {cost!r} needs finite flops, bytes and comm bytes >= 0")
         ins = tuple(self.as_region(r) for r in inputs)
         outs = tuple(self.as_region(r) for r in outputs)
         tid = len(self._op)

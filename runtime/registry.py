@@ -8,6 +8,7 @@ group; they are loaded the first time a name is looked up and not found (the one
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -51,6 +52,11 @@ class Cost:
     bytes: float = 0.0
     comm_bytes: float = 0.0
     precision: str = "fp32"
+
+    def valid(self) -> bool:
+        """Finite work figures >= 0 and a precision name: what graph files and the simulator take."""
+        return isinstance(self.precision, str) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                       and 0 <= v < math.inf for v in (self.flops, self.bytes, self.comm_bytes))
 
 
 ShapeRule = Callable[[list[TensorSpec], dict[str, Any]], list[TensorSpec]]

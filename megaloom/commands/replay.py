@@ -4,6 +4,7 @@ link bandwidth, a class of kernels faster, other unit counts or policy (megaloom
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 from megaloom.runtime.errors import ConfigError
@@ -40,6 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--speedup", action="append", metavar="CLASS=F",
                    help="what-if: a kernel class (e.g. nccl, flash, cublas, cudnn) or engine kind F times faster; "
                         "repeat or separate with commas")
+    p.add_argument("--max-json-mib", type=int, default=512, metavar="MIB",
+                   help="the most a gzipped profiler trace may expand to (default 512 MiB)")
     add_common(p)
     p.set_defaults(func=run)
 
@@ -51,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from megaloom.scheduler.replay import WhatIf, imported, replay
 
     check_outputs([args.trace, args.perfetto], args.trace_files, args.force)
+    importlib.import_module("megaloom.scheduler.importers.kineto.read").MAX_JSON_BYTES = args.max_json_mib << 20
     recorded, reports = load_traces(args.trace_files)
     for rep in reports:
         print(rep.text())

@@ -35,6 +35,7 @@ from torch.distributed.checkpoint import filesystem, metadata
 
 from megaloom.runtime.dtypes import dtype_name
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import umask
 
 MANIFEST, METADATA = "megaloom.manifest", ".metadata"
 # what the restricted unpickler may build: DCP's metadata records, torch sizes, dtypes and layouts, paths
@@ -151,7 +152,8 @@ def load_model(cfg: dict, path: str | None) -> torch.nn.Module:
 
 def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print) -> str:
     """``model.save_pretrained`` into ``out_dir``, atomically: written beside it, then renamed into place.
-    ``out_dir`` must not exist yet (or be empty)."""
+    ``out_dir`` must not exist yet (or be empty). Every file gets the mode the umask gives (safetensors
+    alone writes 0600)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"export: {out_dir!r} exists and is not an empty directory")
@@ -159,6 +161,8 @@ def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] =
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        for entry in os.scandir(tmp):
+            os.chmod(entry.path, (0o777 if entry.is_dir() else 0o666) & ~umask())
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"export: cannot write {out_dir!r}: {e}") from None

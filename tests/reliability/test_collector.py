@@ -68,21 +68,24 @@ def test_fake_byes_for_unused_ranks_do_not_end_the_collection(tmp_path):
     th.start()
     ctx = zmq.Context()
     fake = ctx.socket(zmq.PUSH)
-    fake.connect(ep)
-    for r in (2, 3, 4, 5):
-        fake.send(_msg("bye", r))
-    time.sleep(1.0)
-    assert th.is_alive()
-    for r in (0, 1):
-        s = TraceStreamer(ep, r, batch=10)
-        for i in range(50):
-            t = time.perf_counter()
-            s.on_task(TraceEvent(i, f"t{i}", "noop", "vector", 0, r, t, t + 1e-6))
-        s.on_run_end(Trace([], {}))
-        s.close()
-    th.join(150)
-    fake.close(0)
-    ctx.term()
+    fake.setsockopt(zmq.LINGER, 0)
+    try:
+        fake.connect(ep)
+        for r in (2, 3, 4, 5):
+            fake.send(_msg("bye", r))
+        time.sleep(1.0)
+        assert th.is_alive()
+        for r in (0, 1):
+            s = TraceStreamer(ep, r, batch=10)
+            for i in range(50):
+                t = time.perf_counter()
+                s.on_task(TraceEvent(i, f"t{i}", "noop", "vector", 0, r, t, t + 1e-6))
+            s.on_run_end(Trace([], {}))
+            s.close()
+        th.join(150)
+    finally:
+        fake.close()
+        ctx.term()
     assert not th.is_alive() and box["rc"] == 0
     assert len(Trace.load(out).events) == 100
 

@@ -111,7 +111,3 @@ def test_a_step_that_is_no_count_is_refused(tmp_path, step):
     with pytest.raises(CheckpointError, match="not a whole number >= 0"):
         _load(_save(tmp_path / "ckpt", step=step))
 
-
-def test_a_good_torch_checkpoint_still_loads(tmp_path):
-    step, weight = _load(_save(tmp_path / "ckpt"))
-    assert step == 2 and weight.abs().sum() > 0

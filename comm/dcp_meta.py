@@ -102,8 +102,8 @@ def confine(md: Any, path: str) -> Metadata:
     try:
         files = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False)}
         tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
-        return decode(encode(Metadata(tensors, storage_data={i: s for i, s in md.storage_data.items() if i.fqn in tensors},
-                                      version=md.version)), files, path)
+        storage = {i: s for i, s in md.storage_data.items() if i.fqn in tensors}
+        return decode(encode(Metadata(tensors, storage_data=storage, version=md.version)), files, path)
     except (AttributeError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: DCP metadata is malformed: {type(e).__name__}: {e}") from None
 

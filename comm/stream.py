@@ -112,6 +112,14 @@ def streamer_from_env(rank: int, **kw: Any) -> TraceStreamer | None:
     return TraceStreamer(endpoint, rank, token=os.environ.get("MEGALOOM_TRACE_TOKEN"), **kw) if endpoint else None
 
 
+def rank_env(rank: int, endpoint: str | None, key: bytes | None) -> dict[str, str]:
+    """What ``megaloom launch`` adds to a rank's environment for :func:`streamer_from_env`."""
+    env = {"MEGALOOM_TRACE": endpoint} if endpoint else {}
+    if key is not None:
+        env["MEGALOOM_TRACE_TOKEN"] = rank_token(key, rank)
+    return env
+
+
 def rank_token(key: bytes, rank: int) -> str:
     """The token rank ``rank`` sends with a stream ``key``: a rank cannot derive another's."""
     return hmac.new(key, b"megaloom trace rank %d" % rank, "sha256").hexdigest()
@@ -157,6 +165,12 @@ class CollectStats:
     bad_clock: int = 0
     ranks: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
+
+    def __str__(self) -> str:
+        return (f"{self.events} events from ranks {sorted(self.ranks)} (finished {sorted(self.finished)}); dropped "
+                f"{self.malformed} malformed messages, {self.spoofed} for ranks another sender owns (or unknown, or "
+                f"without their token), {self.bad_rows} events with bad values, {self.bad_clock} with a bad clock, "
+                f"{self.over_cap} events over --max-events or --max-bytes")
 
 
 class Collector:

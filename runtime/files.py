@@ -82,15 +82,14 @@ def check_outputs(outputs: Iterable[str | None], inputs: Iterable[str] = (), for
     outputs = [o for o in outputs if o is not None]
     if "-" in outputs:
         sys.stdout = sys.stderr
-    for out in outputs:
-        same = [i for i in inputs if os.path.exists(out) and os.path.exists(i) and os.path.samefile(out, i)]
+    for out in filter(os.path.isfile, outputs):  # what else is at an output path is written, never replaced
+        same = [i for i in inputs if os.path.exists(i) and os.path.samefile(out, i)]
         if same:
             raise ConfigError(f"output {out!r} is the input {same[0]!r}; refused (name another output)")
-        if not force and os.path.isfile(out):
-            with open(out, "rb") as f:
-                head = f.read(64)
-            if head and b"megaloom" not in head:
-                raise ConfigError(f"{out!r} exists and megaloom did not write it; refused (--force overwrites it)")
+        with open(out, "rb") as f:
+            head = f.read(64)
+        if not force and head and b"megaloom" not in head:
+            raise ConfigError(f"{out!r} exists and megaloom did not write it; refused (--force overwrites it)")
 
 
 @contextmanager
@@ -165,7 +164,7 @@ def _nodes(v: Any, seen: dict[int, int], path: set[int]) -> int:
         seen[id(v)] = 1 + sum(_nodes(x, seen, path) for x in (v.values() if isinstance(v, dict) else v))
         path.discard(id(v))
         if seen[id(v)] > MAX_YAML_NODES:
-            raise yaml.MarkedYAMLError(problem=f"YAML aliases expand to more than {MAX_YAML_NODES} nodes (an alias bomb?)")
+            raise yaml.MarkedYAMLError(problem=f"YAML aliases expand past {MAX_YAML_NODES} nodes (an alias bomb?)")
     return seen[id(v)]
 
 

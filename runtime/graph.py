@@ -254,8 +254,6 @@ class TaskGraph:
     """
 
     def __init__(self, name: str = "graph"):
-        if not isinstance(name, str):
-            raise GraphError(f"a graph name must be a string, got {name!r}")
         self.name = name
         self.buffers: dict[str, Buffer] = {}
         self._op_names: list[str] = []

@@ -8,7 +8,6 @@ group; they are loaded the first time a name is looked up and not found (the one
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,8 +54,9 @@ class Cost:
 
     def valid(self) -> bool:
         """Finite work figures >= 0 and a precision name: what graph files and the simulator take."""
-        return isinstance(self.precision, str) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                                                       and 0 <= v < math.inf for v in (self.flops, self.bytes, self.comm_bytes))
+        figures = (self.flops, self.bytes, self.comm_bytes)
+        return isinstance(self.precision, str) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in figures)
 
 
 ShapeRule = Callable[[list[TensorSpec], dict[str, Any]], list[TensorSpec]]

@@ -23,13 +23,16 @@ from megaloom.runtime.metrics import summary
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("collect", help="collect trace events streamed by ranks (ZeroMQ PULL) into one trace")
     p.add_argument("--bind", default="tcp://127.0.0.1:5557", help="endpoint to bind (default: tcp://127.0.0.1:5557)")
-    p.add_argument("--ranks", type=int, default=None, help="stop once ranks 0..N-1 have finished; others are refused (default: wait for --idle or --duration)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="stop once ranks 0..N-1 have finished, refuse others (default: wait for --idle or --duration)")
     p.add_argument("--idle", type=float, default=30.0, help="stop after this many seconds without a message (default 30)")
     p.add_argument("--duration", type=float, default=None, help="stop after this many seconds in all (default: no limit)")
     p.add_argument("--max-message", type=int, default=MAX_MESSAGE, help=f"refuse messages larger than this (bytes; default {MAX_MESSAGE})")
     p.add_argument("--max-events", type=int, default=MAX_EVENTS, help=f"keep at most this many events (default {MAX_EVENTS})")
-    p.add_argument("--max-bytes", type=int, default=MAX_BYTES, help=f"keep events of at most this many message bytes (default {MAX_BYTES})")
-    p.add_argument("--key", metavar="FILE", help="accept only ranks started by `megaloom launch --trace-key FILE` (created if absent)")
+    p.add_argument("--max-bytes", type=int, default=MAX_BYTES,
+                   help=f"keep events of at most this many message bytes (default {MAX_BYTES})")
+    p.add_argument("--key", metavar="FILE",
+                   help="accept only ranks started by `megaloom launch --trace-key FILE` (created if absent)")
     p.add_argument("--save-every", type=float, default=30.0, help="write the trace so far every this many seconds (default 30)")
     p.add_argument("--out", default="trace.mlt", help="merged msgpack trace (default: trace.mlt)")
     p.add_argument("--perfetto", default=None, help="also write Chrome/Perfetto JSON here")
@@ -61,11 +64,7 @@ def run(args: argparse.Namespace) -> int:
     write_file(Trace.save, trace, args.out)
     if args.perfetto:
         write_file(write_chrome, trace, args.perfetto)
-    s = col.stats
-    print(f"{s.events} events from ranks {sorted(s.ranks)} (finished {sorted(s.finished)}); dropped "
-          f"{s.malformed} malformed messages, {s.spoofed} for ranks another sender owns (or unknown, or without "
-          f"their token), {s.bad_rows} events with bad values, {s.bad_clock} with a bad clock, {s.over_cap} events "
-          "over --max-events or --max-bytes")
+    print(col.stats)
     if stopped_by:
         print(f"stopped by {signal.Signals(stopped_by[0]).name}; wrote what was received to {args.out}")
         return 128 + stopped_by[0]

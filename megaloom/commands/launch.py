@@ -24,7 +24,7 @@ import threading
 import time
 
 from megaloom.comm.spawn import die_with, free_port
-from megaloom.comm.stream import rank_token, read_key
+from megaloom.comm.stream import rank_env, read_key
 from megaloom.runtime.errors import ConfigError
 
 
@@ -66,11 +66,8 @@ def run(args: argparse.Namespace) -> int:
             if stopped_by:
                 break
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            if args.trace:
-                env["MEGALOOM_TRACE"] = args.trace
-            if key is not None:
-                env["MEGALOOM_TRACE_TOKEN"] = rank_token(key, rank)
+                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       **rank_env(rank, args.trace, key))
             procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True,
                                           preexec_fn=die_with(os.getpid())))
         return _supervise(procs, args.grace, stopped_by)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -58,12 +57,11 @@ def _finite_numbers(v: Any, where: str = "") -> str | None:
 
 def _model_config(v: dict) -> str | None:
     """Non-finite numbers, and sizes (``*_size``, ``*_dim``, ``num_*``, ``n_*``, ...) outside [0, 2**24]."""
-    bad = [f"{k} is {x!r}, a size must be within [0, 2**24]" for k, x in v.items() if _SIZE_KEY.fullmatch(str(k))
-           and isinstance(x, int) and not isinstance(x, bool) and not 0 <= x <= 1 << 24]
+    sizes = {k: x for k, x in v.items() if str(k).endswith(("_size", "_dim", "_layers", "_heads", "_experts"))
+             or str(k).startswith(("num_", "n_"))}
+    bad = [f"{k} is {x!r}, a size must be within [0, 2**24]" for k, x in sizes.items()
+           if isinstance(x, int) and not isinstance(x, bool) and not 0 <= x <= 1 << 24]
     return _finite_numbers(v) or (bad[0] if bad else None)
-
-
-_SIZE_KEY = re.compile(r".*_(size|dim|layers|heads|experts)|(num|n)_.*")
 
 
 def _positive(v: Any) -> str | None:

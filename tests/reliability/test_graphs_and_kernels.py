@@ -22,12 +22,6 @@ def _int_buffer_name():
     return g
 
 
-def _int_graph_name():
-    g = TaskGraph(7)
-    g.task("noop", name="t")
-    return g
-
-
 def _cost(**kw):
     def build():
         g = TaskGraph("g")
@@ -36,10 +30,9 @@ def _cost(**kw):
     return build
 
 
-@pytest.mark.parametrize("build", [_int_buffer_name, _int_graph_name, _cost(flops=math.nan), _cost(bytes=-1.0),
+@pytest.mark.parametrize("build", [_int_buffer_name, _cost(flops=math.nan), _cost(bytes=-1.0),
                                    _cost(comm_bytes=math.inf), _cost(precision=8)],
-                         ids=["int buffer name", "int graph name", "nan flops", "negative bytes", "inf comm bytes",
-                              "int precision"])
+                         ids=["int buffer name", "nan flops", "negative bytes", "inf comm bytes", "int precision"])
 def test_what_save_writes_load_reads(tmp_path, build):
     try:
         g = build()

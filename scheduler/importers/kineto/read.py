@@ -1,11 +1,12 @@
 """Read a PyTorch profiler (Kineto) Chrome trace: plain or gzipped JSON, validated events.
 
 Every event is checked as it is read; a malformed one raises :class:`TraceFormatError`
-naming its position: times must be finite and within 1e18 us, a grid must fit 2**63
-blocks (a sync naming a stream by a list is only counted). Gzip data may expand to at most
-:data:`MAX_JSON_BYTES` (``megaloom replay --max-json-mib`` raises it), never more. What is not a timed slice is sorted out here: flow events (``s``/``t``/
-``f``), the CUDA sync records (``cuda_sync``), and what the import does not use (metadata,
-counters, instants), which is only counted.
+naming its position: times must be finite and within 1e18 us, a grid must hold fewer than
+2**63 blocks (a sync naming its stream by a list is only counted). Gzip data may expand to
+at most :data:`MAX_JSON_BYTES` (``megaloom replay --max-json-mib`` raises it), never more.
+What is not a timed slice is sorted out here: flow events (``s``/``t``/``f``), the CUDA sync
+records (``cuda_sync``), and what the import does not use (metadata, counters, instants),
+which is only counted.
 """
 from __future__ import annotations
 
@@ -125,13 +126,6 @@ def _time(e: dict, key: str, i: int) -> float:
     raise _bad(i, f"field {key!r} must be a finite number within 1e18 us, got {v!r:.40}")
 
 
-def _grid_fits(grid: list) -> bool:
-    n = 1
-    for g in grid:
-        n *= g if type(g) is int and g > 0 else 1  # other values are not a grid: the import ignores them
-    return n < 1 << 63
-
-
 def read(path: str | os.PathLike) -> RawTrace:
     """Read and validate ``path``; every malformed event raises TraceFormatError naming its position."""
     events, header = load_json(path, read_bytes(path))
@@ -181,7 +175,8 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             if type(name) is not str:
                 raise _bad(i, "'name' must be a string")
             args = e.get("args")
-            if type(args) is dict and type(args.get("grid")) is list and not _grid_fits(args["grid"]):
+            if type(args) is dict and type(args.get("grid")) is list \
+                    and math.prod(g for g in args["grid"] if type(g) is int and g > 0) >= 1 << 63:  # as model.py
                 raise _bad(i, f"grid {args['grid']!r:.60} holds 2**63 blocks or more")
             end = ts + dur
             add(Slice(name, cat, pid, tid, float(ts), float(end), args if type(args) is dict else {}, len(slices)))

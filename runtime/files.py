@@ -46,7 +46,6 @@ def atomic_write(path: str | os.PathLike, data: bytes) -> None:
     except FileNotFoundError:
         mode = stat.S_IFREG | 0o666 & ~umask()
     if not stat.S_ISREG(mode):
-        sys.stdout.flush()
         with open(path if path != "-" else os.dup(1), "wb") as f:
             f.write(data)
         return
@@ -147,22 +146,19 @@ def parse_yaml(text: str | IO[str]) -> Any:
     nesting too deep, a recursive alias, or aliases expanding past :data:`MAX_YAML_NODES` nodes."""
     try:
         data = yaml.load(text, _Loader)
-        _nodes(data, {}, set())
+        _nodes(data, {})
     except RecursionError:
-        raise yaml.MarkedYAMLError(problem="YAML nested too deeply") from None
+        raise yaml.MarkedYAMLError(problem="YAML nested too deeply, or a recursive alias") from None
     return data
 
 
-def _nodes(v: Any, seen: dict[int, int], path: set[int]) -> int:
-    """How many nodes ``v`` spans with every alias expanded (each shared node counted once per use)."""
+def _nodes(v: Any, seen: dict[int, int]) -> int:
+    """How many nodes ``v`` spans with every alias expanded (a node shared by aliases counts once per
+    use, computed once); a recursive alias recurses without end, into a RecursionError."""
     if not isinstance(v, (list, dict)):
         return 1
-    if id(v) in path:
-        raise yaml.MarkedYAMLError(problem="YAML holds a recursive alias (a node inside itself)")
     if id(v) not in seen:
-        path.add(id(v))
-        seen[id(v)] = 1 + sum(_nodes(x, seen, path) for x in (v.values() if isinstance(v, dict) else v))
-        path.discard(id(v))
+        seen[id(v)] = 1 + sum(_nodes(x, seen) for x in (v.values() if isinstance(v, dict) else v))
         if seen[id(v)] > MAX_YAML_NODES:
             raise yaml.MarkedYAMLError(problem=f"YAML aliases expand past {MAX_YAML_NODES} nodes (an alias bomb?)")
     return seen[id(v)]

@@ -32,14 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def die_with(parent: int) -> Callable[[], None]:
-    """A ``preexec_fn`` making the child die by SIGKILL when ``parent`` does (Linux's
-    parent-death signal; elsewhere nothing), even when the parent is killed by SIGKILL."""
+def die_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` making the child die by SIGKILL when ``parent`` does, even when the
+    parent is killed by SIGKILL (Linux's parent-death signal; elsewhere None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
     def preexec() -> None:
-        if sys.platform.startswith("linux"):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:  # it died before the signal was set
-                os.kill(os.getpid(), signal.SIGKILL)
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the signal was set
+            os.kill(os.getpid(), signal.SIGKILL)
     return preexec
 
 

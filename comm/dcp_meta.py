@@ -7,10 +7,12 @@ the checkpoint manifest carries the same metadata as msgpack (:func:`encode`), a
 :class:`ManifestReader` hands DCP the :class:`Metadata` rebuilt from it (:func:`decode`),
 every field checked and every chunk confined to a file the manifest lists and hashes.
 Chunk data is then read by DCP itself with ``torch.load(weights_only=True)``. Only tensor
-entries are supported (megaloom checkpoints hold nothing else).
+entries are supported (megaloom checkpoints hold nothing else). :func:`confine` holds the
+metadata of a folder torch wrote (no manifest) to the same rules.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -49,7 +51,7 @@ def decode(d: Any, files: dict[str, int], where: str) -> Metadata:
     type, a chunk outside its tensor, a storage record outside its file.
     """
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{where}: DCP metadata in the manifest: {what}")
+        return CheckpointError(f"{where}: DCP metadata: {what}")
 
     if not isinstance(d, dict) or not isinstance(d.get("tensors"), dict) or not isinstance(d.get("storage"), list) \
             or not isinstance(d.get("version"), (str, type(None))):
@@ -84,13 +86,26 @@ def decode(d: Any, files: dict[str, int], where: str) -> Metadata:
         fqn, offset, index, name, start, length = rec
         offset = _dims(offset, bad, f"storage record of {fqn!r}")
         if name not in files:
-            raise bad(f"storage record of {fqn!r} names file {name!r}, which the manifest does not list")
+            raise bad(f"storage record of {fqn!r} names {name!r}, not a checked regular file in the folder (refused)")
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (start, length)) \
                 or start + length > files[name]:
             raise bad(f"storage record of {fqn!r} reads bytes {start!r}+{length!r} of {name!r} "
                       f"({files[name]} bytes)")
         storage[MetadataIndex(fqn, torch.Size(offset), index)] = _StorageInfo(name, start, length)
     return Metadata(state, storage_data=storage, version=d["version"])
+
+
+def confine(md: Any, path: str) -> Metadata:
+    """The tensor entries of DCP metadata ``md`` of folder ``path`` (torch's, with no manifest),
+    checked as :func:`decode` checks a manifest's: every chunk inside a regular file of the
+    folder itself (no ``../``, absolute path or link) and inside that file's size."""
+    try:
+        files = {e.name: e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False)}
+        tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+        storage = {i: s for i, s in md.storage_data.items() if i.fqn in tensors}
+        return decode(encode(Metadata(tensors, storage_data=storage, version=md.version)), files, path)
+    except (AttributeError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: DCP metadata is malformed: {type(e).__name__}: {e}") from None
 
 
 def _dims(v: Any, bad, what: str) -> list[int]:

@@ -7,9 +7,13 @@ starts in about a second. Each rank's return value travels back msgpack-encoded
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 from multiprocessing.connection import wait as mp_wait
+import os
+import signal
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -26,6 +30,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def die_with(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` making the child die by SIGKILL when ``parent`` does, even when the
+    parent is killed by SIGKILL (Linux's parent-death signal; elsewhere None)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the child only calls it
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the signal was set
+            os.kill(os.getpid(), signal.SIGKILL)
+    return preexec
 
 
 def _context(module: str, preload: Sequence[str]):

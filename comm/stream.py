@@ -1,25 +1,34 @@
 """Stream trace events from ranks to one collector over ZeroMQ (PUSH -> PULL), msgpack-encoded.
 
 Messages are msgpack maps ``{"v": 1, "kind": "hello" | "events" | "bye", "rank": int,
-"sid": int, "sent": float, ...}``; ``events`` carries ``rows`` (one list per event, in
-:class:`TraceEvent` field order) and ``bye`` the run's ``meta``. ``sid`` is a random
+"sid": int, "sent": float, "tok": str, ...}``; ``events`` carries ``rows`` (one list per event,
+in :class:`TraceEvent` field order) and ``bye`` the run's ``meta``. ``sid`` is a random
 number each streamer picks: the first session heard for a rank owns it, and messages for
 that rank from any other session are dropped and counted (``spoofed``), so a rank's bye
-counts once and a stray sender cannot finish or skew another rank (one that claims a rank
-before the real one does is indistinguishable from it: the stream is not authenticated).
+counts once and a stray sender cannot finish or skew another rank. With a key (a secret
+file shared by ``megaloom collect --key`` and ``megaloom launch --trace-key``), ``tok`` must
+be the rank's token, :func:`rank_token` (an HMAC of the rank, given to each rank by the
+launcher), so a sender without it, or a rank speaking for another, is dropped and counted
+too; without a key the stream is not authenticated. Ranks at or beyond the expected
+number of ranks are dropped and counted alike.
 ``sent`` is the rank's ``time.perf_counter()`` at sending, the clock its events use. The
 collector aligns each rank to its own wall clock with ``offset = min(received_at - sent)``
 over that rank's messages (skew plus the smallest one-way delay, microseconds on one host).
+An event can only have ended before the message carrying it was sent, so aligned events
+after the last message received, or more than ``MAX_TIME`` (1e12 s) before it, carry a bad
+clock: they are left out of the trace and counted (``bad_clock``), never failing its save.
 
 Nothing a sender does makes the collector hang, crash or grow without bound: ZeroMQ
 refuses messages over ``max_message`` bytes before buffering them (``MAXMSGSIZE``: it drops
 that sender's connection, which reconnects); malformed messages are dropped and counted;
 event rows are checked field by field like trace files (finite times, bounded ids and
-amounts) and bad ones dropped and counted; events beyond ``max_events`` are dropped and
-counted. A rank that vanishes only loses its unsent events.
+amounts) and bad ones dropped and counted; events beyond ``max_events``, or beyond
+``max_bytes`` of accepted messages, are dropped and counted. A rank that vanishes only
+loses its unsent events.
 """
 from __future__ import annotations
 
+import hmac
 import math
 import os
 import secrets
@@ -31,13 +40,14 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from megaloom.runtime.errors import CommError
+from megaloom.runtime.errors import CommError, ConfigError
 from megaloom.runtime.record import Observer
 from megaloom.runtime.trace import MAX_TIME, REQUIRED_COLUMNS, Trace, TraceEvent, meta_problem, row_problem
 
 PROTOCOL = 1
 MAX_MESSAGE = 8 << 20
 MAX_EVENTS = 5_000_000  # about 2 GB of events in memory
+MAX_BYTES = 512 << 20  # of accepted event messages
 _FIELDS = [f.name for f in fields(TraceEvent)]
 
 
@@ -49,8 +59,9 @@ class TraceStreamer(Observer):
     ``close`` waits at most ``linger`` seconds.
     """
 
-    def __init__(self, endpoint: str, rank: int, *, batch: int = 256, linger: float = 1.0, hwm: int = 1000):
-        self.rank, self.batch, self.dropped = rank, batch, 0
+    def __init__(self, endpoint: str, rank: int, *, batch: int = 256, linger: float = 1.0, hwm: int = 1000,
+                 token: str | None = None):
+        self.rank, self.batch, self.dropped, self.token = rank, batch, 0, token
         self._ctx = zmq.Context()  # its own, so close() can flush it before the process exits
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, int(linger * 1000))
@@ -62,7 +73,7 @@ class TraceStreamer(Observer):
         self._send({"kind": "hello"})
 
     def _send(self, msg: dict[str, Any]) -> None:
-        msg.update(v=PROTOCOL, rank=self.rank, sid=self._sid, sent=time.perf_counter())
+        msg.update(v=PROTOCOL, rank=self.rank, sid=self._sid, tok=self.token, sent=time.perf_counter())
         data = msgpack.packb(msg, use_bin_type=True)
         try:
             if len(data) > MAX_MESSAGE:  # the collector would drop the connection
@@ -95,9 +106,39 @@ class TraceStreamer(Observer):
 
 
 def streamer_from_env(rank: int, **kw: Any) -> TraceStreamer | None:
-    """A streamer to ``$MEGALOOM_TRACE`` (set by ``megaloom launch --trace``), or None when unset."""
+    """A streamer to ``$MEGALOOM_TRACE`` with token ``$MEGALOOM_TRACE_TOKEN`` (both set by
+    ``megaloom launch --trace [--trace-key]``), or None when unset."""
     endpoint = os.environ.get("MEGALOOM_TRACE")
-    return TraceStreamer(endpoint, rank, **kw) if endpoint else None
+    return TraceStreamer(endpoint, rank, token=os.environ.get("MEGALOOM_TRACE_TOKEN"), **kw) if endpoint else None
+
+
+def rank_env(rank: int, endpoint: str | None, key: bytes | None) -> dict[str, str]:
+    """What ``megaloom launch`` adds to a rank's environment for :func:`streamer_from_env`."""
+    env = {"MEGALOOM_TRACE": endpoint} if endpoint else {}
+    if key is not None:
+        env["MEGALOOM_TRACE_TOKEN"] = rank_token(key, rank)
+    return env
+
+
+def rank_token(key: bytes, rank: int) -> str:
+    """The token rank ``rank`` sends with a stream ``key``: a rank cannot derive another's."""
+    return hmac.new(key, b"megaloom trace rank %d" % rank, "sha256").hexdigest()
+
+
+def read_key(path: str, create: bool = False) -> bytes:
+    """The stream key in file ``path``; with ``create``, a new random key is written there
+    first (mode 0600) when there is none. ConfigError if it cannot be read or is too short."""
+    try:
+        if create and not os.path.exists(path):
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(secrets.token_hex(32))
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise ConfigError(f"trace key {path}: {e.strerror or e}") from None
+    if len(key) < 16:
+        raise ConfigError(f"trace key {path}: shorter than 16 bytes")
+    return key
 
 
 def _plain(v: Any) -> bool:
@@ -110,17 +151,26 @@ def _plain(v: Any) -> bool:
 
 @dataclass(slots=True)
 class CollectStats:
-    """What a collector saw: messages accepted and dropped (malformed, or for a rank another
-    session owns), event rows dropped (bad values, over the cap), ranks seen and finished."""
+    """What a collector saw: messages accepted and dropped (malformed; for a rank another session
+    owns, without its token or out of range), bytes of events accepted, event rows dropped (bad
+    values, over a cap, bad clock), ranks seen and finished."""
 
     received: int = 0
     malformed: int = 0
     spoofed: int = 0
     events: int = 0
+    bytes: int = 0
     bad_rows: int = 0
     over_cap: int = 0
+    bad_clock: int = 0
     ranks: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
+
+    def __str__(self) -> str:
+        return (f"{self.events} events from ranks {sorted(self.ranks)} (finished {sorted(self.finished)}); dropped "
+                f"{self.malformed} malformed messages, {self.spoofed} for ranks another sender owns (or unknown, or "
+                f"without their token), {self.bad_rows} events with bad values, {self.bad_clock} with a bad clock, "
+                f"{self.over_cap} events over --max-events or --max-bytes")
 
 
 class Collector:
@@ -128,12 +178,15 @@ class Collector:
 
     ``run`` returns when ``ranks`` ranks have said bye, after ``idle`` seconds without a
     message, after ``duration`` seconds in all, or once :meth:`stop` is called (from a
-    signal handler, say), whichever comes first. Events beyond ``max_events`` are dropped.
+    signal handler, say), whichever comes first. Events beyond ``max_events`` or ``max_bytes``
+    are dropped. With ``key``, only messages carrying their rank's token count; with ``ranks``,
+    only ranks 0 to ``ranks - 1``.
     """
 
     def __init__(self, endpoint: str = "tcp://127.0.0.1:0", *, max_message: int = MAX_MESSAGE,
-                 max_events: int = MAX_EVENTS):
-        self.max_events = max_events
+                 max_events: int = MAX_EVENTS, max_bytes: int = MAX_BYTES, key: bytes | None = None,
+                 ranks: int | None = None):
+        self.max_events, self.max_bytes, self.key, self.ranks = max_events, max_bytes, key, ranks
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -149,6 +202,7 @@ class Collector:
         self._offset: dict[int, float] = {}
         self._meta: dict[int, dict[str, Any]] = {}
         self._owner: dict[int, Any] = {}  # rank -> the session that first spoke for it
+        self._last = -math.inf  # wall time of the last message accepted
         self._stop = threading.Event()
 
     def stop(self) -> None:
@@ -190,17 +244,20 @@ class Collector:
             self.stats.malformed += 1
             return
         sid = msg.get("sid")
-        if self._owner.setdefault(rank, sid) != sid:
+        if (self.ranks is not None and rank >= self.ranks) or (self.key is not None and not hmac.compare_digest(
+                str(msg.get("tok")), rank_token(self.key, rank))) or self._owner.setdefault(rank, sid) != sid:
             self.stats.spoofed += 1
             return
         self.stats.received += 1
+        self._last = max(self._last, received_at)
         self.stats.ranks.add(rank)
         off = received_at - sent
         self._offset[rank] = min(self._offset.get(rank, off), off)
         if kind == "events":
             good = [r for r in rows if row_problem(_FIELDS[: len(r)], r) is None]
             self.stats.bad_rows += len(rows) - len(good)
-            room = max(0, self.max_events - self.stats.events)
+            room = max(0, self.max_events - self.stats.events) if self.stats.bytes + len(raw) <= self.max_bytes else 0
+            self.stats.bytes += len(raw) if room else 0
             self.stats.over_cap += max(0, len(good) - room)
             self._events.setdefault(rank, []).extend(TraceEvent(*r) for r in good[:room])
             self.stats.events += min(room, len(good))
@@ -210,16 +267,20 @@ class Collector:
             self._meta[rank] = meta if meta_problem(meta) is None else {}
 
     def trace(self) -> Trace:
-        """The events so far, one clock (seconds since the earliest event), sorted by start."""
-        t0 = min((e.start + self._offset[r] for r, evs in self._events.items() for e in evs), default=0.0)
-        events = [replace(e, rank=r, start=e.start + self._offset[r] - t0, end=e.end + self._offset[r] - t0)
-                  for r, evs in self._events.items() for e in evs]
+        """The events so far, one clock (seconds since the earliest event), sorted by start;
+        events whose clock is impossible (see the module docstring) left out and counted."""
+        hi = self._last + 1.0
+        kept = [(r, e, self._offset[r]) for r, evs in self._events.items() for e in evs
+                if hi - MAX_TIME <= e.start + self._offset[r] and e.end + self._offset[r] <= hi]
+        self.stats.bad_clock = sum(map(len, self._events.values())) - len(kept)
+        t0 = min((e.start + off for _, e, off in kept), default=0.0)
+        events = [replace(e, rank=r, start=e.start + off - t0, end=e.end + off - t0) for r, e, off in kept]
         events.sort(key=lambda e: (e.start, e.rank, e.task_id))
         meta = dict(next(iter(self._meta.values()), {}))
         s = self.stats
         meta.update(mode="execute", clock="wall", world_size=len(s.ranks), ranks=sorted(s.ranks),
                     finished=sorted(s.finished), dropped_malformed=s.malformed, dropped_spoofed=s.spoofed,
-                    dropped_bad_rows=s.bad_rows, dropped_over_cap=s.over_cap)
+                    dropped_bad_rows=s.bad_rows, dropped_over_cap=s.over_cap, dropped_bad_clock=s.bad_clock)
         return Trace(events, meta)
 
     def close(self) -> None:
@@ -236,8 +297,8 @@ def _check(msg: Any) -> tuple[int, str, float, list]:
     if isinstance(sent, bool) or not isinstance(sent, (int, float)) or not math.isfinite(sent) \
             or abs(sent) > MAX_TIME or not isinstance(rows, list):
         raise ValueError("bad header")
-    if not isinstance(msg.get("sid"), (int, type(None))):
-        raise ValueError("bad session id")
+    if not isinstance(msg.get("sid"), (int, type(None))) or not isinstance(msg.get("tok"), (str, type(None))):
+        raise ValueError("bad session id or token")
     for row in rows:
         if not isinstance(row, list) or not REQUIRED_COLUMNS <= len(row) <= len(_FIELDS):  # older ranks send fewer
             raise ValueError("bad event row")

@@ -4,10 +4,13 @@ Gloo on CPU, NCCL on CUDA. The process group comes from torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), from an explicit
 ``init_method``, or is passed in. Every wait is bounded by ``timeout`` seconds (also
 given to the process group), and every backend failure, including a peer that died or
-never arrived, surfaces as :class:`CommError` naming the call and the rank.
+never arrived, surfaces as :class:`CommError` naming the call and the rank. A group made
+here is destroyed at exit, so a process that caught a timeout exits with its own code
+rather than aborting in gloo's teardown.
 """
 from __future__ import annotations
 
+import atexit
 import os
 from datetime import timedelta
 from typing import Any
@@ -89,6 +92,7 @@ class TorchCommunicator(Communicator):
                 raise CommError(f"rank {rank}: cannot join a world of {world_size} ranks "
                                 f"({backend}, timeout {self.timeout:g} s): {_first_line(e)}") from e
             self._owns_group = True
+            atexit.register(self.close)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    stdout = sys.stdout  # an output to '-' sends messages to stderr for the command's run
     try:
         return int(args.func(args) or 0)
     except MegaloomError as e:
@@ -34,8 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # output piped into a reader that stopped (e.g. `| head`)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), stdout.fileno())  # nothing left to flush at exit
         return 0
+    finally:
+        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -131,9 +131,9 @@ def _costs(g: TaskGraph, costs: Any, n: int) -> np.ndarray:
         index = {k: i for i, k in enumerate(distinct)}
         table = list(distinct.values())
         codes = np.fromiter(map(index.__getitem__, map(id, values)), np.int64, n)
-    bad = next((c for c in table if c is not None and not isinstance(c, Cost)), None)
+    bad = next((c for c in table if c is not None and not (isinstance(c, Cost) and c.valid())), None)
     if bad is not None:
-        raise GraphError(f"from_arrays costs: {bad!r} is not a Cost (or None)")
+        raise GraphError(f"from_arrays costs: {bad!r} is not a Cost with finite figures >= 0 (or None)")
     remap = np.array([0 if c is None else g._cost_code(c) for c in table] or [0], np.uint32)
     return remap[codes]
 

@@ -30,7 +30,7 @@ def engine_colours(engines: list[str]) -> dict[str, str]:
 def to_dot(graph: TaskGraph) -> str:
     """The graph as DOT: node ``t<id>`` per task labelled ``name\\nop``, filled by engine kind."""
     colours = engine_colours(graph.engines())
-    lines = [f"digraph {quote(graph.name)} {{",
+    lines = ["// written by megaloom", f"digraph {quote(graph.name)} {{",
              "  rankdir=TB;",
              '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=10];',
              "  subgraph cluster_legend {",

@@ -101,6 +101,8 @@ class TaskGraph(DAG):
         """A buffer of any role (:meth:`input`, :meth:`output`, :meth:`inout` and :meth:`buffer`
         name the four)."""
         inp, out = bool(is_input), bool(is_output)
+        if not isinstance(name, str):
+            raise GraphError(f"a buffer name must be a string, got {name!r}")
         if name in self.buffers:
             raise GraphError(f"buffer {name!r} already exists in graph {self.name!r}")
         if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
@@ -250,8 +252,9 @@ class TaskGraph(DAG):
         """The index of ``cost`` (this object) in the cost table, added if new."""
         code = self._cost_codes.get(id(cost))
         if code is None:
-            if not isinstance(cost, Cost):
-                raise GraphError(f"a task's cost must be a Cost, got {cost!r:.80}")
+            if not (isinstance(cost, Cost) and cost.valid()):
+                raise GraphError(f"a task's cost must be a Cost with finite flops, bytes and comm bytes >= 0, "
+                                 f"got {cost!r:.80}")
             code = self._cost_codes[id(cost)] = len(self._cost_table)
             self._cost_table.append(cost)  # kept, so its id stays its own
         return code

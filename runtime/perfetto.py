@@ -53,7 +53,8 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
         ts, te = round((start[i] - t0) * _US, 3), round((end[i] - t0) * _US, 3)
         out.append({"ph": "X", "name": name, "cat": op, "pid": rank[i], "tid": tid_of[engine[i], unit[i]],
                     "ts": ts, "dur": max(0.0, round(te - ts, 3)), "args": args})
-    return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {k: str(v) for k, v in trace.meta.items()}}
+    other = {"megaloom": "trace", **{k: str(v) for k, v in trace.meta.items()}}  # first: it names the writer
+    return {"otherData": other, "traceEvents": out, "displayTimeUnit": "ms"}
 
 
 def write_chrome(trace: Trace, path: str | os.PathLike) -> None:

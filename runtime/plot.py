@@ -91,6 +91,6 @@ def plot_gantt(trace: Trace | Mapping[str, Trace], path: str | os.PathLike, titl
         fig.suptitle(title)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi)
+    fig.savefig(buf, format="png", dpi=dpi, metadata={"Software": "megaloom"})
     plt.close(fig)
     atomic_write(path, buf.getvalue())

@@ -53,6 +53,12 @@ class Cost:
     comm_bytes: float = 0.0
     precision: str = "fp32"
 
+    def valid(self) -> bool:
+        """Finite work figures >= 0 and a precision name: what graph files and the simulator take."""
+        figures = (self.flops, self.bytes, self.comm_bytes)
+        return isinstance(self.precision, str) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf") for v in figures)
+
 
 ShapeRule = Callable[[list[TensorSpec], dict[str, Any]], list[TensorSpec]]
 CostFn = Callable[[list[TensorSpec], list[TensorSpec], dict[str, Any]], Cost]

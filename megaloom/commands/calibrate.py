@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import check_outputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,12 +20,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--matmul-size", type=int, default=512, help="square matmul size (default 512)")
     p.add_argument("--copy-mib", type=int, default=64, help="tensor size of the bandwidth copy in MiB (default 64)")
     p.add_argument("--seconds", type=float, default=0.3, help="time spent per measurement (default 0.3)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file megaloom did not write")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from megaloom.scheduler.calibrate import calibrate, write_profile
 
+    check_outputs([args.out], args.traces or (), args.force)
     if args.traces:
         return _from_traces(args, write_profile)
     if args.matmul_size <= 0 or args.copy_mib <= 0 or args.seconds < 0:

@@ -2,13 +2,16 @@
 
 Each rank gets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
 (so ``TorchCommunicator()`` joins the world) and, with ``--trace``, ``MEGALOOM_TRACE``
-(the collector endpoint for :class:`megaloom.comm.stream.TraceStreamer`). Every rank is
+(the collector endpoint for :class:`megaloom.comm.stream.TraceStreamer`) and, with
+``--trace-key FILE``, ``MEGALOOM_TRACE_TOKEN`` (the rank's token for a collector started
+with ``megaloom collect --key FILE``). Every rank is
 watched: when one fails, the launcher names it and its exit code, lets the others stop
 for ``--grace`` seconds, then kills them; SIGINT or SIGTERM to the launcher is forwarded
 to every rank, which are killed if still running after the grace. The exit code is the
 first failure's (128 + N for a rank killed by signal N, as a shell reports it), or
 128 + N when the launcher itself was stopped by signal N. Each rank runs in its own
-process group, so killing it also stops processes it started.
+process group, so killing it also stops processes it started, and dies with the launcher
+(Linux's parent-death signal), even when the launcher is killed by SIGKILL.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("--trace", default=None, help="collector endpoint passed to ranks as MEGALOOM_TRACE")
+    p.add_argument("--trace-key", metavar="FILE", help="give each rank its token for `megaloom collect --key FILE`")
     p.add_argument("--grace", type=float, default=10.0, help="seconds to let ranks stop after one fails or the launcher gets SIGINT/SIGTERM, "
                         "before they are killed (default 10)")
     p.add_argument("script", help="Python script each rank runs")
@@ -44,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--grace must be >= 0 seconds, got {args.grace}")
     if not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} does not exist")
-    from megaloom.comm.spawn import free_port
+    from megaloom.comm.spawn import die_with, free_port
+    from megaloom.comm.stream import rank_env, read_key
 
-    port = args.port or free_port()
+    port, key = args.port or free_port(), read_key(args.trace_key) if args.trace_key else None
     procs: list[subprocess.Popen] = []
     stopped_by: list[int] = []
 
@@ -62,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
             if stopped_by:
                 break
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            if args.trace:
-                env["MEGALOOM_TRACE"] = args.trace
-            procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True))
+                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       **rank_env(rank, args.trace, key))
+            procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True,
+                                          preexec_fn=die_with(os.getpid())))
         return _supervise(procs, args.grace, stopped_by)
     finally:
         for p in procs:  # nothing outlives the launcher

@@ -5,9 +5,11 @@ measured on real A/B pairs; other unit counts or policy (megaloom traces)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import check_outputs
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "(or added to a one-rank CPU trace)")
     what.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree: all-to-alls re-costed, the expert "
                       "work in --scope shared among N ranks")
+    p.add_argument("--max-json-mib", type=int, default=512, metavar="MIB",
+                   help="the most a gzipped profiler trace may expand to (default 512 MiB)")
     add_common(p)
     p.set_defaults(func=run)
 
@@ -79,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     whatif = _whatif(args)  # before a long import
     policy, units = policy_and_units(args)
+    check_outputs([args.trace, args.perfetto], args.trace_files, args.force)
+    importlib.import_module("megaloom.scheduler.importers.kineto.read").MAX_JSON_BYTES = args.max_json_mib << 20
     recorded, reports = load_traces(args.trace_files)
     for rep in reports:
         print(rep.text())

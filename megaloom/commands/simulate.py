@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from megaloom.commands import write_file
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import check_outputs
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.plugins import parse_options, parse_spec
@@ -60,6 +61,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--units", default=None, help="unit counts overriding the profile, e.g. cube=24,vector=48,comm=4")
     p.add_argument("--trace", default=None, metavar="OUT.mlt", help="write the simulated trace (msgpack)")
     p.add_argument("--perfetto", default=None, metavar="OUT.json", help="write a Chrome/Perfetto trace JSON")
+    p.add_argument("--force", action="store_true", help="overwrite existing files megaloom did not write")
 
 
 def policy_and_units(args: argparse.Namespace):
@@ -113,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
     if (args.graph_file is None) == (args.graph is None):
         raise ConfigError("give exactly one graph: GRAPH_FILE or --graph SPEC")
+    check_outputs([args.trace, args.perfetto], [args.graph_file or args.graph], args.force)
     if args.world or args.slowdown:
         return run_world(args)
     graph = resolve_graph(args.graph_file or args.graph)

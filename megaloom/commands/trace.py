@@ -11,6 +11,7 @@ import os
 
 from megaloom.commands import write_file
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.files import check_outputs
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.trace import Trace
@@ -24,13 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.set_defaults(func=run_summary)
     c = actions.add_parser("convert", help="write Chrome Trace Event JSON that Perfetto opens")
     c.add_argument("trace", help="megaloom trace file (msgpack)")
-    c.add_argument("-o", "--out", help="output JSON (default: the trace path with .json)")
+    c.add_argument("-o", "--out", help="output JSON (default: the trace path with .json; -: standard output)")
     c.set_defaults(func=run_convert)
     g = actions.add_parser("plot", help="write a PNG Gantt chart of engine units over time")
     g.add_argument("trace", help="megaloom trace file (msgpack)")
     g.add_argument("-o", "--out", help="output PNG (default: the trace path with .png)")
     g.add_argument("--title", help="chart title (default: graph name, mode and task count)")
     g.set_defaults(func=run_plot)
+    for verb in (c, g):
+        verb.add_argument("--force", action="store_true", help="overwrite an existing file megaloom did not write")
 
 
 def _load(path: str) -> Trace:
@@ -50,7 +53,9 @@ def _load(path: str) -> Trace:
 
 
 def _out(args: argparse.Namespace, suffix: str) -> str:
-    return args.out or os.path.splitext(args.trace)[0] + suffix
+    out = args.out or os.path.splitext(args.trace)[0] + suffix
+    check_outputs([out], [args.trace], args.force)
+    return out
 
 
 def run_summary(args: argparse.Namespace) -> int:
@@ -59,8 +64,8 @@ def run_summary(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    trace = _load(args.trace)
     out = _out(args, ".json")
+    trace = _load(args.trace)
     write_file(write_chrome, trace, out)
     print(f"wrote {out} ({len(trace.events)} tasks; open it in https://ui.perfetto.dev)")
     return 0
@@ -69,8 +74,8 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_plot(args: argparse.Namespace) -> int:
     from megaloom.runtime.plot import plot_gantt
 
-    trace = _load(args.trace)
     out = _out(args, ".png")
+    trace = _load(args.trace)
     write_file(plot_gantt, trace, out, title=args.title)
     print(f"wrote {out} ({len(trace.events)} tasks)")
     return 0

@@ -55,8 +55,21 @@ def _finite_numbers(v: Any, where: str = "") -> str | None:
     return None
 
 
+def _model_config(v: dict) -> str | None:
+    """Non-finite numbers, and sizes (``*_size``, ``*_dim``, ``num_*``, ``n_*``, ...) outside [0, 2**24]."""
+    sizes = {k: x for k, x in v.items() if str(k).endswith(("_size", "_dim", "_layers", "_heads", "_experts"))
+             or str(k).startswith(("num_", "n_"))}
+    bad = [f"{k} is {x!r}, a size must be within [0, 2**24]" for k, x in sizes.items()
+           if isinstance(x, int) and not isinstance(x, bool) and not 0 <= x <= 1 << 24]
+    return _finite_numbers(v) or (bad[0] if bad else None)
+
+
 def _positive(v: Any) -> str | None:
     return None if v > 0 else "must be > 0"
+
+
+def _count(v: Any) -> str | None:
+    return None if 0 < v <= 1 << 20 else "must be within [1, 2**20]"
 
 
 def _non_negative(v: Any) -> str | None:
@@ -105,7 +118,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "model": {
         "kind": Key("qwen3_moe", (str,), doc="a transformers model type (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, "
                     "olmoe, ...) built with random weights, or 'path' for a local checkpoint"),
-        "config": Key({}, (dict,), check=_finite_numbers,
+        "config": Key({}, (dict,), check=_model_config,
                       doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
         "path": Key(None, _OPT_STR, doc="local directory with config.json (+ weights) when kind is 'path'"),
         "dtype": Key("float32", (str,), choices=("float32", "bfloat16"), doc="parameter dtype"),
@@ -113,8 +126,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
     "data": {
         "source": Key("synthetic", (str,), choices=("synthetic", "text"), doc="seeded token stream or a local text file"),
         "path": Key(None, _OPT_STR, doc="the text file (byte-level tokens) when source is 'text'"),
-        "seq_len": Key(16, (int,), check=_positive, doc="tokens per sequence"),
-        "batch_size": Key(4, (int,), check=_positive, doc="sequences per step per data-parallel rank"),
+        "seq_len": Key(16, (int,), check=_count, doc="tokens per sequence"),
+        "batch_size": Key(4, (int,), check=_count, doc="sequences per step per data-parallel rank"),
         "branching": Key(2, (int,), check=_positive, doc="synthetic stream: successors per token (lower = easier)"),
     },
     "optimizer": {

@@ -9,8 +9,11 @@ So a torch user restores a megaloom checkpoint with ``get_state_dict`` + ``dcp.l
 from a checkpoint torch wrote that way (:func:`load_torch`). Such a folder has no megaloom
 manifest, so nothing vouches for its files: DCP's ``.metadata`` pickle is read by a restricted
 unpickler that builds only DCP's own metadata types (:data:`ALLOWED`), never arbitrary
-objects; the tensor files are read by DCP with ``torch.load(weights_only=True)``;
-``optim.param_groups.*`` entries (pickled Python values) are not read at all.
+objects; every chunk it names must lie in a regular file of the folder itself
+(:func:`megaloom.comm.dcp_meta.confine`); the tensor files are read by DCP with
+``torch.load(weights_only=True)``, and a file that is not what the metadata says is a
+CheckpointError; ``optim.param_groups.*`` entries (pickled Python values) are not read at
+all. The step resumed is the optimizer's, which must be a whole number >= 0.
 
 **Hugging Face.** :func:`export_hf` writes the model of a training checkpoint as a
 ``save_pretrained`` directory (config and safetensors weights) that
@@ -18,6 +21,7 @@ objects; the tensor files are read by DCP with ``torch.load(weights_only=True)``
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -31,6 +35,7 @@ from torch.distributed.checkpoint import filesystem, metadata
 
 from megaloom.runtime.dtypes import dtype_name
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.files import umask
 
 MANIFEST, METADATA = "megaloom.manifest", ".metadata"
 # what the restricted unpickler may build: DCP's metadata records, torch sizes, dtypes and layouts, paths
@@ -95,9 +100,10 @@ def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimi
     collective; any world size and layout, as megaloom's own). Returns the step to resume after:
     the optimizer's saved ``step`` (Adam/AdamW), else the ``step_<k>`` folder name (None without an
     optimizer)."""
-    from megaloom.comm.checkpoint import _LoadPlanner, _make_optimizer_state, _single_process_ok, state_of
+    from megaloom.comm.checkpoint import _dcp_call, _LoadPlanner, _make_optimizer_state, _single_process_ok, state_of
+    from megaloom.comm.dcp_meta import confine
 
-    md = read_metadata(path)
+    md = confine(read_metadata(path), path)
     tensors = {k: {"shape": list(m.size), "dtype": dtype_name(m.properties.dtype)}
                for k, m in md.state_dict_metadata.items() if isinstance(m, metadata.TensorStorageMetadata)}
     if optimizer is not None:
@@ -107,17 +113,18 @@ def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimi
     if missing:
         raise _error(f"{path}: torch checkpoint has no entry for {', '.join(missing[:5])} (expected the "
                      "get_state_dict layout saved as {'model': ..., 'optim': ...})")
-    try:
-        with _single_process_ok():
-            dcp.load(state, storage_reader=_Reader(path, md), planner=_LoadPlanner(layouts),
-                     process_group=getattr(comm, "group", None) if dist.is_initialized() else None)
-    except Exception as e:  # DCP wraps read errors in its own exception types
-        raise _error(f"{path}: cannot read the torch checkpoint: {e}") from None
+    with _single_process_ok():
+        _dcp_call(f"{path}: reading the torch checkpoint", lambda: dcp.load(
+            state, storage_reader=_Reader(path, md), planner=_LoadPlanner(layouts),
+            process_group=getattr(comm, "group", None) if dist.is_initialized() else None))
     if optimizer is None:
         return None
-    steps = {int(v.item()) for k, v in state.items() if k.startswith("optim.state.") and k.endswith(".step")}
+    steps = {v.item() for k, v in state.items() if k.startswith("optim.state.") and k.endswith(".step")}
+    bad = [s for s in steps if not (math.isfinite(s) and s >= 0 and s == int(s))]
+    if bad:
+        raise _error(f"{path}: the optimizer's step is {bad[0]}, not a whole number >= 0")
     if len(steps) == 1:
-        return steps.pop()
+        return int(steps.pop())
     m = re.fullmatch(r"step_0*(\d+)", os.path.basename(os.path.normpath(path)))
     if m:
         return int(m.group(1))
@@ -145,7 +152,8 @@ def load_model(cfg: dict, path: str | None) -> torch.nn.Module:
 
 def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print) -> str:
     """``model.save_pretrained`` into ``out_dir``, atomically: written beside it, then renamed into place.
-    ``out_dir`` must not exist yet (or be empty)."""
+    ``out_dir`` must not exist yet (or be empty). Every file gets the mode the umask gives (safetensors
+    alone writes 0600)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"export: {out_dir!r} exists and is not an empty directory")
@@ -153,6 +161,8 @@ def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] =
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        for entry in os.scandir(tmp):
+            os.chmod(entry.path, (0o777 if entry.is_dir() else 0o666) & ~umask())
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"export: cannot write {out_dir!r}: {e}") from None

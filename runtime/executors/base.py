@@ -71,6 +71,16 @@ def _view(x: torch.Tensor, box: tuple) -> torch.Tensor:
     return x if box == full_box(tuple(x.shape)) else x[to_slices(box)]
 
 
+class Args(list):
+    """A task's argument list. A kernel writes into its tensors; rebinding an item (``outs[0] = y``)
+    would leave the buffer unwritten (and the plan changed), so it raises TypeError."""
+
+    __slots__ = ()
+
+    def __setitem__(self, i: Any, v: Any) -> None:
+        raise TypeError("a kernel must write into its argument tensors (outs[i].copy_(y)), not rebind them")
+
+
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
 Maker = Callable[[Task, OpDef, Any], Callable[[list, list], None]]
@@ -98,7 +108,7 @@ class Plan:
         made: dict[tuple[str, tuple], torch.Tensor] = {}
         self.calls: list[Call] = []
         for t in graph.tasks:
-            args: tuple[list, list] = ([], [])
+            args: tuple[list, list] = (Args(), Args())
             for lst, regions in zip(args, (t.inputs, t.outputs)):
                 for i, r in enumerate(regions):
                     name = r.buffer.name
@@ -126,7 +136,7 @@ class Plan:
                 for box, places in self.slots.get(b.name, {}).items():
                     v = _view(x, box)
                     for lst, i in places:
-                        lst[i] = v
+                        list.__setitem__(lst, i, v)
             bufs[b.name] = x
         return bufs
 
@@ -135,7 +145,7 @@ class Plan:
         for boxes in self.slots.values():
             for places in boxes.values():
                 for lst, i in places:
-                    lst[i] = None
+                    list.__setitem__(lst, i, None)
 
 
 MAX_PLANS = 4

@@ -1,13 +1,17 @@
 """Read a PyTorch profiler (Kineto) Chrome trace: plain or gzipped JSON, validated events.
 
 Every event is checked as it is read; a malformed one raises :class:`TraceFormatError`
-naming its position. What is not a timed slice is sorted out here: flow events (``s``/``t``/
-``f``), the CUDA sync records (``cuda_sync``), and what the import does not use (metadata,
-counters, instants), which is only counted.
+naming its position: times must be finite and within 1e18 us, a grid must hold fewer than
+2**63 blocks (a sync naming its stream by a list is only counted). Gzip data may expand to
+at most :data:`MAX_JSON_BYTES` (``megaloom replay --max-json-mib`` raises it), never more.
+What is not a timed slice is sorted out here: flow events (``s``/``t``/``f``), the CUDA sync
+records (``cuda_sync``), and what the import does not use (metadata, counters, instants),
+which is only counted.
 """
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import math
 import os
@@ -22,6 +26,8 @@ _MAGIC = ((b"\x1f\x8b", "gzip data"), (b"PK\x03\x04", "a zip archive"), (b"\x89P
 _UNUSED_PHASES = {"M": "metadata", "C": "counter", "i": "instant", "I": "instant", "R": "mark", "n": "instant",
                   "O": "object snapshot", "N": "object", "D": "object", "P": "sample"}
 META_CATS = frozenset({"Trace"})  # the profiler's own span
+MAX_JSON_BYTES = 512 << 20
+_MAX_US = 1e18  # 1e12 s, the bound of every trace clock
 
 
 @dataclass(slots=True)
@@ -77,9 +83,13 @@ def read_bytes(path: str | os.PathLike) -> bytes:
         raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from None
     if raw[:2] == b"\x1f\x8b":
         try:
-            raw = gzip.decompress(raw)
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+                raw = f.read(MAX_JSON_BYTES + 1)  # no more, whatever the file claims
         except (OSError, EOFError, zlib.error) as e:
             raise TraceFormatError(f"{path}: gzip data is corrupt or truncated: {e}") from None
+        if len(raw) > MAX_JSON_BYTES:
+            raise TraceFormatError(f"{path}: gzip data expands past {MAX_JSON_BYTES >> 20} MiB (a gzip bomb? "
+                                   "megaloom replay --max-json-mib raises the limit)")
     return raw
 
 
@@ -111,14 +121,9 @@ def _bad(i: int, what: str) -> TraceFormatError:
 
 def _time(e: dict, key: str, i: int) -> float:
     v = e.get(key)
-    if type(v) is float:  # the common cases first: this runs for every event
-        if math.isfinite(v):
-            return v
-    elif type(v) is int:
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and -_MAX_US < v < _MAX_US:
         return float(v)
-    elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-        return float(v)
-    raise _bad(i, f"field {key!r} must be a finite number, got {v!r:.40}")
+    raise _bad(i, f"field {key!r} must be a finite number within 1e18 us, got {v!r:.40}")
 
 
 def read(path: str | os.PathLike) -> RawTrace:
@@ -146,7 +151,8 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
         if ph == "X":
             ts, dur = e.get("ts"), e.get("dur")  # the common case inline: this runs for every event
             tt, td = type(ts), type(dur)
-            if not ((tt is int or tt is float) and (td is int or td is float) and ts - ts == 0 and dur - dur == 0):
+            if not ((tt is int or tt is float) and (td is int or td is float) and -_MAX_US < ts < _MAX_US
+                    and -_MAX_US < dur < _MAX_US):
                 ts, dur = _time(e, "ts", i), _time(e, "dur", i)
             if dur < 0:
                 raise _bad(i, f"({e.get('name')!r:.60}): negative duration {dur} (clock wrap or broken clock)")
@@ -156,7 +162,11 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             if type(pid) not in track_types or type(tid) not in track_types:
                 raise _bad(i, "pid/tid must be numbers or strings")
             if cat == "cuda_sync":
-                syncs.append(e)
+                args = e.get("args")
+                if type(args) is dict and any(type(args.get(k)) in (list, dict) for k in ("stream", "wait_on_stream")):
+                    skipped["sync on a stream that is a list"] = skipped.get("sync on a stream that is a list", 0) + 1
+                else:
+                    syncs.append(e)
                 continue
             if cat in META_CATS:
                 skipped["profiler span"] = skipped.get("profiler span", 0) + 1
@@ -165,6 +175,9 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             if type(name) is not str:
                 raise _bad(i, "'name' must be a string")
             args = e.get("args")
+            if type(args) is dict and type(args.get("grid")) is list \
+                    and math.prod(g for g in args["grid"] if type(g) is int and g > 0) >= 1 << 63:  # as model.py
+                raise _bad(i, f"grid {args['grid']!r:.60} holds 2**63 blocks or more")
             end = ts + dur
             add(Slice(name, cat, pid, tid, float(ts), float(end), args if type(args) is dict else {}, len(slices)))
             if end > last_ts.get((pid, tid), -math.inf):

@@ -12,6 +12,11 @@
  *   into DTYPES, reg -1 for an unused input; outputs must have the broadcast shape of the
  *   inputs (the domain). block: elements per block (a multiple of 16), 0 for automatic.
  *   Raises NotImplementedError for a layout it does not take (the caller falls back).
+ *   A program that has run over threshold elements is compiled to one loop in the
+ *   background and runs as such once loaded (jit.c).
+ * jit_config(threshold=None, cc=None, cache_dir=None), jit_stats(), jit_wait(seconds): that
+ *   compilation's settings (threshold < 0: never compile; cc "0": likewise), counters, and
+ *   a wait for pending builds.
  * mx_quantize(x, dtype, rows, cols, sx, rd, srd, rs, srs, cd, scd, cs, scs, rceil, tiles, threads)
  *   pointers as ints (0: output not wanted), strides in elements of x / bytes of outputs;
  *   tiles: None (plain 32-row tiles) or bytes of int64 triples (first source row, valid
@@ -301,10 +306,11 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
     job.n_regs = n_regs;
     job.n_const = n_const;
     job.const_val = cval.buf;
+    job.fused = jit_lookup((int)(isa - ISAS), ins, n_code, ops, n_in, n_ops, n_el);
     int64_t B = block;
-    if (B == 0) { /* registers of one block within about 24 KiB of L1 */
-        B = (6144 / n_regs) & ~(int64_t)63;
-        B = B < 256 ? 256 : (B > 1024 ? 1024 : B);
+    if (B == 0) { /* the block's registers within about 24 KiB of L1: all of them, or the operands' */
+        B = (6144 / (job.fused ? n_ops : n_regs)) & ~(int64_t)63;
+        B = B < 256 ? 256 : (B > (job.fused ? 4096 : 1024) ? (job.fused ? 4096 : 1024) : B);
     }
     job.block = B;
     job.cols = job.shape[m - 1];
@@ -336,6 +342,40 @@ out:
     PyBuffer_Release(&code);
     PyBuffer_Release(&cval);
     return res;
+}
+
+static PyObject *py_jit_config(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"threshold", "cc", "cache_dir", NULL};
+    PyObject *thr = Py_None;
+    const char *compiler = NULL, *dir = NULL;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Ozz", names, &thr, &compiler, &dir)) return NULL;
+    long long t = 0;
+    if (thr != Py_None && (t = PyLong_AsLongLong(thr)) == -1 && PyErr_Occurred()) return NULL;
+    int64_t t64 = t;
+    jit_configure(thr != Py_None ? &t64 : NULL, compiler, dir);
+    char c[1024], d[1024];
+    jit_settings(&t64, c, d, sizeof c);
+    return Py_BuildValue("{s:L,s:s,s:s}", "threshold", (long long)t64, "cc", c, "cache_dir", d);
+}
+
+static PyObject *py_jit_stats(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    JitStats s = jit_stats();
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:d,s:s}", "programs", (long long)s.programs, "pending",
+                         (long long)s.pending, "built", (long long)s.built, "loaded", (long long)s.loaded, "failed",
+                         (long long)s.failed, "seconds", s.seconds, "last_error", s.last_error);
+}
+
+static PyObject *py_jit_wait(PyObject *self, PyObject *args) {
+    double seconds = 60.0;
+    int ok;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|d", &seconds)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = jit_wait(seconds);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
 }
 
 /* -- MXFP8 -------------------------------------------------------------------------------- */
@@ -488,6 +528,10 @@ static const char *const DT_NAMES[] = {"float32", "bfloat16", "float16", "bool"}
 
 static PyMethodDef methods[] = {
     {"dvm_run", py_dvm_run, METH_VARARGS, "Run a DVM register program over its domain (see the module doc)."},
+    {"jit_config", (PyCFunction)(void (*)(void))py_jit_config, METH_VARARGS | METH_KEYWORDS,
+     "Compiling hot programs: jit_config(threshold=None, cc=None, cache_dir=None) -> the settings."},
+    {"jit_stats", py_jit_stats, METH_NOARGS, "Programs seen, compiles pending, built, loaded from disk, failed."},
+    {"jit_wait", py_jit_wait, METH_VARARGS, "jit_wait(seconds=60): wait for pending compiles; True when none is left."},
     {"mx_quantize", py_mx_quantize, METH_VARARGS, "MXFP8 quantisation of a 2-D view."},
     {"mx_dequantize", py_mx_dequantize, METH_VARARGS, "MXFP8 dequantisation of a 2-D view."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run with."},

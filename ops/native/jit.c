@@ -7,9 +7,10 @@
  * registers, compiles it with the system's C compiler into a shared library and loads it;
  * later calls run that loop (dvm_run in kernels.inc calls it per block in place of the
  * interpreter). The loop is made of the very expressions of elem.h, compiled with the same
- * floating-point flags, so it computes the interpreter's bits. Until it is loaded, and
- * for good when no compiler is found or the build fails, the interpreter runs: compiling
- * a program (lowering in Python) stays a matter of microseconds.
+ * floating-point flags, so it computes the interpreter's bits (NaN signs aside, which follow
+ * operand order). Until it is loaded, for good when no compiler is found or the build
+ * fails, and while the threshold is set below 0, the interpreter runs: compiling a program
+ * (lowering in Python) stays a matter of microseconds.
  *
  * Libraries are cached on disk under a hash of their source, the compiler command and the
  * headers (`<cache>/dvm-<hash>.so`, written under a temporary name and renamed), so
@@ -58,7 +59,7 @@ static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work = PTHREAD_COND_INITIALIZER, idle = PTHREAD_COND_INITIALIZER;
 static Entry *queue_head, *queue_tail;
 static int pending, worker_started, atfork_set;
-static int64_t threshold = (int64_t)1 << 22;
+static _Atomic int64_t threshold = (int64_t)1 << 22; /* < 0: interpret every program */
 static char cc[CMD_MAX], cache[CMD_MAX], native_dir[CMD_MAX], last_error[512];
 static int configured;
 static int64_t n_built, n_loaded, n_failed;
@@ -430,6 +431,7 @@ DvmFused jit_lookup(int isa_index, const DvmInstr *code, int n_code, const DvmOp
     for (int o = 0; o < n_ops; o++) head[3 + o] = ops[o].reg;
     size_t n_head = (size_t)(3 + n_ops), n_code_i = (size_t)n_code * sizeof(DvmInstr) / sizeof(int32_t);
     uint64_t h = fnv(fnv(FNV0, head, n_head * 4), code, n_code_i * 4);
+    if (atomic_load_explicit(&threshold, memory_order_relaxed) < 0) return NULL;
     Entry *e = table[h % BUCKETS];
     for (; e; e = e->next)
         if (e->hash == h && e->n_sig == (int)(n_head + n_code_i) && !memcmp(e->sig, head, n_head * 4)

@@ -37,11 +37,7 @@ _OPMATH_SCALARS = {("mul", 0), ("mul", 1), ("div", 1)}  # kept in float32 by tor
 MAX_REGS = 256
 
 
-def _opcodes() -> dict[str, int]:
-    return {name: i for i, name in enumerate(N.ext.DVM_OPS)} if N.AVAILABLE else {}
-
-
-OPCODES = _opcodes()
+OPCODES: dict[str, int] = {name: i for i, name in enumerate(N.ext.DVM_OPS)} if N.AVAILABLE else {}
 
 
 def _in_dtype(s: float, dtype: str) -> float:

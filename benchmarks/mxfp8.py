@@ -153,7 +153,9 @@ def quant_throughput(reps: int) -> None:
                       min_s=min(ts), max_s=max(ts), gb_per_s=gb / med[k], gb_per_s_range=[gb / max(ts), gb / min(ts)],
                       vs_cast=med["cast_allocating"] / med[k], reps=reps)
         if f"{kind}.torchao" in med and impl != "torchao":
-            fields["vs_torchao"] = med[f"{kind}.torchao"] / med[k]
+            per_round = sorted(a / b for a, b in zip(times[f"{kind}.torchao"], ts))  # same round, same load
+            fields.update(vs_torchao=med[f"{kind}.torchao"] / med[k], vs_torchao_per_round_median=statistics.median(
+                per_round), vs_torchao_per_round_range=[per_round[0], per_round[-1]])
         emit(**fields)
 
 

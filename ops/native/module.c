@@ -29,9 +29,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "native.h"
 #include "pool.h"
@@ -84,24 +81,6 @@ static float *scratch(size_t floats) {
         tl_cap = tl_buf ? floats : 0;
     }
     return tl_buf;
-}
-
-/* -- large outputs ------------------------------------------------------------------------ */
-
-/* A large output about to be written whole is first touched in 2 MiB pages where the
- * kernel allows them (transparent huge pages in "madvise" mode): freshly allocated tensors
- * otherwise fault in 4 KiB at a time, which on a VM costs more than the kernel itself.
- * Only whole 2 MiB pages inside [lo, lo + bytes) are advised. */
-#define HUGE_BYTES (4 << 20)
-static void advise_huge(const void *lo, int64_t bytes) {
-#if defined(MADV_HUGEPAGE)
-    if (bytes < HUGE_BYTES) return;
-    uintptr_t a = ((uintptr_t)lo + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
-    uintptr_t b = ((uintptr_t)lo + (uintptr_t)bytes) & ~(uintptr_t)((2u << 20) - 1);
-    if (b > a) madvise((void *)a, b - a, MADV_HUGEPAGE); /* a hint: failure changes nothing */
-#else
-    (void)lo, (void)bytes;
-#endif
 }
 
 /* -- argument helpers -------------------------------------------------------------------- */
@@ -296,8 +275,6 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
             if (ops[i].reg >= 0 && ilo < hi && lo < ihi) job.direct_out = 0;
         }
     }
-    for (int o = n_in; o < n_ops; o++)
-        advise_huge(ops[o].ptr, span_end(&ops[o], m, job.shape, esize[ops[o].dtype]) - (int64_t)(intptr_t)ops[o].ptr);
     job.n_in = n_in;
     job.n_out = n_ops - n_in;
     job.ops = ops;
@@ -408,8 +385,6 @@ static PyObject *py_mx_quantize(PyObject *self, PyObject *args) {
                  (uint8_t *)(uintptr_t)cd, (uint8_t *)(uintptr_t)cs, srd, srs, scd, scs, rceil, NULL};
     MxCtx ctx = {&job};
     int nt = threads_for(rows * cols, threads);
-    advise_huge(job.rd, rows * srd);
-    advise_huge(job.cd, (tiles_obj == Py_None ? rows : 0) * scd);
     if (!cd) {
         Py_BEGIN_ALLOW_THREADS
         pool_run(rows, 8, nt, mx_rows_range, &ctx);
@@ -465,7 +440,6 @@ static PyObject *py_mx_dequantize(PyObject *self, PyObject *args) {
     MxDequantJob job = {(const uint8_t *)(uintptr_t)d, (const uint8_t *)(uintptr_t)s, sd, ss, cols, cols_axis,
                         (char *)(uintptr_t)y, dtype, sy};
     int nt = threads_for(rows * cols, threads);
-    advise_huge(job.y, rows * sy * (dtype == DT_F32 ? 4 : 2));
     Py_BEGIN_ALLOW_THREADS
     pool_run(rows, 8, nt, mx_dequant_range, &job);
     Py_END_ALLOW_THREADS

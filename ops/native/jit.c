@@ -65,6 +65,7 @@ static int configured;
 static int64_t n_built, n_loaded, n_failed;
 static double build_seconds;
 
+/* Per instruction set (module.c's ISAS order), the target options of k_base.c, k_avx2.c, k_avx512.c. */
 static const char *const ISA_FLAGS[] = {
     "",
     "-mavx2 -mfma -mf16c -mbmi -mbmi2 -mpopcnt",

@@ -15,8 +15,8 @@
  *   A program that has run over threshold elements is compiled to one loop in the
  *   background and runs as such once loaded (jit.c).
  * jit_config(threshold=None, cc=None, cache_dir=None), jit_stats(), jit_wait(seconds): that
- *   compilation's settings (threshold < 0: never compile; cc "0": likewise), counters, and
- *   a wait for pending builds.
+ *   compilation's settings (threshold < 0: interpret every program; cc "0": never compile),
+ *   counters, and a wait for pending builds.
  * mx_quantize(x, dtype, rows, cols, sx, rd, srd, rs, srs, cd, scd, cs, scs, rceil, tiles, threads)
  *   pointers as ints (0: output not wanted), strides in elements of x / bytes of outputs;
  *   tiles: None (plain 32-row tiles) or bytes of int64 triples (first source row, valid
@@ -285,9 +285,10 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
     job.const_val = cval.buf;
     job.fused = jit_lookup((int)(isa - ISAS), ins, n_code, ops, n_in, n_ops, n_el);
     int64_t B = block;
-    if (B == 0) { /* the block's registers within about 24 KiB of L1: all of them, or the operands' */
+    if (B == 0) { /* registers in memory within about 24 KiB of L1: all (interpreted) or the operands' */
+        int64_t cap = job.fused ? 4096 : 1024;
         B = (6144 / (job.fused ? n_ops : n_regs)) & ~(int64_t)63;
-        B = B < 256 ? 256 : (B > (job.fused ? 4096 : 1024) ? (job.fused ? 4096 : 1024) : B);
+        B = B < 256 ? 256 : (B > cap ? cap : B);
     }
     job.block = B;
     job.cols = job.shape[m - 1];

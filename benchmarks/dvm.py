@@ -1,16 +1,26 @@
 """DVM fusion benchmark: fused kernels against torch.compile (Inductor), side by side.
 
-For SiLU, tanh-GELU and a 12-op chain, each written as DVM primitives, on an 8192 x 4096
-float32 tensor: the DVM fused kernel of the native backend (the compiled C kernels), of
-the tiled torch backend, and the Inductor kernel of the same function, each writing into a
-preallocated output; then unfused eager torch and ``dvm.jit`` with output allocation.
-Candidates are timed in interleaved rounds (each round runs every candidate once), so load
-from other jobs on a shared machine hits them alike; medians and minima are reported and
-ratios are against the Inductor kernel of the same round set. Then compile latency: a new
-DVM signature, a cache hit, the first ``dvm.jit`` call on a new input shape (small
-inputs), and torch.compile's first call. One JSON line per figure.
+For SiLU, tanh-GELU and a 12-op chain, each written as DVM primitives and fused into one
+node, on an 8192 x 4096 float32 tensor, at each thread count of ``--threads`` (torch's
+intra-op threads, which DVM and Inductor kernels both use), candidates run in interleaved
+rounds (each round times every candidate once, so load from other jobs on a shared
+machine hits them alike):
 
-    python benchmarks/dvm.py [--rows 8192 --cols 4096 --reps 7 --threads 1 --no-inductor --only silu]
+- ``dvm_kernel``: the native kernel writing a preallocated output, its program compiled
+  to one loop (ops/native/jit.c; the benchmark waits for the background build after the
+  warm-up call), against ``inductor_kernel``: torch.compile of ``out.copy_(fn(x))``;
+- ``dvm_interpreter``: the same kernel with compiled programs off (the block interpreter);
+- ``dvm_jit``: ``dvm.jit(fn)(x)`` as users call it (allocates its output), against
+  ``inductor_call``: ``torch.compile(fn)(x)`` as users call it (allocates too);
+- with ``--tiled`` / ``--eager``: the tiled torch backend and unfused eager torch.
+
+Per candidate: median / min / max milliseconds and process CPU time; per pair: the ratio
+of the medians and the median and range of the per-round ratios. Then compile latency: a
+new DVM signature (lowering, no compiler), a cache hit, the background C build of a hot
+program, the first ``dvm.jit`` call on a new input shape, torch.compile's first call.
+One JSON line per figure.
+
+    python benchmarks/dvm.py [--rows 8192 --cols 4096 --reps 7 --threads 1 2 --no-inductor --only silu]
 """
 from __future__ import annotations
 
@@ -57,7 +67,7 @@ def emit(**fields) -> None:
 def interleaved(cands: dict[str, object], reps: int) -> dict[str, list[tuple[float, float]]]:
     """(wall, process CPU) seconds of every candidate, once per round, rounds repeated: load
     spikes hit all alike. CPU time counts every thread of this process, and not the time
-    the machine gives to other jobs (with --threads 1 it is the kernel's own time)."""
+    the machine gives to other jobs (with one thread it is the kernel's own time)."""
     for fn in cands.values():
         fn()
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in cands}
@@ -69,7 +79,23 @@ def interleaved(cands: dict[str, object], reps: int) -> dict[str, list[tuple[flo
     return times
 
 
-def bench_function(name: str, fn, x: torch.Tensor, reps: int, inductor: bool) -> None:
+def at_threshold(threshold: int, fn, *args) -> None:
+    """``fn(*args)`` with the threshold of compiled programs set: -1 runs the interpreter, 0
+    compiles a program at its first call."""
+    old = native.ext.jit_config()["threshold"]
+    native.ext.jit_config(threshold=threshold)
+    try:
+        fn(*args)
+    finally:
+        native.ext.jit_config(threshold=old)
+
+
+PAIRS = (("dvm_kernel", "inductor_kernel"), ("dvm_interpreter", "inductor_kernel"), ("dvm_jit", "inductor_call"),
+         ("dvm_jit", "inductor_kernel"), ("dvm_tiled_kernel", "inductor_kernel"), ("eager_unfused", "inductor_kernel"))
+
+
+def bench_function(name: str, fn, x: torch.Tensor, args) -> None:
+    threads = torch.get_num_threads()
     j = dvm.jit(fn, limits=dvm.Limits(max_ops=16, max_cost=64.0))  # one fused node per function
     small = x[:64, :256]
     j(small)  # trace + fuse once
@@ -77,37 +103,52 @@ def bench_function(name: str, fn, x: torch.Tensor, reps: int, inductor: bool) ->
     if len(graph.tasks) != 1:
         raise SystemExit(f"{name}: expected one fused task, got {[t.op for t in graph.tasks]}")
     prog = dvm.program_of(graph.tasks[0].attrs)
-    out = torch.empty_like(x)
+    out, ref = torch.empty_like(x), fn(x)
     kern = dvm.compile_program(prog)
-    tiled = dvm.compile_program(prog, dvm.Options(backend="tiled"))
-    ref = fn(x)
+    at_threshold(0, kern, [x], [out])  # starts the C build of the program in the background (if not built yet)
+    native.ext.jit_wait(300)
+    st = native.ext.jit_stats()
+    interp = out.clone()
+    at_threshold(-1, kern, [x], [interp])
     kern([x], [out])
-    emit(figure=f"{name}.check", ops=len(prog.code), backend=kern.backend, bit_exact=bool(torch.equal(out, ref)),
+    emit(figure=f"{name}.check", threads=threads, ops=len(prog.code), backend=kern.backend,
+         compiled_loops={k: st[k] for k in ("built", "loaded", "failed", "last_error")},
+         compiled_equals_interpreter=bool(torch.equal(out, interp)), bit_exact_vs_eager=bool(torch.equal(out, ref)),
          max_abs_err=float((out - ref).abs().max()), max_abs_value=float(ref.abs().max()),
          share_differing=float((out != ref).float().mean()))
-    cands = {"dvm_native_kernel": lambda: kern([x], [out]), "dvm_tiled_kernel": lambda: tiled([x], [out])}
-    if inductor:
+    cands = {"dvm_kernel": lambda: kern([x], [out]), "dvm_interpreter": lambda: at_threshold(-1, kern, [x], [out]),
+             "dvm_jit": lambda: j(x)}
+    if args.tiled:
+        tiled = dvm.compile_program(prog, dvm.Options(backend="tiled"))
+        cands["dvm_tiled_kernel"] = lambda: tiled([x], [out])
+    if not args.no_inductor:
         torch._dynamo.reset()
 
         def into(t, o):
             o.copy_(fn(t))
 
-        cf = torch.compile(into, dynamic=False, fullgraph=True)
+        cf, call = torch.compile(into, dynamic=False, fullgraph=True), torch.compile(fn, dynamic=False, fullgraph=True)
         t0 = time.perf_counter()
         cf(x, out)
-        emit(figure=f"{name}.torch_compile_first_call", seconds=time.perf_counter() - t0)
+        emit(figure=f"{name}.torch_compile_first_call", threads=threads, seconds=time.perf_counter() - t0)
+        call(x)
         cands["inductor_kernel"] = lambda: cf(x, out)
-    cands["eager_unfused"] = lambda: fn(x)
-    cands["dvm_jit_allocating"] = lambda: j(x)
-    times = interleaved(cands, reps)
-    base = "inductor_kernel" if inductor else "dvm_native_kernel"
+        cands["inductor_call"] = lambda: call(x)
+    if args.eager:
+        cands["eager_unfused"] = lambda: fn(x)
+    times = interleaved(cands, args.reps)
     wall = {k: [w for w, _ in ts] for k, ts in times.items()}
-    cpu = {k: statistics.median(c for _, c in ts) for k, ts in times.items()}
-    bmed, bmin = statistics.median(wall[base]), min(wall[base])
+    cpu = {k: [c for _, c in ts] for k, ts in times.items()}
     for k, ts in wall.items():
-        emit(figure=f"{name}.{k}", median_ms=statistics.median(ts) * 1e3, min_ms=min(ts) * 1e3,
-             max_ms=max(ts) * 1e3, ratio_median=statistics.median(ts) / bmed, ratio_min=min(ts) / bmin,
-             cpu_median_ms=cpu[k] * 1e3, cpu_ratio_median=cpu[k] / cpu[base], vs=base, reps=reps)
+        emit(figure=f"{name}.{k}", threads=threads, median_ms=statistics.median(ts) * 1e3, min_ms=min(ts) * 1e3,
+             max_ms=max(ts) * 1e3, cpu_median_ms=statistics.median(cpu[k]) * 1e3, reps=args.reps)
+    for a, b in PAIRS:
+        if a in wall and b in wall:
+            per_round = [p / q for p, q in zip(wall[a], wall[b])]
+            emit(figure=f"{name}.{a}_vs_{b}", threads=threads,
+                 ratio_of_medians=statistics.median(wall[a]) / statistics.median(wall[b]),
+                 ratio_median=statistics.median(per_round), ratio_min=min(per_round), ratio_max=max(per_round),
+                 cpu_ratio_of_medians=statistics.median(cpu[a]) / statistics.median(cpu[b]))
 
 
 def bench_compile(n: int) -> None:
@@ -129,6 +170,10 @@ def bench_compile(n: int) -> None:
         dvm.compile_program(p)
         hit.append(time.perf_counter() - t0)
     emit(figure="compile.cache_hit", median_us=statistics.median(hit) * 1e6, n=n, target_us=5)
+    if native.AVAILABLE:  # the background C build of hot programs, as bench_function started them
+        st = native.ext.jit_stats()
+        emit(figure="compile.background_c_build", built=st["built"], loaded_from_disk=st["loaded"],
+             failed=st["failed"], mean_s=st["seconds"] / max(st["built"], 1), cache=native.ext.jit_config()["cache_dir"])
 
 
 def bench_jit_new_shape(n: int) -> None:
@@ -154,17 +199,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8192)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch intra-op thread counts to run")
     ap.add_argument("--no-inductor", action="store_true", help="skip torch.compile (slow to compile)")
+    ap.add_argument("--tiled", action="store_true", help="time the tiled torch backend too")
+    ap.add_argument("--eager", action="store_true", help="time unfused eager torch too")
     ap.add_argument("--only", choices=sorted(FUNCTIONS), action="append", help="functions to time (default: all)")
-    ap.add_argument("--threads", type=int, help="torch intra-op threads (DVM and Inductor kernels alike)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    emit(figure="machine", torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(),
-         native=native.AVAILABLE, isa=native.isa(), load_avg=list(os.getloadavg()), shape=[args.rows, args.cols])
+    emit(figure="machine", torch=torch.__version__, cpus=os.cpu_count(), native=native.AVAILABLE, isa=native.isa(),
+         load_avg=list(os.getloadavg()), shape=[args.rows, args.cols],
+         jit=native.ext.jit_config() if native.AVAILABLE else None)
     x = torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0))
-    for name in args.only or FUNCTIONS:
-        bench_function(name, FUNCTIONS[name], x, args.reps, not args.no_inductor)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.only or FUNCTIONS:
+            bench_function(name, FUNCTIONS[name], x, args)
+            emit(figure="load", load_avg=list(os.getloadavg()))
     bench_compile(200)
     bench_jit_new_shape(50)
     emit(figure="machine_after", load_avg=list(os.getloadavg()))

@@ -14,8 +14,14 @@
 3. The same shapes simulated on a hardware profile (default ``ascend-950``) as tiled
    task graphs (256 x 256 output tiles on the cube units, quantisation in 32-row tiles on
    the vector units): bf16 makespan / MXFP8 makespan, next to the published 1.43-1.54x.
+4. Backward memory: the bytes autograd saves in forward for backward (saved_tensors_hooks,
+   distinct storages), the Parameters' own storage left out (it is there anyway), for a
+   bf16 ``nn.Linear`` / ``GroupedExperts``, megaloom's ``MXFP8Linear`` /
+   ``MXFP8GroupedExperts`` and torchao's MX training autograd functions (``mx_mm``,
+   ``_MXFP8GroupedMM``, emulated on CPU; groups not aligned to 32 tokens padded by it), at
+   several token counts, groups uneven or all multiples of 32.
 
-    python benchmarks/mxfp8.py [--max-m 16384] [--repeat 7] [--profile ascend-950] [--skip-cpu] [--quant-only]
+    python benchmarks/mxfp8.py [--max-m 16384] [--repeat 7] [--profile ascend-950] [--parts quant matmul sim memory]
 
 Needs torchao for the peer figures (``pip install -e '.[bench]'``); without it they are
 skipped. Prints one JSON line per figure.
@@ -44,6 +50,7 @@ K = N = 4096
 MS = (2048, 8192, 16384)
 TILE = 256  # output tile of one cube task
 QTILE = 32  # rows per quantisation task: enough tasks to occupy the vector units
+PARTS = ["quant", "matmul", "sim", "memory"]
 
 
 def best(fn, repeat: int) -> float:
@@ -146,7 +153,9 @@ def quant_throughput(reps: int) -> None:
                       min_s=min(ts), max_s=max(ts), gb_per_s=gb / med[k], gb_per_s_range=[gb / max(ts), gb / min(ts)],
                       vs_cast=med["cast_allocating"] / med[k], reps=reps)
         if f"{kind}.torchao" in med and impl != "torchao":
-            fields["vs_torchao"] = med[f"{kind}.torchao"] / med[k]
+            per_round = sorted(a / b for a, b in zip(times[f"{kind}.torchao"], ts))  # same round, same load
+            fields.update(vs_torchao=med[f"{kind}.torchao"] / med[k], vs_torchao_per_round_median=statistics.median(
+                per_round), vs_torchao_per_round_range=[per_round[0], per_round[-1]])
         emit(**fields)
 
 
@@ -209,23 +218,122 @@ def simulated(ms: list[int], profile: str) -> None:
              published=list(PUBLISHED))
 
 
+class SavedBytes:
+    """Inside the block, the distinct storages autograd saves for backward, the storage of
+    ``params`` (and of their views) left out; ``.bytes`` after it."""
+
+    def __init__(self, params=()):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.storages: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if st.data_ptr() not in self.params:
+            self.storages[st.data_ptr()] = st.nbytes()
+        return t
+
+    def __enter__(self) -> SavedBytes:
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+
+def _torchao_training():
+    """torchao's MX training functions as (linear(x, w), grouped_mm(x, w, offsets)), emulated on CPU; None without torchao."""
+    try:
+        from torchao.prototype.moe_training.mxfp8_grouped_mm import _MXFP8GroupedMM
+        from torchao.prototype.moe_training.mxfp8_linear import mx_mm
+        from torchao.prototype.mx_formats.config import (MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice,
+                                                         ScaleCalculationMode)
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+    except ImportError:
+        return None
+    emu, floor, e4m3 = KernelPreference.EMULATED, ScaleCalculationMode.FLOOR, torch.float8_e4m3fn
+
+    def linear(x, w):
+        return mx_mm.apply(x, w, e4m3, e4m3, e4m3, 32, emu, MXFP8Dim0CastKernelChoice.TORCH,
+                           MXFP8Dim1CastKernelChoice.TORCH, floor, False)
+
+    def grouped(x, w, offsets):  # w (E, N, K) as our experts hold it; torchao takes (E, K, N)
+        pad = any((b - a) % 32 for a, b in zip([0, *offsets[:-1]], offsets))  # torchao pads unaligned groups
+        return _MXFP8GroupedMM.apply(x, w.transpose(-2, -1), torch.tensor(offsets, dtype=torch.int32), torch.bfloat16,
+                                     emu, False, floor, pad)
+
+    return linear, grouped
+
+
+def backward_memory() -> None:
+    from torch import nn
+    import torch.nn.functional as F
+
+    from megaloom.ops.mxfp8 import GroupedExperts, MXFP8GroupedExperts, MXFP8Linear
+
+    ao = _torchao_training()
+    k = n = 1024
+    for m in (8, 20, 64, 512, 4096):
+        x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+        lin = nn.Linear(k, n, bias=False).bfloat16()
+        cands = {"bf16": lambda: lin(x), "megaloom": lambda: MXFP8Linear.from_float(lin)(x)}
+        if ao is not None:
+            cands["torchao"] = lambda: ao[0](x, lin.weight)
+        saved = {}
+        for name, fn in cands.items():
+            with SavedBytes(lin.parameters()) as sb:
+                fn()
+            saved[name] = sb.bytes
+        emit(figure="backward_memory", layer="linear", tokens=m, k=k, n=n, saved_bytes=saved,
+             vs_bf16={name: b / saved["bf16"] for name, b in saved.items()})
+    experts, dim, hidden = 8, 512, 1024
+    uneven = [[t * (i + 1) // 36 for i in range(experts - 1)] for t in (16, 64, 512, 4096)]  # 1:8
+    for sizes in [u + [t - sum(u)] for u, t in zip(uneven, (16, 64, 512, 4096))] + [[32 * i for i in range(1, 9)]]:
+        t = sum(sizes)
+        offsets = torch.tensor(sizes).cumsum(0).tolist()
+        ref = GroupedExperts(experts, dim, hidden).bfloat16()
+        x = torch.randn(t, dim, dtype=torch.bfloat16, requires_grad=True)
+
+        def torchao_experts():
+            h = F.silu(ao[1](x, ref.w_gate, offsets)) * ao[1](x, ref.w_up, offsets)
+            return ao[1](h, ref.w_down, offsets)
+
+        cands = {"bf16": lambda: ref(x, offsets), "megaloom": lambda: MXFP8GroupedExperts.from_float(ref)(x, offsets)}
+        if ao is not None:
+            cands["torchao"] = torchao_experts
+        saved = {}
+        for name, fn in cands.items():
+            with SavedBytes(ref.parameters()) as sb:
+                fn()
+            saved[name] = sb.bytes
+        emit(figure="backward_memory", layer="grouped_experts_swiglu", tokens=t, experts=experts, dim=dim,
+             hidden=hidden, group_sizes=sizes, saved_bytes=saved,
+             vs_bf16={name: b / saved["bf16"] for name, b in saved.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-m", type=int, default=max(MS), help="skip matmul shapes with a larger M")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--profile", default="ascend-950")
-    ap.add_argument("--skip-cpu", action="store_true", help="only the simulated figures")
-    ap.add_argument("--quant-only", action="store_true", help="only the quantisation figures")
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=PARTS, help="what to measure (default: all)")
     args = ap.parse_args()
     emit(figure="machine", torch=torch.__version__, threads=torch.get_num_threads(), cpus=os.cpu_count(),
          native=native.enabled(), isa=native.isa(), load_avg=list(os.getloadavg()))
     ms = [m for m in MS if m <= args.max_m]
-    if not args.skip_cpu:
+    if "quant" in args.parts:
         quant_throughput(args.repeat)
-        if args.quant_only:
-            return
+    if "matmul" in args.parts:
         cpu_matmul(ms, min(args.repeat, 3))
-    simulated(ms, args.profile)
+    if "sim" in args.parts:
+        simulated(ms, args.profile)
+    if "memory" in args.parts:
+        backward_memory()
+    emit(figure="machine_after", load_avg=list(os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -109,8 +109,9 @@ class Jit:
     inputs of a new dtype / broadcast pattern (which dims are 1) fuses the traced graph; when
     every resulting task is a DVM task, the fused graph becomes a shape-free plan (kernels,
     and per intermediate its dtype and broadcast pattern), so a call on new sizes only
-    allocates and runs: no tracing, fusing or compiling (and never a compiler). A graph with
-    other ops (``matmul``) is fused per input shapes and runs on a ThreadExecutor.
+    allocates and runs: no tracing, fusing or compiling (and never a compiler on the caller's
+    thread). A graph with other ops (``matmul``) is fused per input shapes and runs on a
+    ThreadExecutor.
     """
 
     def __init__(self, fn: Callable[..., Any], limits: Limits = Limits(), backend: str | None = None):

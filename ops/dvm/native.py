@@ -5,8 +5,11 @@ of microseconds; no compiler runs): each instruction becomes one of the extensio
 pre-compiled loops over a block of registers. At run time the extension cuts the domain
 into blocks of a few hundred elements, runs every instruction over a block while its
 registers stay in L1, and spreads the blocks over its worker threads with the GIL
-released. Inputs are read and outputs written in place where they are float32 and
-contiguous over a block; other dtypes and layouts are converted on the way in and out.
+released. Once the register code has run over enough elements, the extension compiles it
+in the background into one loop whose values stay in registers and runs that instead, with
+the same bits (ops/native/jit.c). Inputs are read and outputs written in place where they
+are float32 and contiguous over a block; other dtypes and layouts are converted on the way
+in and out.
 
 Semantics are torch's, op by op (:mod:`megaloom.ops.dvm.primitives`): float32 registers,
 a bfloat16 / float16 result rounded after every instruction, a scalar operand in the
@@ -37,11 +40,7 @@ _OPMATH_SCALARS = {("mul", 0), ("mul", 1), ("div", 1)}  # kept in float32 by tor
 MAX_REGS = 256
 
 
-def _opcodes() -> dict[str, int]:
-    return {name: i for i, name in enumerate(N.ext.DVM_OPS)} if N.AVAILABLE else {}
-
-
-OPCODES = _opcodes()
+OPCODES: dict[str, int] = {name: i for i, name in enumerate(N.ext.DVM_OPS)} if N.AVAILABLE else {}
 
 
 def _in_dtype(s: float, dtype: str) -> float:

@@ -2,9 +2,12 @@
 
 Forward ``Y = X W^T`` runs on row-wise X and W (layout NT); backward ``dX = dY W`` on
 row-wise dY and column-wise W (NN) and ``dW = dY^T X`` on column-wise dY and X (TN).
-Only what backward needs is saved, and only as FP8 payload plus E8M0 scales: column-wise
-X when W needs a gradient, column-wise W when X needs one. dY is quantised once with the
-dual-axis op when both gradients are needed. Bias stays in high precision.
+Backward keeps only what it needs. When W needs a gradient: column-wise X as FP8 payload
+plus E8M0 scales (quantised in the same pass as the row-wise X of forward), or X itself
+where that is smaller (few tokens: column-wise blocks pad tokens to 32). When X needs one:
+the weight itself, the Parameter, no copy; its column-wise quantisation is made again in
+backward. dY is quantised once with the dual-axis op when both gradients are needed.
+Bias stays in high precision.
 
 Column-wise operands contract over tokens, so tokens are zero-padded to a multiple of 32
 (dense) or per group (grouped); zero rows add nothing to the weight gradient. Products
@@ -16,25 +19,19 @@ from typing import Sequence
 
 import torch
 
-from megaloom.ops.mxfp8.format import MXTensor, pad_rows, quantize, quantize_dual
-from megaloom.ops.mxfp8.grouped import check_offsets, quantize_grouped
+from megaloom.ops.mxfp8.format import BLOCK, MXTensor, pad_rows, quantize, quantize_dual
+from megaloom.ops.mxfp8.grouped import check_offsets, padded_offsets, quantize_grouped
 from megaloom.ops.mxfp8.matmul import mx_grouped_matmul, mx_matmul
 
 
-def _rows_and_cols(x: torch.Tensor, want_cols: bool, scale_mode: str) -> tuple[MXTensor, MXTensor | None]:
-    """Row-wise ``x`` and, when wanted, column-wise ``x`` (rows zero-padded to 32) from one dual pass."""
-    if not want_cols:
-        return quantize(x, "rows", scale_mode), None
-    return quantize_dual(pad_rows(x), scale_mode)
+def _fp8_is_smaller(x: torch.Tensor, padded_rows: int) -> bool:
+    """Whether column-wise FP8 ``x`` (``padded_rows`` rows, a scale per 32) takes fewer bytes than ``x``."""
+    return padded_rows * 33 < 32 * x.shape[0] * x.element_size()
 
 
-def _save(ctx, *qs: MXTensor | None) -> None:
-    ctx.save_for_backward(*(t for q in qs for t in ((q.data, q.scales) if q is not None else (None, None))))
-
-
-def _saved(ctx, axis: str) -> list[MXTensor | None]:
-    t = ctx.saved_tensors
-    return [MXTensor(t[i], t[i + 1], axis) if t[i] is not None else None for i in range(0, len(t), 2)]
+def _saved_x(xc: MXTensor | None, x: torch.Tensor, need_dw: bool) -> tuple[torch.Tensor | None, ...]:
+    """What backward keeps of X for dW: column-wise FP8 ``xc``, else ``x`` itself (when smaller), or nothing."""
+    return (xc.data, xc.scales, None) if xc is not None else (None, None, x if need_dw else None)
 
 
 class MXLinearFunction(torch.autograd.Function):
@@ -43,20 +40,20 @@ class MXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scale_mode: str):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        fp8 = need_dw and _fp8_is_smaller(x, -(-x.shape[0] // BLOCK) * BLOCK)
         with torch.autocast(x.device.type, enabled=False):
-            xr, xc = _rows_and_cols(x, need_dw, scale_mode)
-            wr, wc = _rows_and_cols(weight, need_dx, scale_mode)
-            y = mx_matmul(xr, wr, "NT", torch.float32)[: x.shape[0]]
+            xr, xc = quantize_dual(pad_rows(x), scale_mode) if fp8 else (quantize(x, "rows", scale_mode), None)
+            y = mx_matmul(xr, quantize(weight, "rows", scale_mode), "NT", torch.float32)[: x.shape[0]]
             if bias is not None:
                 y = y + bias.float()
-        _save(ctx, xc, wc)
+        ctx.save_for_backward(*_saved_x(xc, x, need_dw), weight if need_dx else None)
         ctx.meta = (x.shape[0], x.dtype, weight.dtype, scale_mode)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         m, x_dtype, w_dtype, scale_mode = ctx.meta
-        xc, wc = _saved(ctx, "cols")
+        xd, xs, x, weight = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
         dx = dw = db = None
         with torch.autocast(dy.device.type, enabled=False):
@@ -66,8 +63,9 @@ class MXLinearFunction(torch.autograd.Function):
                 dyr = quantize(dy, "rows", scale_mode) if need_dx else None
                 dyc = quantize(pad_rows(dy), "cols", scale_mode) if need_dw else None
             if need_dx:
-                dx = mx_matmul(dyr, wc, "NN", x_dtype)[:m]
+                dx = mx_matmul(dyr, quantize(weight, "cols", scale_mode), "NN", x_dtype)[:m]
             if need_dw:
+                xc = MXTensor(xd, xs, "cols") if x is None else quantize(pad_rows(x), "cols", scale_mode)
                 dw = mx_matmul(dyc, xc, "TN", w_dtype)
             if need_db:
                 db = dy.float().sum(0)
@@ -82,32 +80,39 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 class MXGroupedLinearFunction(torch.autograd.Function):
-    """Per-group ``y_g = x_g @ weight[g].T`` over tokens sorted by group (``weight``: (G, N, K))."""
+    """Per-group ``y_g = x_g @ W[g].T`` over tokens sorted by group, ``W`` (G, N, K) the
+    concatenation along dim 1 of ``weights`` (gate and up: one GEMM, two Parameters kept)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: list[int], scale_mode: str):
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, x: torch.Tensor, offsets: list[int], scale_mode: str, *weights: torch.Tensor):
+        need_dx, need_dw = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        fp8 = need_dw and _fp8_is_smaller(x, padded_offsets(offsets)[-1])
         with torch.autocast(x.device.type, enabled=False):
-            xr = quantize(x, "rows", scale_mode)
-            xc = quantize_grouped(x, offsets, "cols", scale_mode) if need_dw else None
-            wr, wc = quantize_dual(weight, scale_mode) if need_dx else (quantize(weight, "rows", scale_mode), None)
-            y = mx_grouped_matmul(xr, wr, offsets, "NT", x.dtype)
-        _save(ctx, xc, wc)
-        ctx.meta = (offsets, x.dtype, weight.dtype, scale_mode)
+            xc = quantize_grouped(x, offsets, "cols", scale_mode) if fp8 else None
+            y = mx_grouped_matmul(quantize(x, "rows", scale_mode), quantize(_cat(weights), "rows", scale_mode), offsets,
+                                  "NT", x.dtype)
+        ctx.save_for_backward(*_saved_x(xc, x, need_dw), *(weights if need_dx else ()))
+        ctx.meta = (offsets, x.dtype, weights[0].dtype, scale_mode, [w.shape[1] for w in weights])
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        offsets, x_dtype, w_dtype, scale_mode = ctx.meta
-        xc, wc = _saved(ctx, "cols")
-        dx = dw = None
+        offsets, x_dtype, w_dtype, scale_mode, widths = ctx.meta
+        xd, xs, x, *weights = ctx.saved_tensors
+        dx, dws = None, [None] * len(widths)
         with torch.autocast(dy.device.type, enabled=False):
             if ctx.needs_input_grad[0]:
+                wc = quantize(_cat(weights), "cols", scale_mode)
                 dx = mx_grouped_matmul(quantize(dy, "rows", scale_mode), wc, offsets, "NN", x_dtype)
-            if ctx.needs_input_grad[1]:
+            if any(ctx.needs_input_grad[3:]):
                 dyc = quantize_grouped(dy, offsets, "cols", scale_mode)
-                dw = mx_grouped_matmul(dyc, xc, offsets, "TN", w_dtype)
-        return dx, dw, None, None
+                xc = MXTensor(xd, xs, "cols") if x is None else quantize_grouped(x, offsets, "cols", scale_mode)
+                dws = mx_grouped_matmul(dyc, xc, offsets, "TN", w_dtype).split(widths, dim=1)
+        return dx, None, None, *dws
+
+
+def _cat(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    return weights[0] if len(weights) == 1 else torch.cat(list(weights), dim=1)
 
 
 def as_offsets(group_offsets: Sequence[int] | torch.Tensor, total: int) -> list[int]:
@@ -117,7 +122,9 @@ def as_offsets(group_offsets: Sequence[int] | torch.Tensor, total: int) -> list[
     return check_offsets(group_offsets, total)
 
 
-def mx_grouped_linear(x: torch.Tensor, weight: torch.Tensor, group_offsets: Sequence[int] | torch.Tensor,
-                      scale_mode: str = "floor") -> torch.Tensor:
-    """Per-expert linear (no bias) on MXFP8 operands; ``x`` (T, K) sorted by group, ``weight`` (G, N, K)."""
-    return MXGroupedLinearFunction.apply(x, weight, as_offsets(group_offsets, x.shape[0]), scale_mode)
+def mx_grouped_linear(x: torch.Tensor, weight: torch.Tensor | Sequence[torch.Tensor],
+                      group_offsets: Sequence[int] | torch.Tensor, scale_mode: str = "floor") -> torch.Tensor:
+    """Per-expert linear (no bias) on MXFP8 operands; ``x`` (T, K) sorted by group, ``weight``
+    (G, N, K) or several such concatenated along N (each kept for backward as it is)."""
+    weights = (weight,) if isinstance(weight, torch.Tensor) else tuple(weight)
+    return MXGroupedLinearFunction.apply(x, as_offsets(group_offsets, x.shape[0]), scale_mode, *weights)

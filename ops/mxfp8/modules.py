@@ -122,7 +122,7 @@ class MXFP8GroupedExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, group_offsets: Sequence[int] | torch.Tensor) -> torch.Tensor:
         offs = as_offsets(group_offsets, x.shape[0])
-        gate_up = mx_grouped_linear(x, torch.cat([self.w_gate, self.w_up], dim=1), offs, self.scale_mode)
+        gate_up = mx_grouped_linear(x, (self.w_gate, self.w_up), offs, self.scale_mode)
         gate, up = gate_up.split(self.hidden, dim=1)
         return mx_grouped_linear(F.silu(gate) * up, self.w_down, offs, self.scale_mode)
 

@@ -12,6 +12,11 @@
  *   into DTYPES, reg -1 for an unused input; outputs must have the broadcast shape of the
  *   inputs (the domain). block: elements per block (a multiple of 16), 0 for automatic.
  *   Raises NotImplementedError for a layout it does not take (the caller falls back).
+ *   A program that has run over threshold elements is compiled to one loop in the
+ *   background and runs as such once loaded (jit.c).
+ * jit_config(threshold=None, cc=None, cache_dir=None), jit_stats(), jit_wait(seconds): that
+ *   compilation's settings (threshold < 0: interpret every program; cc "0": never compile),
+ *   counters, and a wait for pending builds.
  * mx_quantize(x, dtype, rows, cols, sx, rd, srd, rs, srs, cd, scd, cs, scs, rceil, tiles, threads)
  *   pointers as ints (0: output not wanted), strides in elements of x / bytes of outputs;
  *   tiles: None (plain 32-row tiles) or bytes of int64 triples (first source row, valid
@@ -24,9 +29,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #include "native.h"
 #include "pool.h"
@@ -79,24 +81,6 @@ static float *scratch(size_t floats) {
         tl_cap = tl_buf ? floats : 0;
     }
     return tl_buf;
-}
-
-/* -- large outputs ------------------------------------------------------------------------ */
-
-/* A large output about to be written whole is first touched in 2 MiB pages where the
- * kernel allows them (transparent huge pages in "madvise" mode): freshly allocated tensors
- * otherwise fault in 4 KiB at a time, which on a VM costs more than the kernel itself.
- * Only whole 2 MiB pages inside [lo, lo + bytes) are advised. */
-#define HUGE_BYTES (4 << 20)
-static void advise_huge(const void *lo, int64_t bytes) {
-#if defined(MADV_HUGEPAGE)
-    if (bytes < HUGE_BYTES) return;
-    uintptr_t a = ((uintptr_t)lo + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
-    uintptr_t b = ((uintptr_t)lo + (uintptr_t)bytes) & ~(uintptr_t)((2u << 20) - 1);
-    if (b > a) madvise((void *)a, b - a, MADV_HUGEPAGE); /* a hint: failure changes nothing */
-#else
-    (void)lo, (void)bytes;
-#endif
 }
 
 /* -- argument helpers -------------------------------------------------------------------- */
@@ -291,8 +275,6 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
             if (ops[i].reg >= 0 && ilo < hi && lo < ihi) job.direct_out = 0;
         }
     }
-    for (int o = n_in; o < n_ops; o++)
-        advise_huge(ops[o].ptr, span_end(&ops[o], m, job.shape, esize[ops[o].dtype]) - (int64_t)(intptr_t)ops[o].ptr);
     job.n_in = n_in;
     job.n_out = n_ops - n_in;
     job.ops = ops;
@@ -301,10 +283,12 @@ static PyObject *py_dvm_run(PyObject *self, PyObject *args) {
     job.n_regs = n_regs;
     job.n_const = n_const;
     job.const_val = cval.buf;
+    job.fused = jit_lookup((int)(isa - ISAS), ins, n_code, ops, n_in, n_ops, n_el);
     int64_t B = block;
-    if (B == 0) { /* registers of one block within about 24 KiB of L1 */
-        B = (6144 / n_regs) & ~(int64_t)63;
-        B = B < 256 ? 256 : (B > 1024 ? 1024 : B);
+    if (B == 0) { /* registers in memory within about 24 KiB of L1: all (interpreted) or the operands' */
+        int64_t cap = job.fused ? 4096 : 1024;
+        B = (6144 / (job.fused ? n_ops : n_regs)) & ~(int64_t)63;
+        B = B < 256 ? 256 : (B > cap ? cap : B);
     }
     job.block = B;
     job.cols = job.shape[m - 1];
@@ -338,6 +322,40 @@ out:
     return res;
 }
 
+static PyObject *py_jit_config(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"threshold", "cc", "cache_dir", NULL};
+    PyObject *thr = Py_None;
+    const char *compiler = NULL, *dir = NULL;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|Ozz", names, &thr, &compiler, &dir)) return NULL;
+    long long t = 0;
+    if (thr != Py_None && (t = PyLong_AsLongLong(thr)) == -1 && PyErr_Occurred()) return NULL;
+    int64_t t64 = t;
+    jit_configure(thr != Py_None ? &t64 : NULL, compiler, dir);
+    char c[1024], d[1024];
+    jit_settings(&t64, c, d, sizeof c);
+    return Py_BuildValue("{s:L,s:s,s:s}", "threshold", (long long)t64, "cc", c, "cache_dir", d);
+}
+
+static PyObject *py_jit_stats(PyObject *self, PyObject *noargs) {
+    (void)self, (void)noargs;
+    JitStats s = jit_stats();
+    return Py_BuildValue("{s:L,s:L,s:L,s:L,s:L,s:d,s:s}", "programs", (long long)s.programs, "pending",
+                         (long long)s.pending, "built", (long long)s.built, "loaded", (long long)s.loaded, "failed",
+                         (long long)s.failed, "seconds", s.seconds, "last_error", s.last_error);
+}
+
+static PyObject *py_jit_wait(PyObject *self, PyObject *args) {
+    double seconds = 60.0;
+    int ok;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "|d", &seconds)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    ok = jit_wait(seconds);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 /* -- MXFP8 -------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -368,8 +386,6 @@ static PyObject *py_mx_quantize(PyObject *self, PyObject *args) {
                  (uint8_t *)(uintptr_t)cd, (uint8_t *)(uintptr_t)cs, srd, srs, scd, scs, rceil, NULL};
     MxCtx ctx = {&job};
     int nt = threads_for(rows * cols, threads);
-    advise_huge(job.rd, rows * srd);
-    advise_huge(job.cd, (tiles_obj == Py_None ? rows : 0) * scd);
     if (!cd) {
         Py_BEGIN_ALLOW_THREADS
         pool_run(rows, 8, nt, mx_rows_range, &ctx);
@@ -425,7 +441,6 @@ static PyObject *py_mx_dequantize(PyObject *self, PyObject *args) {
     MxDequantJob job = {(const uint8_t *)(uintptr_t)d, (const uint8_t *)(uintptr_t)s, sd, ss, cols, cols_axis,
                         (char *)(uintptr_t)y, dtype, sy};
     int nt = threads_for(rows * cols, threads);
-    advise_huge(job.y, rows * sy * (dtype == DT_F32 ? 4 : 2));
     Py_BEGIN_ALLOW_THREADS
     pool_run(rows, 8, nt, mx_dequant_range, &job);
     Py_END_ALLOW_THREADS
@@ -488,6 +503,10 @@ static const char *const DT_NAMES[] = {"float32", "bfloat16", "float16", "bool"}
 
 static PyMethodDef methods[] = {
     {"dvm_run", py_dvm_run, METH_VARARGS, "Run a DVM register program over its domain (see the module doc)."},
+    {"jit_config", (PyCFunction)(void (*)(void))py_jit_config, METH_VARARGS | METH_KEYWORDS,
+     "Compiling hot programs: jit_config(threshold=None, cc=None, cache_dir=None) -> the settings."},
+    {"jit_stats", py_jit_stats, METH_NOARGS, "Programs seen, compiles pending, built, loaded from disk, failed."},
+    {"jit_wait", py_jit_wait, METH_VARARGS, "jit_wait(seconds=60): wait for pending compiles; True when none is left."},
     {"mx_quantize", py_mx_quantize, METH_VARARGS, "MXFP8 quantisation of a 2-D view."},
     {"mx_dequantize", py_mx_dequantize, METH_VARARGS, "MXFP8 dequantisation of a 2-D view."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels run with."},

@@ -36,6 +36,10 @@ enum { RND_NONE = 0, RND_BF16 = 1, RND_F16 = 2 };
 /* dst = op(a, b, c): registers; -1 for no operand; -2 - k for the scalar const_val[k]. */
 typedef struct { int32_t op, dst, a, b, c, rnd; } DvmInstr;
 
+/* A program compiled at run time: the whole instruction list per element over registers
+ * R (input registers read, output registers written), scalars C, n elements. */
+typedef void (*DvmFused)(float *const *R, const float *C, int64_t n);
+
 typedef struct {
     char *ptr;
     int32_t dtype, reg;
@@ -55,6 +59,7 @@ typedef struct {
     int64_t block;      /* elements per block (a multiple of 16) */
     int64_t rows, cols; /* the last two domain dims (rows = 1 for a 1-D domain) */
     int64_t rows_per_block, n_row_groups, col_chunk, n_col_chunks, n_blocks;
+    DvmFused fused;     /* the program compiled to one loop (jit.c), or NULL: interpret */
 } DvmJob;
 
 /* MXFP8 quantisation of a 2-D view: rows blocked along columns (32 per scale), columns
@@ -88,6 +93,19 @@ extern double dvm_erf_small[ERF_SMALL_N], dvm_erf_large[ERF_LARGE_N];
  * vector loops (it then splits them by cases): [-250, 250] for the double-precision exp,
  * [-104, 89] for the float32 one. */
 extern const float dvm_exp_limit, dvm_expf_limits[2], dvm_e4m3_max; /* and 448, E4M3's largest value */
+
+/* Run-time compilation of hot programs (jit.c). */
+typedef struct {
+    int64_t programs, pending, built, loaded, failed;
+    double seconds; /* building (compiler runs), in total */
+    char last_error[512];
+} JitStats;
+DvmFused jit_lookup(int isa_index, const DvmInstr *code, int n_code, const DvmOperand *ops, int n_in, int n_ops,
+                    int64_t elements);
+void jit_configure(const int64_t *threshold, const char *compiler, const char *cache_dir);
+void jit_settings(int64_t *threshold, char *compiler, char *cache_dir, size_t cap);
+JitStats jit_stats(void);
+int jit_wait(double seconds);
 
 #define NATIVE_DECLARE(sfx)                                                                   \
     void dvm_run_##sfx(const DvmJob *job, int64_t b0, int64_t b1, float *scratch);            \

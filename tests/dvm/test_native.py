@@ -171,7 +171,7 @@ def test_strided_inputs_and_outputs_and_threads():
 
 @needs_ext
 def test_large_outputs_and_unaligned_inputs():
-    """Outputs of 4 MiB and more are first touched in 2 MiB pages; misaligned inputs."""
+    """Outputs of 8 MiB on two threads; misaligned inputs."""
     x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(6))
     prog = Program((((1 << 21,), "float32"),), (instr("neg", [0]), instr("mul", [1, 0])), (1, 2))
     _, (a, b) = run(prog, [x], threads=2)

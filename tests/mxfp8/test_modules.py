@@ -14,12 +14,15 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of the distinct tensors autograd saves while ``fn`` runs."""
+def saved_bytes(fn, params=()) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs, the storage of
+    ``params`` (there anyway, and shared by their views) left out."""
+    own = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, int] = {}
 
     def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t.untyped_storage().data_ptr() not in own:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -43,22 +46,42 @@ def test_linear_matches_bf16_forward_and_backward(mode):
     assert rel(got[2], want[2]) < 1e-2  # the bias gradient is high precision
 
 
-def test_linear_saves_only_what_backward_needs():
-    m, k, n = 64, 256, 128
+@pytest.mark.parametrize("m,k,n", [(64, 256, 128), (8, 512, 512), (20, 64, 32), (4096, 64, 32)])
+def test_linear_saves_only_what_backward_needs(m, k, n):
+    """Column-wise X in FP8 (plus one E8M0 scale per 32, tokens padded to 32) for dW, or X
+    itself where that is smaller; the weight Parameter itself (no copy) for dX. bf16
+    nn.Linear saves X and the weight Parameter."""
     x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
     lin = nn.Linear(k, n).bfloat16()
     mx = MXFP8Linear.from_float(lin)
-    bf16 = saved_bytes(lambda: lin(x))
-    both = saved_bytes(lambda: mx(x))
-    assert bf16 == 2 * (m * k + n * k)
-    assert both == (m * k + n * k) * 33 // 32  # fp8 payload + one e8m0 scale per 32
-    assert both <= 0.55 * bf16
+    params = list(lin.parameters())
+    for_dw = min(-(-m // 32) * 32 * k * 33 // 32, 2 * m * k)
+    bf16 = saved_bytes(lambda: lin(x), params)
+    assert bf16 == 2 * m * k
+    assert saved_bytes(lambda: mx(x), params) == for_dw <= (0.52 if m % 32 == 0 else 1) * bf16
+    assert saved_bytes(lambda: mx(x)) == for_dw + 2 * n * k  # and the weight, as it is
     lin.weight.requires_grad_(False)
-    assert saved_bytes(lambda: mx(x)) == n * k * 33 // 32  # only column-wise W
+    assert saved_bytes(lambda: mx(x), params) == 0  # only the weight
     lin.weight.requires_grad_(True)
-    assert saved_bytes(lambda: mx(x.detach())) == m * k * 33 // 32  # only column-wise X
+    assert saved_bytes(lambda: mx(x.detach()), params) == for_dw  # only X
     with torch.no_grad():
         assert saved_bytes(lambda: mx(x)) == 0
+
+
+def test_grouped_experts_save_less_than_bf16():
+    t, dim, hidden = 100, 64, 96
+    ref = GroupedExperts(4, dim, hidden).bfloat16()
+    mx = MXFP8GroupedExperts.from_float(ref)
+    x = torch.randn(t, dim, dtype=torch.bfloat16, requires_grad=True)
+    params = list(ref.parameters())
+    for offs, padded in (([21, 21, 80, 100], 128), ([1, 2, 3, 100], 224)):  # groups padded to 32 rows each
+        bf16 = saved_bytes(lambda: ref(x, offs), params)
+        assert bf16 == 2 * t * dim + 4 * 2 * t * hidden  # x; per expert gate, silu(gate), up, h
+        got = saved_bytes(lambda: mx(x, offs), params)
+        # x and h for dW (column-wise FP8, or themselves where smaller); gate_up (silu's input
+        # and mul's up) and silu(gate)
+        for_dw = sum(min(padded * d * 33 // 32, 2 * t * d) for d in (dim, hidden))
+        assert got == for_dw + 2 * t * 2 * hidden + 2 * t * hidden <= bf16
 
 
 def test_from_float_shares_parameters_and_checks_dims():

@@ -95,7 +95,9 @@ class OpDef:
     With ``context=True`` both also receive ``ctx=`` (rank, communicator, device).
     ``extra["in_place"] = True`` says the kernel may write an output over an input equal to
     it (element-wise ops); the thread executor otherwise hands the kernel a copy of any
-    input that a task's outputs overlap. ``grad_of`` (a backward op's) names the forward op
+    input that a task's outputs overlap. ``extra["bind"](attrs)``, when given, returns one
+    task's kernel ``fn(inputs, outputs)`` with its attrs applied (what depends on the attrs
+    alone is done once, when the executors' dispatch plan is built). ``grad_of`` (a backward op's) names the forward op
     whose gradient it computes, and how.
     """
 

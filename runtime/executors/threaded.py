@@ -1,7 +1,8 @@
 """Real execution on torch tensors: engine units as a budget, worker threads from one pool.
 
 Worker threads come from a process-wide pool, started once and reused by every run (as
-Taskflow's executor: create once, run many); a run borrows one thread per engine unit.
+Taskflow's executor: create once, run many); a run borrows one thread per engine unit, or
+as many as it is told (``workers``).
 Threads are not tied to units: a worker holds a free unit of whichever engine kind has
 ready work, runs that unit's tasks while its queue lasts, and only then looks at the other
 kinds, so at most ``units[kind]`` tasks of a kind run at once and a worker sleeps only when
@@ -51,9 +52,11 @@ class ThreadExecutor(Executor):
     ``kernels``: ``"kernel"`` (each op's kernel), ``"reference"`` (its torch reference)
     or ``"null"`` (run nothing: measures dispatch alone). ``stall_timeout``: seconds
     without any task finishing before the run fails with :class:`DeadlockError`.
-    ``intra_op_threads``: torch threads per kernel during the run (``None``: the caller's
-    count divided among the run's workers, at least one each; the caller's count is
-    restored after). ``pause_gc``: keep Python's cyclic garbage collector off during the
+    ``workers``: pool threads a run uses (``None``: one per engine unit; fewer run the same
+    tasks with less switching between Python threads, units still bounding how many tasks of
+    each kind run at once). ``intra_op_threads``: torch threads per kernel during the run
+    (``None``: the caller's count divided among the run's workers, at least one each; the
+    caller's count is restored after). ``pause_gc``: keep Python's cyclic garbage collector off during the
     run (it is turned back on after), which removes the collector's pauses from dispatch;
     reference counting still frees memory.
     """
@@ -69,6 +72,7 @@ class ThreadExecutor(Executor):
         observers: Iterable[Observer] = (),
         kernels: str = "kernel",
         stall_timeout: float = 60.0,
+        workers: int | None = None,
         intra_op_threads: int | None = None,
         pause_gc: bool = True,
     ):
@@ -78,14 +82,16 @@ class ThreadExecutor(Executor):
             raise ScheduleError(f"every engine needs at least one unit, got {dict(units)}")
         if not stall_timeout > 0:
             raise ScheduleError(f"stall_timeout must be positive, got {stall_timeout!r}")
-        if intra_op_threads is not None and intra_op_threads <= 0:
-            raise ScheduleError(f"intra_op_threads must be positive, got {intra_op_threads!r}")
+        for name, n in (("workers", workers), ("intra_op_threads", intra_op_threads)):
+            if n is not None and n <= 0:
+                raise ScheduleError(f"{name} must be positive, got {n!r}")
         self.units = {k: int(n) for k, n in units.items()} if units is not None else None
         self.policy = policy
         self.ctx = ctx or ExecContext()
         self.observers = list(observers)
         self.kernels = kernels
         self.stall_timeout = float(stall_timeout)
+        self.workers = workers
         self.intra_op_threads = intra_op_threads
         self.pause_gc = pause_gc
 
@@ -260,8 +266,8 @@ class _Run:
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.finished = threading.Event()
         self.per_unit = getattr(core.policy, "per_unit", False)
-        n = sum(self.units.values())
-        self.threads = ex.intra_op_threads or max(1, torch.get_num_threads() // max(1, n))
+        self.n_workers = min(ex.workers or sum(self.units.values()), sum(self.units.values()))
+        self.threads = ex.intra_op_threads or max(1, torch.get_num_threads() // max(1, self.n_workers))
 
     def execute(self) -> list[_Log]:
         """Run every task; return each unit's log."""
@@ -270,7 +276,7 @@ class _Run:
             return []
         stall = self.ex.stall_timeout
         with self.lock:
-            self.inside.update(_POOL.start(self._work, sum(self.units.values())))
+            self.inside.update(_POOL.start(self._work, self.n_workers))
         try:
             poll = min(0.1, stall / 4)
             seen, last_progress = core.remaining, time.perf_counter()

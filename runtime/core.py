@@ -61,7 +61,7 @@ class FIFO(Policy):
 class Core:
     """Counts unmet dependencies and hands out ready tasks through a policy."""
 
-    __slots__ = ("graph", "policy", "unmet", "remaining", "succ", "_queues", "push_of")
+    __slots__ = ("graph", "policy", "unmet", "remaining", "succ", "fifo", "push_of")
 
     def __init__(self, graph: TaskGraph, units: dict[str, int], policy: Policy | None = None):
         engines, unmet, roots = graph.cached("core_start", lambda: (
@@ -80,17 +80,17 @@ class Core:
         self.succ = graph.succ
         self.unmet = unmet.copy()  # the cached start state: predecessors per task, tasks without any
         self.remaining = len(unmet)
-        # plain FIFO: queue operations inline, a task's push is its engine deque's append
-        self._queues = self.policy.fifo_queues()
+        # plain FIFO: the engine deques, worked on directly (a task's push is its deque's append)
+        self.fifo = self.policy.fifo_queues()
         push = self.policy.push
-        self.push_of = [push] * len(unmet) if self._queues is None else \
-            list(map({e: q.append for e, q in self._queues.items()}.__getitem__, self.policy._engine))
+        self.push_of = [push] * len(unmet) if self.fifo is None else \
+            list(map({e: q.append for e, q in self.fifo.items()}.__getitem__, self.policy._engine))
         for tid in roots:
             push(tid)
 
     def pop(self, engine: str, unit: int = 0) -> int:
         """Hand out the next ready task for ``unit`` of ``engine``, or -1 if none."""
-        q = self._queues
+        q = self.fifo
         if q is not None:
             q = q[engine]
             if not q:

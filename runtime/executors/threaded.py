@@ -35,7 +35,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from megaloom.runtime.core import DONE, FIFO, Core, Policy
+from megaloom.runtime.core import DONE, FIFO, RUNNING, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, MegaloomError, ScheduleError
 from megaloom.runtime.executors.base import (
     Call, ExecContext, Executor, RunResult, bound_plan, fail, kernel_call, reference_call,
@@ -121,7 +121,7 @@ class ThreadExecutor(Executor):
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
 
-        def run(calls: list[Call] | None) -> tuple[Recorder, list[_Log]]:  # (the inputs are checked by now)
+        def run(calls: list[Call] | None) -> tuple[Recorder, _Log]:  # (the inputs are checked by now)
             rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
                            world_size=self.ctx.world_size, kernels=self.kernels)
             return rec, _Run(graph, units, core, calls, self, rec, cancel).execute()
@@ -137,17 +137,16 @@ class ThreadExecutor(Executor):
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
 
 
-def _by_start(graph: TaskGraph, records: list[_Log], rank: int):
-    """Trace columns of the workers' logs, ordered by start (ties: task id)."""
-    tid, start, end = (np.concatenate([np.frombuffer(r[k], dtype=r[k].typecode) for r in records] or [np.zeros(0)])
-                       for k in (1, 2, 3))
-    unit = np.concatenate([np.full(len(r[1]), r[0], dtype=np.int64) for r in records] or [np.zeros(0)])
+def _by_start(graph: TaskGraph, log: _Log, rank: int):
+    """Trace columns of a run's log, ordered by start (ties: task id)."""
+    tid, start, end = (np.frombuffer(c, dtype=c.typecode) for c in log[:3])
+    unit = np.repeat(*zip(*log[3])) if log[3] else np.zeros(0, dtype=np.int64)
     order = np.lexsort((tid, start))
     return columns_of(graph, tid[order], unit[order], start[order], end[order], rank)
 
 
-_Log = tuple[int, array, array, array]
-"""One engine unit's runs: the unit, then task ids, starts and ends (array columns)."""
+_Log = tuple[array, array, array, list]
+"""A run's log: task ids, starts and ends (array columns), then (unit, tasks) per engine unit in turn."""
 
 
 @contextmanager
@@ -264,23 +263,22 @@ class _Run:
         self.logs = {e: [(array("q"), array("d"), array("d")) for _ in range(n)] for e, n in self.units.items()}
         self.error: BaseException | None = None
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
-        self.finished = threading.Event()
         self.per_unit = getattr(core.policy, "per_unit", False)
         self.n_workers = min(ex.workers or sum(self.units.values()), sum(self.units.values()))
         self.threads = ex.intra_op_threads or max(1, torch.get_num_threads() // max(1, self.n_workers))
 
-    def execute(self) -> list[_Log]:
-        """Run every task; return each unit's log."""
+    def execute(self) -> _Log:
+        """Run every task; return the run's log."""
         core = self.core
         if not core.is_active:
-            return []
+            return array("q"), array("d"), array("d"), []
         stall = self.ex.stall_timeout
         with self.lock:
             self.inside.update(_POOL.start(self._work, self.n_workers))
         try:
             poll = min(0.1, stall / 4)
             seen, last_progress = core.remaining, time.perf_counter()
-            while not self.finished.wait(poll):
+            while self.error is None and not self.all_out.wait(poll):
                 with self.lock:
                     if core.remaining != seen:
                         seen, last_progress = core.remaining, time.perf_counter()
@@ -303,7 +301,14 @@ class _Run:
             self._report_abandoned()
         if self.error is not None:
             raise self.error
-        return [(unit, *log) for logs in self.logs.values() for unit, log in enumerate(logs)]
+        tid, start, end, units = array("q"), array("d"), array("d"), []
+        for logs in self.logs.values():
+            for unit, (t, s, e) in enumerate(logs):
+                tid.extend(t)
+                start.extend(s)
+                end.extend(e)
+                units.append((unit, len(t)))
+        return tid, start, end, units
 
     def _report_abandoned(self) -> None:
         """Name the workers left inside a kernel (they rejoin the pool when it returns)."""
@@ -329,7 +334,6 @@ class _Run:
             self.error = error
         while self.parked:
             self._wake()
-        self.finished.set()
 
     def _wake(self) -> None:
         """Wake one parked worker."""
@@ -357,12 +361,13 @@ class _Run:
 
     def _work(self, me: _Worker) -> None:
         """One worker's part of the run (in a pool thread); it leaves when the run is over.
-        A task's completion is :meth:`Core.done` inline (the dispatch hot path)."""
+        A task's completion is :meth:`Core.done` inline, and so is :meth:`Core.pop` of the plain
+        FIFO (the dispatch hot path)."""
         if me.threads != self.threads:  # OpenMP thread counts are per thread
             torch.set_num_threads(self.threads)
             me.threads = self.threads
         lock, core, parked, free, logs = self.lock, self.core, self.parked, self.free, self.logs
-        unmet, succ, push, pop = core.unmet, core.succ, core.push_of, core.pop
+        unmet, succ, push, pop, fifo = core.unmet, core.succ, core.push_of, core.pop, core.fifo
         take, ready, wake = self._take, self._ready, self._wake
         calls = self.calls
         perf = time.perf_counter
@@ -377,6 +382,7 @@ class _Run:
                         self._park(me)
                         continue
                     log_tid, log_start, log_end = (c.append for c in logs[engine][unit])
+                    queue = fifo[engine] if fifo is not None else None
                 if parked and ready():  # chain: work is left for another worker
                     wake()
                 lock.release()
@@ -403,7 +409,13 @@ class _Run:
                     unmet[s] = n
                     if n == 0:
                         push[s](s)
-                tid = pop(engine, unit)  # the next task of this unit, if one is ready
+                if queue is None:  # the next task of this unit, if one is ready
+                    tid = pop(engine, unit)
+                elif queue:
+                    tid = queue.popleft()
+                    unmet[tid] = RUNNING
+                else:
+                    tid = -1
                 if tid < 0:
                     free[engine].append(unit)
                     if not core.remaining:

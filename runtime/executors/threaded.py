@@ -13,7 +13,8 @@ one idle worker, so no idle worker is woken for nothing.
 
 Kernels of concurrent workers share the machine: unless told (``intra_op_threads``), each
 worker runs torch with the caller's intra-op thread count divided among the run's workers,
-so a run never oversubscribes the cores torch was given.
+so a run never oversubscribes the cores torch was given, and graphs of small tasks run their
+kernels single-threaded (an OpenMP fork and join per small kernel costs more than it saves).
 
 A failing task sets the run's error; every worker stops before its next task and the
 caller gets :class:`ExecutionError` naming the task (``__cause__``: the original error).
@@ -149,6 +150,19 @@ _Log = tuple[array, array, array, list]
 """A run's log: task ids, starts and ends (array columns), then (unit, tasks) per engine unit in turn."""
 
 
+SMALL_KERNEL_FLOPS = 2.0 ** 24
+"""Work (flops) per task below which kernels run on one torch thread by default: an OpenMP
+fork and join per small kernel costs more than it saves (the more so on a loaded machine)."""
+
+
+def _small_kernels(graph: TaskGraph) -> bool:
+    """Whether the graph's tasks that compute do under :data:`SMALL_KERNEL_FLOPS` each on average."""
+    def mean() -> float:
+        flops = [c.flops for c in graph.costs() if c.flops]
+        return sum(flops) / len(flops) if flops else 0.0
+    return graph.cached("mean_task_flops", mean) < SMALL_KERNEL_FLOPS
+
+
 @contextmanager
 def _torch_threads(n: int | None) -> Iterator[None]:
     """The caller's torch thread count is its own again after the run (workers change the
@@ -265,7 +279,8 @@ class _Run:
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.per_unit = getattr(core.policy, "per_unit", False)
         self.n_workers = min(ex.workers or sum(self.units.values()), sum(self.units.values()))
-        self.threads = ex.intra_op_threads or max(1, torch.get_num_threads() // max(1, self.n_workers))
+        self.threads = ex.intra_op_threads or (1 if ex.kernels == "null" or _small_kernels(graph)
+                                               else max(1, torch.get_num_threads() // max(1, self.n_workers)))
 
     def execute(self) -> _Log:
         """Run every task; return the run's log."""

@@ -69,7 +69,7 @@ class FIFO(Policy):
 class Core:
     """Counts unmet dependencies and hands out ready tasks through a policy."""
 
-    __slots__ = ("graph", "policy", "unmet", "remaining", "_succ", "_names", "_queues", "_push_of")
+    __slots__ = ("graph", "policy", "unmet", "remaining", "succ", "fifo", "push_of")
 
     def __init__(self, graph: TaskGraph, units: dict[str, int], policy: Policy | None = None):
         engines, unmet, roots = graph.cached("core_start", lambda: (
@@ -85,20 +85,20 @@ class Core:
         self.graph = graph
         self.policy = policy if policy is not None else FIFO()
         self.policy.prepare(graph, units)
-        self._succ = graph.succ
+        self.succ = graph.succ
         self.unmet = unmet.copy()  # the cached start state: predecessors per task, tasks without any
         self.remaining = len(unmet)
-        # plain FIFO: queue operations inline, a task's push is its engine deque's append
-        self._queues = self.policy.fifo_queues()
-        self._push_of = None if self._queues is None else \
-            list(map({e: q.append for e, q in self._queues.items()}.__getitem__, self.policy._engine))
+        # plain FIFO: the engine deques, worked on directly (a task's push is its deque's append)
+        self.fifo = self.policy.fifo_queues()
         push = self.policy.push
+        self.push_of = [push] * len(unmet) if self.fifo is None else \
+            list(map({e: q.append for e, q in self.fifo.items()}.__getitem__, self.policy._engine))
         for tid in roots:
             push(tid)
 
     def pop(self, engine: str, unit: int = 0) -> int:
         """Hand out the next ready task for ``unit`` of ``engine``, or -1 if none."""
-        q = self._queues
+        q = self.fifo
         if q is not None:
             q = q[engine]
             if not q:
@@ -112,40 +112,20 @@ class Core:
         return tid
 
     def done(self, tid: int) -> None:
-        """Mark a handed-out task finished and queue successors that became ready."""
-        self.done_pop(tid, None)
-
-    def done_pop(self, tid: int, engine: str | None, unit: int = 0) -> int:
-        """:meth:`done` for ``tid``, then (with ``engine``) :meth:`pop` for ``unit`` of
-        ``engine``: what a worker does between two tasks, in one call."""
+        """Mark a handed-out task finished and queue successors that became ready.
+        (The thread executor's workers do the same inline: ``push_of[s](s)`` queues ``s``.)"""
         unmet = self.unmet
         if unmet[tid] != RUNNING:
             state = "already done" if unmet[tid] == DONE else "not handed out"
             raise ScheduleError(f"done() for task {self.graph.task_name(tid)!r}, which is {state}")
         unmet[tid] = DONE
         self.remaining -= 1
-        push = self._push_of
-        if push is not None:
-            for s in self._succ[tid]:
-                n = unmet[s] - 1
-                unmet[s] = n
-                if n == 0:
-                    push[s](s)
-            if engine is None:
-                return -1
-            q = self._queues[engine]
-            if not q:
-                return -1
-            tid = q.popleft()
-            unmet[tid] = RUNNING
-            return tid
-        push = self.policy.push
-        for s in self._succ[tid]:
+        push = self.push_of
+        for s in self.succ[tid]:
             n = unmet[s] - 1
             unmet[s] = n
             if n == 0:
-                push(s)
-        return -1 if engine is None else self.pop(engine, unit)
+                push[s](s)
 
     @property
     def is_active(self) -> bool:

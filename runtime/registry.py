@@ -104,7 +104,10 @@ class OpDef:
     it (element-wise ops); the thread executor otherwise hands the kernel a copy of any
     input that a task's outputs overlap. ``extra["compute"](attrs, rate)``: the seconds of arithmetic of one
     task on one unit, for ops whose flops run at several rates (``rate(op class, precision)``
-    gives each one's; the cost model uses it instead of one rate for all the op's flops). ``grad_of`` (a backward op's) names the forward op
+    gives each one's; the cost model uses it instead of one rate for all the op's flops).
+    ``extra["bind"](attrs)``, when given, returns one task's kernel ``fn(inputs, outputs)`` with its
+    attrs applied (what depends on the attrs alone is done once, when the executors' dispatch plan
+    is built). ``grad_of`` (a backward op's) names the forward op
     whose gradient it computes, and how.
     """
 

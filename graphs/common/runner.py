@@ -3,7 +3,8 @@ per spec and arguments (a bounded LRU cache), run on one executor convention.
 
 ``executor`` is a name of :data:`~megaloom.runtime.executors.EXECUTORS`, ``"thread"`` (a
 :class:`ThreadExecutor` with ``units`` per engine kind, one per engine the graph uses by
-default, ordered by ``policy``) or ``"reference"``, made for each run on the inputs' device with this rank's context and communicator; or an
+default, ordered by ``policy``; compute tasks on one worker thread, comm tasks beside it) or
+``"reference"``, made for each run on the inputs' device with this rank's context and communicator; or an
 :class:`Executor` object, used as given: it must run on the inputs' device and, across
 ranks, hold the communicator in its context.
 """
@@ -17,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from megaloom.runtime.errors import ConfigError, ExecutionError
-from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor
+from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.trace import Trace
@@ -101,7 +102,12 @@ class GraphRunner:
             return cls(ctx)
         from megaloom.scheduler import make_policy
 
-        return cls(self.units, policy=make_policy(self.policy), ctx=ctx)
+        if not issubclass(cls, ThreadExecutor):
+            return cls(self.units, policy=make_policy(self.policy), ctx=ctx)
+        # compute tasks on one thread (a second Python thread would only trade the GIL back and forth),
+        # blocking comm tasks on threads of their own
+        units = self.units or dict.fromkeys(graph.cached("engines", graph.engines), 1)
+        return cls(self.units, policy=make_policy(self.policy), ctx=ctx, workers=1 + units.get("comm", 0))
 
 
 def runner_for(key: int) -> GraphRunner:

@@ -276,42 +276,50 @@ def _codes(attrs: dict) -> tuple[str, str, str]:
 
 def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
     """(first row, rows, expert) of a task from its plan row."""
-    a, b, _ = meta.reshape(-1).tolist()
+    row = meta.tolist()
+    a, b, _ = row[0] if meta.dim() == 2 else row
     return (0, b, a) if kind == "t" else (a - base, b, 0)
 
 
 def _narrow(x, code: str, s: int, n: int, e: int):
     """Operand ``x`` (a tensor or TensorSpec) cut by ``code`` (a :class:`Cut` value) for ``n`` live rows from
     row ``s`` of expert ``e``."""
-    p, code = -(-n // BLOCK) * BLOCK, Cut(code)
-    lo, hi = {Cut.ROWS: (s, s + n), Cut.PADDED: (s, s + p),
-              Cut.SCALES: (s // BLOCK, (s + p) // BLOCK)}.get(code, (None, None))
-    if code == Cut.EXPERT:
+    if code == Cut.ROWS:
+        lo, hi = s, s + n
+    elif code == Cut.PADDED:
+        lo, hi = s, s + -(-n // BLOCK) * BLOCK
+    elif code == Cut.SCALES:
+        lo, hi = s // BLOCK, (s + -(-n // BLOCK) * BLOCK) // BLOCK
+    elif code == Cut.EXPERT:
         lo, hi = (e, e + 1) if x.shape[0] > 1 else (0, 1)
-    if lo is None:
+    else:
         return x
     if isinstance(x, TensorSpec):
         return TensorSpec((hi - lo, *x.shape[1:]), x.dtype)
     return x[lo:hi]
 
 
-def _dyn_parts(ins, outs, attrs: dict, n: int, s: int = 0, e: int = 0):
-    """The inner op's inputs, outputs and attrs for ``n`` live rows (``ins``: the task's)."""
-    _, cin, cout = _codes(attrs)
-    inner = {k: v for k, v in attrs.items() if k not in _OWN}
+def _split(attrs: dict) -> tuple[str, str, str, dict]:
+    """(kind, input codes, output codes, the inner op's attrs) of a moe_dyn task."""
+    kind, cin, cout = _codes(attrs)
+    return kind, cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}
+
+
+def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
+    """The inner op's inputs, outputs and attrs for ``n`` live rows (``ins``: the task's; ``split``: :func:`_split`)."""
+    _, cin, cout, inner = split
     if "group_offsets" in inner:
-        inner["group_offsets"] = [n]
+        inner = {**inner, "group_offsets": [n]}
     return ([_narrow(x, c, s, n, e) for x, c in zip(ins[1:1 + len(cin)], cin)],
             [_narrow(o, c, s, n, e) for o, c in zip(outs, cout)], inner)
 
 
 def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    _, cin, cout = _codes(attrs)
+    _, cin, cout, inner = _split(attrs)
     rmw = attrs.get("rmw", False)
     _expect(ins[0].dtype == "int64" and ins[0].numel == 3 and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
             f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
             + (" and its outputs" if rmw else ""), ins)
-    inner = {k: v for k, v in attrs.items() if k not in _OWN}
     outs = get_op(attrs["op"]).shape([_narrow(x, c, 0, 0, 0) if c == Cut.EXPERT else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
     _expect(len(outs) == len(cout) and (not rmw or list(ins[1 + len(cin):]) == outs), "moe_dyn",
@@ -323,25 +331,35 @@ def _dyn_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cos
     n = attrs.get("sim", 0)
     if not n:
         return Cost(precision=precision(outs[0].dtype))
-    i, o, a = _dyn_parts(ins, outs, attrs, n)
+    i, o, a = _dyn_parts(ins, outs, _split(attrs), n)
     return get_op(attrs["op"]).cost(i, o, a)
 
 
+def _dyn_bind(attrs: dict):
+    """The kernel ``fn(ins, outs)`` of one moe_dyn task: its codes and inner op read once, when the
+    dispatch plan is built; each run reads the plan row and narrows the operands to the live rows."""
+    split = _split(attrs)
+    kind, _, cout, _ = split
+    d, base = get_op(attrs["op"]), attrs.get("base", 0)
+    zeroed = [j for j, c in enumerate(cout) if c == Cut.ZEROED]  # whole results of an expert without rows: zeros
+
+    def run(ins, outs) -> None:
+        s, n, e = _live(ins[0], kind, base)
+        if n == 0:
+            for j in zeroed:
+                outs[j].zero_()
+            return
+        i, o, a = _dyn_parts(ins, outs, split, n, s, e)
+        if d.kernel is not None:
+            d.kernel(i, o, **a)
+        else:
+            for out, r in zip(o, run_reference(d, i, a)):
+                out.copy_(r)
+    return run
+
+
 def _dyn_kernel(ins, outs, **attrs) -> None:
-    kind, _, cout = _codes(attrs)
-    s, n, e = _live(ins[0], kind, attrs.get("base", 0))
-    if n == 0:
-        for o, c in zip(outs, cout):
-            if c == Cut.ZEROED:  # a whole result of an expert without rows (its weight gradient): zeros
-                o.zero_()
-        return
-    i, o, a = _dyn_parts(ins, outs, attrs, n, s, e)
-    d = get_op(attrs["op"])
-    if d.kernel is not None:
-        d.kernel(i, o, **a)
-    else:
-        for out, r in zip(o, run_reference(d, i, a)):
-            out.copy_(r)
+    _dyn_bind(attrs)(ins, outs)
 
 
 def _dyn_ref(*ins, **attrs):
@@ -352,7 +370,7 @@ def _dyn_ref(*ins, **attrs):
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
     s, n, e = _live(ins[0], kind, attrs.get("base", 0))
     if n:
-        i, o, a = _dyn_parts(ins, full, attrs, n, s, e)
+        i, o, a = _dyn_parts(ins, full, _split(attrs), n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)
     return tuple(full)
@@ -408,7 +426,8 @@ def _exchange_ref(row, src, old=None, ctx=None, **attrs):
     return out
 
 
-register(OpDef("moe_dyn", ("cube", "vector"), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel, extra={"in_place": True},
+register(OpDef("moe_dyn", ("cube", "vector"), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel,
+               extra={"in_place": True, "bind": _dyn_bind},
                doc="op attrs['op'] on the live rows of a tile or expert block, read from a plan row"))
 register(OpDef("moe_exchange", ("comm", "vector"), _exchange_ref, _exchange_shape, _exchange_cost,
                _exchange_kernel, context=True, extra={"in_place": True},

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.errors import ExecutionError
 from megaloom.runtime.graph import Buffer, Task, TaskGraph
 from megaloom.runtime.record import Observer  # noqa: F401  (executors take observers; re-exported here)
-from megaloom.runtime.region import full_box, overlaps, to_slices
+from megaloom.runtime.region import overlaps, to_slices
 from megaloom.runtime.registry import OpDef, get_op, run_reference
 from megaloom.runtime.trace import Trace
 
@@ -61,14 +62,21 @@ def _check_inputs(graph: TaskGraph, inputs: Mapping[str, torch.Tensor]) -> None:
 def _caller_tensor(b: Buffer, inputs: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """The tensor of a buffer the caller sees: its input (copied when the run updates it) or a new output."""
     if b.is_input:
-        x = inputs[b.name].to(device)
+        x = inputs[b.name]
+        if x.device != device:
+            x = x.to(device)
         return x.clone() if b.is_output else x
     return torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
 
 
-def _view(x: torch.Tensor, box: tuple) -> torch.Tensor:
-    """The region ``box`` of ``x``: ``x`` itself when the box covers it (no view object per call)."""
-    return x if box == full_box(tuple(x.shape)) else x[to_slices(box)]
+def _index(box: tuple, shape: tuple[int, ...]):
+    """The index of region ``box`` of a tensor of ``shape``: None for all of it, else its slices up to
+    the last dim it cuts (one slice alone when that is the first: the cheapest view to make)."""
+    cut = [d for d, (lo, hi) in enumerate(box) if (lo, hi) != (0, shape[d])]
+    if not cut:
+        return None
+    slices = to_slices(box[:cut[-1] + 1])
+    return slices[0] if len(slices) == 1 else slices
 
 
 class Args(list):
@@ -80,6 +88,9 @@ class Args(list):
     def __setitem__(self, i: Any, v: Any) -> None:
         raise TypeError("a kernel must write into its argument tensors (outs[i].copy_(y)), not rebind them")
 
+SMALL_INPUT = 1 << 16
+"""Elements of an input buffer that a plan copies, each run, into a tensor of its own whose region
+views it made once, when tasks read several regions of it; larger inputs are viewed in place."""
 
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
@@ -92,35 +103,47 @@ class Plan:
 
     Built once per (graph version, kernel mode, context, device) and kept on the graph
     (:meth:`TaskGraph.cached`). Scratch buffers are the plan's own, reused by every run;
-    views of them are made once. Views of the caller's buffers (inputs, outputs) are made
-    per run, once per distinct region, and put into the argument lists (:meth:`bind`).
-    A plan serves one run at a time (``lock``); a run finding it busy builds its own.
+    views of them are made once; so are those of small inputs read in several regions, which
+    each run copies into the plan's own tensor (:data:`SMALL_INPUT`). Views of the caller's
+    other buffers (inputs, outputs) are made per run, once per distinct region, and put into
+    the argument lists (:meth:`bind`). A plan serves one run at a time (``lock``); a run
+    finding it busy builds its own.
     """
 
-    __slots__ = ("calls", "scratch", "slots", "ops", "lock")
+    __slots__ = ("calls", "scratch", "copied", "slots", "ops", "lock")
 
     def __init__(self, graph: TaskGraph, make: Maker, ctx: Any, device: torch.device):
         self.ops = {name: get_op(name) for name in dict.fromkeys(t.op for t in graph.tasks)}
+        regions: dict[str, set] = {}
+        for t in graph.tasks:
+            for r in (*t.inputs, *t.outputs):
+                regions.setdefault(r.buffer.name, set()).add(r.box)
+        self.copied = [b.name for b in graph.inputs if not b.is_output and math.prod(b.shape) <= SMALL_INPUT
+                       and len(regions.get(b.name, ())) > 1]
         self.scratch = {b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
-                        for b in graph.buffers.values() if not (b.is_input or b.is_output)}
-        # caller buffer -> region box -> the (argument list, index) pairs that take its view
-        self.slots: dict[str, dict[tuple, list[tuple[list, int]]]] = {}
+                        for b in graph.buffers.values() if not (b.is_input or b.is_output) or b.name in self.copied}
+        # caller buffer -> [(region index, the (argument list, position) pairs that take its view)]
+        slots: dict[str, dict[tuple, list[tuple[list, int]]]] = {}
         made: dict[tuple[str, tuple], torch.Tensor] = {}
         self.calls: list[Call] = []
         for t in graph.tasks:
             args: tuple[list, list] = (Args(), Args())
-            for lst, regions in zip(args, (t.inputs, t.outputs)):
-                for i, r in enumerate(regions):
+            for lst, regs in zip(args, (t.inputs, t.outputs)):
+                for i, r in enumerate(regs):
                     name = r.buffer.name
                     if name in self.scratch:
                         v = made.get((name, r.box))
                         if v is None:
-                            v = made[name, r.box] = _view(self.scratch[name], r.box)
+                            x = self.scratch[name]
+                            idx = _index(r.box, tuple(x.shape))
+                            v = made[name, r.box] = x if idx is None else x[idx]
                         lst.append(v)
                     else:
                         lst.append(None)
-                        self.slots.setdefault(name, {}).setdefault(r.box, []).append((lst, i))
+                        slots.setdefault(name, {}).setdefault(r.box, []).append((lst, i))
             self.calls.append((make(t, self.ops[t.op], ctx), *args))
+        self.slots = [(graph.buffers[name], [(_index(box, graph.buffers[name].shape), places)
+                                             for box, places in boxes.items()]) for name, boxes in slots.items()]
         self.lock = threading.Lock()
 
     def bind(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None,
@@ -128,22 +151,25 @@ class Plan:
         """Check ``inputs``, put views of the caller's tensors into the argument lists; every buffer's tensor."""
         inputs = dict(inputs or {})
         _check_inputs(graph, inputs)
-        bufs = {}
-        for b in graph.buffers.values():
-            x = self.scratch.get(b.name)
-            if x is None:
-                x = _caller_tensor(b, inputs, device)
-                for box, places in self.slots.get(b.name, {}).items():
-                    v = _view(x, box)
-                    for lst, i in places:
-                        list.__setitem__(lst, i, v)
-            bufs[b.name] = x
+        bufs = dict(self.scratch)
+        for name in self.copied:
+            bufs[name] = inputs[name]
+            self.scratch[name].copy_(inputs[name])
+        for b, views in self.slots:
+            bufs[b.name] = x = _caller_tensor(b, inputs, device)
+            for idx, places in views:
+                v = x if idx is None else x[idx]
+                for lst, i in places:
+                    list.__setitem__(lst, i, v)
+        for b in graph.buffers.values():  # buffers no task touches
+            if b.name not in bufs:
+                bufs[b.name] = _caller_tensor(b, inputs, device)
         return bufs
 
     def unbind(self) -> None:
         """Drop the views of the caller's tensors, so the plan keeps none of them alive."""
-        for boxes in self.slots.values():
-            for places in boxes.values():
+        for _, views in self.slots:
+            for _, places in views:
                 for lst, i in places:
                     list.__setitem__(lst, i, None)
 
@@ -207,7 +233,8 @@ def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]
     if op.kernel is None:
         return reference_call(task, op, ctx)
     kw = {**task.attrs, **({"ctx": ctx} if op.context else {})}
-    fn = partial(op.kernel, **kw) if kw else op.kernel
+    bind = op.extra.get("bind")
+    fn = bind(kw) if bind is not None else partial(op.kernel, **kw) if kw else op.kernel
     copies = aliased_inputs(task, op.extra.get("in_place", False))
     if not copies:
         return fn

@@ -1,11 +1,20 @@
-"""Real execution on torch tensors: one worker thread per engine unit.
+"""Real execution on torch tensors: engine units as a budget, worker threads from one pool.
 
-Workers share one lock around the microkernel core. A worker pops a ready task for its
-engine kind, runs the op's kernel outside the lock, then marks it done. Wake-ups are
-chained: a completion wakes one idle worker of each engine kind that got ready work, and
-a worker that pops a task wakes one more of its kind if ready work is left, so no idle
-worker is woken for nothing. torch kernels release the GIL, so cube, vector and comm work
-of different tasks overlap.
+Worker threads come from a process-wide pool, started once and reused by every run (as
+Taskflow's executor: create once, run many); a run borrows one thread per engine unit, or
+as many as it is told (``workers``).
+Threads are not tied to units: a worker holds a free unit of whichever engine kind has
+ready work, runs that unit's tasks while its queue lasts, and only then looks at the other
+kinds, so at most ``units[kind]`` tasks of a kind run at once and a worker sleeps only when
+no unit with ready work is free. Workers share one lock around the microkernel core and
+run kernels outside it (torch kernels release the GIL, so cube, vector and comm work of
+different tasks overlap). A worker that takes a task while work is left for another wakes
+one idle worker, so no idle worker is woken for nothing.
+
+Kernels of concurrent workers share the machine: unless told (``intra_op_threads``), each
+worker runs torch with the caller's intra-op thread count divided among the run's workers,
+so a run never oversubscribes the cores torch was given, and graphs of small tasks run their
+kernels single-threaded (an OpenMP fork and join per small kernel costs more than it saves).
 
 A failing task sets the run's error; every worker stops before its next task and the
 caller gets :class:`ExecutionError` naming the task (``__cause__``: the original error).
@@ -15,17 +24,19 @@ A run in which no task finishes for ``stall_timeout`` seconds raises
 from __future__ import annotations
 
 import asyncio
+import atexit
 import copy
+import os
 import threading
 import time
 from array import array
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from megaloom.runtime.core import FIFO, Core, Policy
+from megaloom.runtime.core import DONE, FIFO, RUNNING, Core, Policy
 from megaloom.runtime.errors import DeadlockError, ExecutionError, MegaloomError, ScheduleError
 from megaloom.runtime.executors.base import (
     Call, ExecContext, Executor, RunResult, bound_plan, fail, kernel_call, reference_call,
@@ -37,16 +48,18 @@ KERNEL_MODES = ("kernel", "reference", "null")
 
 
 class ThreadExecutor(Executor):
-    """Run a graph for real with ``units[kind]`` worker threads per engine kind.
+    """Run a graph for real with ``units[kind]`` engine units per engine kind (one pool thread each).
 
     ``kernels``: ``"kernel"`` (each op's kernel), ``"reference"`` (its torch reference)
     or ``"null"`` (run nothing: measures dispatch alone). ``stall_timeout``: seconds
     without any task finishing before the run fails with :class:`DeadlockError`.
-    ``intra_op_threads``: torch threads per kernel during the run (``None``: the caller's
-    setting; every worker thread takes it, since OpenMP counts are per thread).
-    ``pause_gc``: keep Python's cyclic garbage collector off during the run (it is turned
-    back on after), which removes the collector's pauses from dispatch; reference
-    counting still frees memory.
+    ``workers``: pool threads a run uses (``None``: one per engine unit; fewer run the same
+    tasks with less switching between Python threads, units still bounding how many tasks of
+    each kind run at once). ``intra_op_threads``: torch threads per kernel during the run
+    (``None``: the caller's count divided among the run's workers, at least one each; the
+    caller's count is restored after). ``pause_gc``: keep Python's cyclic garbage collector off during the
+    run (it is turned back on after), which removes the collector's pauses from dispatch;
+    reference counting still frees memory.
     """
 
     name = "threaded"
@@ -60,6 +73,7 @@ class ThreadExecutor(Executor):
         observers: Iterable[Observer] = (),
         kernels: str = "kernel",
         stall_timeout: float = 60.0,
+        workers: int | None = None,
         intra_op_threads: int | None = None,
         pause_gc: bool = True,
     ):
@@ -69,14 +83,16 @@ class ThreadExecutor(Executor):
             raise ScheduleError(f"every engine needs at least one unit, got {dict(units)}")
         if not stall_timeout > 0:
             raise ScheduleError(f"stall_timeout must be positive, got {stall_timeout!r}")
-        if intra_op_threads is not None and intra_op_threads <= 0:
-            raise ScheduleError(f"intra_op_threads must be positive, got {intra_op_threads!r}")
+        for name, n in (("workers", workers), ("intra_op_threads", intra_op_threads)):
+            if n is not None and n <= 0:
+                raise ScheduleError(f"{name} must be positive, got {n!r}")
         self.units = {k: int(n) for k, n in units.items()} if units is not None else None
         self.policy = policy
         self.ctx = ctx or ExecContext()
         self.observers = list(observers)
         self.kernels = kernels
         self.stall_timeout = float(stall_timeout)
+        self.workers = workers
         self.intra_op_threads = intra_op_threads
         self.pause_gc = pause_gc
 
@@ -106,7 +122,7 @@ class ThreadExecutor(Executor):
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
 
-        def run(calls: list[Call] | None) -> tuple[Recorder, list[_Log]]:  # (the inputs are checked by now)
+        def run(calls: list[Call] | None) -> tuple[Recorder, _Log]:  # (the inputs are checked by now)
             rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
                            world_size=self.ctx.world_size, kernels=self.kernels)
             return rec, _Run(graph, units, core, calls, self, rec, cancel).execute()
@@ -122,44 +138,124 @@ class ThreadExecutor(Executor):
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
 
 
-def _by_start(graph: TaskGraph, records: list[_Log], rank: int):
-    """Trace columns of the workers' logs, ordered by start (ties: task id)."""
-    tid, start, end = (np.concatenate([np.frombuffer(r[k], dtype=r[k].typecode) for r in records] or [np.zeros(0)])
-                       for k in (1, 2, 3))
-    unit = np.concatenate([np.full(len(r[1]), r[0], dtype=np.int64) for r in records] or [np.zeros(0)])
+def _by_start(graph: TaskGraph, log: _Log, rank: int):
+    """Trace columns of a run's log, ordered by start (ties: task id)."""
+    tid, start, end = (np.frombuffer(c, dtype=c.typecode) for c in log[:3])
+    unit = np.repeat(*zip(*log[3])) if log[3] else np.zeros(0, dtype=np.int64)
     order = np.lexsort((tid, start))
     return columns_of(graph, tid[order], unit[order], start[order], end[order], rank)
 
 
-_Log = tuple[int, array, array, array]
-"""One worker's runs: its unit, then task ids, starts and ends (array columns)."""
+_Log = tuple[array, array, array, list]
+"""A run's log: task ids, starts and ends (array columns), then (unit, tasks) per engine unit in turn."""
+
+
+SMALL_KERNEL_FLOPS = 2.0 ** 24
+"""Work (flops) per task below which kernels run on one torch thread by default: an OpenMP
+fork and join per small kernel costs more than it saves (the more so on a loaded machine)."""
+
+
+def _small_kernels(graph: TaskGraph) -> bool:
+    """Whether the graph's tasks that compute do under :data:`SMALL_KERNEL_FLOPS` each on average."""
+    def mean() -> float:
+        flops = [c.flops for c in graph.costs() if c.flops]
+        return sum(flops) / len(flops) if flops else 0.0
+    return graph.cached("mean_task_flops", mean) < SMALL_KERNEL_FLOPS
 
 
 @contextmanager
 def _torch_threads(n: int | None) -> Iterator[None]:
+    """The caller's torch thread count is its own again after the run (workers change the
+    count new threads start with)."""
     saved = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)
     try:
         yield
     finally:
-        if n:
-            torch.set_num_threads(saved)
+        torch.set_num_threads(saved)
 
 
-class _Parker:
-    """A worker's parking spot: a lock it blocks on while idle, released to wake it."""
+class _Worker:
+    """A pool thread. It sleeps on its own lock (``park``), released to wake it: between runs
+    until given a job, and inside a run while no unit with ready work is free."""
 
-    __slots__ = ("park", "waiting")
+    __slots__ = ("park", "waiting", "job", "thread", "threads", "unit")
 
-    def __init__(self) -> None:
+    def __init__(self, number: int) -> None:
         self.park = threading.Lock()
         self.park.acquire()
         self.waiting = False
+        self.job: Callable[[_Worker], None] | None = None
+        self.threads = 0  # this thread's torch intra-op count, as last set
+        self.unit = ("", -1)  # the engine unit it holds, for reports
+        self.thread = threading.Thread(target=self._loop, name=f"megaloom-worker-{number}", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self.park.acquire()
+            job, self.job = self.job, None
+            if job is None:  # the pool is closing
+                return
+            job(self)  # puts this worker back in the pool before the run learns it left
+
+
+class _Pool:
+    """The process's idle workers: runs take them (starting threads only when none is idle)
+    and give them back. Closed at interpreter exit; a forked child starts with none."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.idle: list[_Worker] = []
+        self.started = 0
+        self.closed = False
+
+    def start(self, job: Callable[[_Worker], None], n: int) -> list[_Worker]:
+        """``n`` workers, each running ``job(worker)``."""
+        with self.lock:
+            if self.closed:
+                raise ExecutionError("the thread executor's worker pool is closed (the interpreter is exiting)")
+            take = min(n, len(self.idle))
+            workers = self.idle[len(self.idle) - take:]
+            del self.idle[len(self.idle) - take:]
+            for _ in range(n - take):
+                self.started += 1
+                workers.append(_Worker(self.started))
+        for w in workers:
+            w.job = job
+            w.park.release()
+        return workers
+
+    def put(self, w: _Worker) -> None:
+        with self.lock:
+            if not self.closed:
+                self.idle.append(w)
+                return
+        w.park.release()  # closing: the worker exits
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop the idle workers and wait (bounded) for them; workers abandoned in a hung kernel are daemons."""
+        with self.lock:
+            self.closed, idle, self.idle = True, self.idle, []
+        for w in idle:
+            w.park.release()
+        deadline = time.monotonic() + timeout
+        for w in idle:
+            w.thread.join(max(0.0, deadline - time.monotonic()))
+
+    def forget(self) -> None:
+        """In a forked child: the parent's threads do not exist here."""
+        self.__init__()
+
+
+_POOL = _Pool()
+atexit.register(_POOL.close)
+os.register_at_fork(after_in_child=_POOL.forget)
 
 
 class _Run:
-    """State of one run: the core behind one lock, idle workers parked per engine kind.
+    """State of one run: the core behind one lock, the free units per engine kind, idle workers.
 
     Every field is read and written with ``lock`` held. A waker removes a parked worker
     from ``parked`` and clears its ``waiting`` flag before releasing its park lock, so a
@@ -174,39 +270,37 @@ class _Run:
         self.graph, self.units, self.core, self.calls, self.ex, self.rec = graph, dict(units), core, calls, ex, rec
         self.cancel = cancel
         self.lock = threading.Lock()
-        self.parked: dict[str, list[_Parker]] = {e: [] for e in units}
-        self.n_parked = 0
+        self.free = {e: list(range(n - 1, -1, -1)) for e, n in self.units.items()}  # unit 0 first
+        self.parked: list[_Worker] = []
+        self.inside: set[_Worker] = set()  # workers not yet out of the run
+        self.all_out = threading.Event()
+        self.logs = {e: [(array("q"), array("d"), array("d")) for _ in range(n)] for e, n in self.units.items()}
         self.error: BaseException | None = None
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
-        self.finished = threading.Event()
-        self.last_progress = time.perf_counter()
         self.per_unit = getattr(core.policy, "per_unit", False)
-        # OpenMP thread counts are per thread: workers take the caller's (set by intra_op_threads)
-        self.threads = torch.get_num_threads()
+        self.n_workers = min(ex.workers or sum(self.units.values()), sum(self.units.values()))
+        self.threads = ex.intra_op_threads or (1 if ex.kernels == "null" or _small_kernels(graph)
+                                               else max(1, torch.get_num_threads() // max(1, self.n_workers)))
 
-    def execute(self) -> list[_Log]:
-        """Run every task; return each worker's log."""
-        if not self.core.is_active:
-            return []
-        records: list[_Log] = []
-        threads = []
-        for engine, n in self.units.items():
-            for unit in range(n):
-                rec = (unit, array("q"), array("d"), array("d"))
-                records.append(rec)
-                threads.append(threading.Thread(target=self._worker, args=(engine, unit, rec),
-                                                name=f"megaloom-{engine}.{unit}", daemon=True))
+    def execute(self) -> _Log:
+        """Run every task; return the run's log."""
+        core = self.core
+        if not core.is_active:
+            return array("q"), array("d"), array("d"), []
         stall = self.ex.stall_timeout
+        with self.lock:
+            self.inside.update(_POOL.start(self._work, self.n_workers))
         try:
-            for th in threads:
-                th.start()
             poll = min(0.1, stall / 4)
-            while not self.finished.wait(poll):
+            seen, last_progress = core.remaining, time.perf_counter()
+            while self.error is None and not self.all_out.wait(poll):
                 with self.lock:
+                    if core.remaining != seen:
+                        seen, last_progress = core.remaining, time.perf_counter()
                     if self.cancel is not None and self.cancel.is_set():
                         self.cancelled = True
                         self._stop(ExecutionError(f"run of graph {self.graph.name!r} was cancelled"))
-                    elif self.error is None and time.perf_counter() - self.last_progress > stall:
+                    elif self.error is None and time.perf_counter() - last_progress > stall:
                         self._stop(self._deadlock())
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
@@ -218,22 +312,27 @@ class _Run:
             # a stalled run does not wait again for the task that stalled it, a cancelled one hardly
             wait = self.ABANDON_AFTER if self.cancelled else 1.0 if isinstance(self.error, DeadlockError) \
                 else max(1.0, stall)
-            deadline = time.perf_counter() + wait
-            for th in threads:
-                if th.ident is not None:
-                    th.join(max(0.0, deadline - time.perf_counter()))
-            self._report_abandoned([th for th in threads if th.is_alive()])
+            self.all_out.wait(wait)
+            self._report_abandoned()
         if self.error is not None:
             raise self.error
-        return records
+        tid, start, end, units = array("q"), array("d"), array("d"), []
+        for logs in self.logs.values():
+            for unit, (t, s, e) in enumerate(logs):
+                tid.extend(t)
+                start.extend(s)
+                end.extend(e)
+                units.append((unit, len(t)))
+        return tid, start, end, units
 
-    def _report_abandoned(self, stuck: list[threading.Thread]) -> None:
-        """Name the workers left inside a kernel (daemon threads: they end when it returns)."""
-        if not stuck or self.error is None:
-            return
+    def _report_abandoned(self) -> None:
+        """Name the workers left inside a kernel (they rejoin the pool when it returns)."""
         with self.lock:
+            if not self.inside or self.error is None:
+                return
+            stuck = sorted(f"{w.thread.name} on {w.unit[0]}.{w.unit[1]}" for w in self.inside)
             running = ", ".join(repr(t) for t, why in self.core.blocked().items() if why == ["(running)"])
-        note = f"abandoned {len(stuck)} worker(s) still inside a kernel ({', '.join(th.name for th in stuck)}; " \
+        note = f"abandoned {len(stuck)} worker(s) still inside a kernel ({', '.join(stuck)}; " \
                f"task(s) {running or '?'})"
         if type(self.error) is ExecutionError:  # a cancelled or failed run: the note joins the message
             self.error.args = (f"{self.error}; {note}",)
@@ -245,48 +344,62 @@ class _Run:
                                   f"{self.core.remaining} tasks not done")
 
     def _stop(self, error: BaseException | None = None) -> None:
-        """Record the run's first error, if any, and wake every worker so it exits."""
+        """Record the run's first error, if any, and wake every worker so it leaves."""
         if self.error is None:
             self.error = error
-        for e in self.parked:
-            self._wake(e, every=True)
-        self.finished.set()
+        while self.parked:
+            self._wake()
 
-    def _wake(self, engine: str, every: bool = False) -> None:
-        """Wake one parked worker of ``engine`` (all of them with ``every``)."""
-        parked = self.parked[engine]
-        while parked:
-            p = parked.pop()
-            p.waiting = False
-            self.n_parked -= 1
-            p.park.release()
-            if not every:
-                return
+    def _wake(self) -> None:
+        """Wake one parked worker."""
+        w = self.parked.pop()
+        w.waiting = False
+        w.park.release()
 
-    def _worker(self, engine: str, unit: int, rec: _Log) -> None:
-        core, lock, parked = self.core, self.lock, self.parked
-        mine = parked[engine]
-        pop, done_pop, has_ready = core.pop, core.done_pop, core.policy.has_ready
-        engines = list(parked)
-        wake = self._wake
-        every = self.per_unit  # per-unit queues: any unit may be the one with work
+    def _ready(self) -> bool:
+        """Whether some engine kind has ready work and a free unit."""
+        has_ready = self.core.policy.has_ready
+        return any(free and has_ready(e) for e, free in self.free.items())
+
+    def _take(self, me: _Worker) -> tuple[str, int, int]:
+        """``(engine, unit, task)``: a ready task and the free unit it runs on; task -1 when none.
+        Shared queues are asked once per engine kind, per-unit queues once per free unit."""
+        pop, per_unit = self.core.pop, self.per_unit
+        for engine, free in self.free.items():
+            for i in range(len(free) - 1, -1 if per_unit else max(-1, len(free) - 2), -1):
+                tid = pop(engine, free[i])
+                if tid >= 0:
+                    unit = free.pop(i)
+                    me.unit = (engine, unit)
+                    return engine, unit, tid
+        return "", -1, -1
+
+    def _work(self, me: _Worker) -> None:
+        """One worker's part of the run (in a pool thread); it leaves when the run is over.
+        A task's completion is :meth:`Core.done` inline, and so is :meth:`Core.pop` of the plain
+        FIFO (the dispatch hot path)."""
+        if me.threads != self.threads:  # OpenMP thread counts are per thread
+            torch.set_num_threads(self.threads)
+            me.threads = self.threads
+        lock, core, parked, free, logs = self.lock, self.core, self.parked, self.free, self.logs
+        unmet, succ, push, pop, fifo = core.unmet, core.succ, core.push_of, core.pop, core.fifo
+        take, ready, wake = self._take, self._ready, self._wake
         calls = self.calls
         perf = time.perf_counter
-        log_tid, log_start, log_end = rec[1].append, rec[2].append, rec[3].append
         show = self.rec.task if self.rec.observers else None
-        me = _Parker()
-        torch.set_num_threads(self.threads)
         lock.acquire()
         try:
             tid = -1
             while self.error is None and core.remaining:
                 if tid < 0:
-                    tid = pop(engine, unit)
+                    engine, unit, tid = take(me)
                     if tid < 0:
-                        self._park(me, mine)
+                        self._park(me)
                         continue
-                if mine and has_ready(engine):  # chain: more work of this kind is ready
-                    wake(engine, every)
+                    log_tid, log_start, log_end = (c.append for c in logs[engine][unit])
+                    queue = fifo[engine] if fifo is not None else None
+                if parked and ready():  # chain: work is left for another worker
+                    wake()
                 lock.release()
                 try:
                     t0 = perf()
@@ -304,34 +417,50 @@ class _Run:
                 log_tid(tid)
                 log_start(t0)
                 log_end(t1)
-                tid = done_pop(tid, engine, unit)  # the next task of this unit, if one is ready
-                self.last_progress = t1
-                if not core.remaining:
-                    self._stop()
-                    return
-                if self.n_parked:
-                    for e in engines:
-                        if parked[e] and has_ready(e):
-                            wake(e, every)
+                unmet[tid] = DONE
+                core.remaining -= 1
+                for s in succ[tid]:
+                    n = unmet[s] - 1
+                    unmet[s] = n
+                    if n == 0:
+                        push[s](s)
+                if queue is None:  # the next task of this unit, if one is ready
+                    tid = pop(engine, unit)
+                elif queue:
+                    tid = queue.popleft()
+                    unmet[tid] = RUNNING
+                else:
+                    tid = -1
+                if tid < 0:
+                    free[engine].append(unit)
+                    if not core.remaining:
+                        self._stop()
         except BaseException as e:  # the core or the policy failed (lock held): stop the run now
             err = ScheduleError(f"policy {type(core.policy).__name__} or the core failed in worker "
-                                f"{engine}.{unit}: {type(e).__name__}: {e}")
+                                f"{me.thread.name}: {type(e).__name__}: {e}")
             err.__cause__ = e
             self._stop(e if isinstance(e, MegaloomError) else err)
         finally:
             lock.release()
+            self._leave(me)
 
-    def _park(self, me: _Parker, mine: list[_Parker]) -> None:
+    def _leave(self, me: _Worker) -> None:
+        """Back to the pool, then out of the run (so the next run finds this worker idle)."""
+        _POOL.put(me)
+        with self.lock:
+            self.inside.discard(me)
+            if not self.inside:
+                self.all_out.set()
+
+    def _park(self, me: _Worker) -> None:
         """Sleep until woken or ``IDLE_POLL`` passes (called and returns with the lock held)."""
         me.waiting = True
-        mine.append(me)
-        self.n_parked += 1
+        self.parked.append(me)
         self.lock.release()
         got = me.park.acquire(True, self.IDLE_POLL)
         self.lock.acquire()
         if me.waiting:  # timed out and nobody woke us: leave the idle list
             me.waiting = False
-            mine.remove(me)
-            self.n_parked -= 1
+            self.parked.remove(me)
         elif not got:  # a wake-up raced with the timeout: consume it
             me.park.acquire(False)

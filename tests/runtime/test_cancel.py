@@ -81,6 +81,6 @@ async def test_cancelled_error_names_the_abandoned_task(hung):
     await asyncio.to_thread(_ENTERED.wait, 10)
     t0 = time.perf_counter()
     cancel.set()
-    with pytest.raises(ExecutionError, match=r"was cancelled; abandoned 1 worker\(s\) .*megaloom-vector.0.*'stuck'"):
+    with pytest.raises(ExecutionError, match=r"was cancelled; abandoned 1 worker\(s\) .*megaloom-worker-[0-9]+ on vector.0.*'stuck'"):
         await job
     assert time.perf_counter() - t0 < _Run.ABANDON_AFTER + 0.5

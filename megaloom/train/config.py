@@ -101,6 +101,11 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "progress": Key(True, (bool,), doc="draw the progress bar on stderr (rank 0)"),
         "hardware": Key("auto", _OPT_STR, doc="hardware profile whose peak matmul rate per rank is MFU's denominator "
                                               "(auto: cpu, or the profile named in the GPU's name; null: no MFU)"),
+        "overwrite": Key(False, (bool,), doc="start afresh in an out_dir holding a previous run (its metrics, events "
+                                             "and checkpoints are deleted); without it such an out_dir is refused"),
+        "on_nonfinite": Key("stop", (str,), choices=("stop", "skip"),
+                            doc="a NaN / inf loss or gradient norm: stop the run, or skip the step's update"),
+        "tensorboard": Key(True, (bool,), doc="write TensorBoard event files beside metrics.jsonl"),
     },
     "model": {
         "kind": Key("qwen3_moe", (str,), doc="a transformers model type (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, "
@@ -109,10 +114,15 @@ SCHEMA: dict[str, dict[str, Key]] = {
                       doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
         "path": Key(None, _OPT_STR, doc="local directory with config.json (+ weights) when kind is 'path'"),
         "dtype": Key("float32", (str,), choices=("float32", "bfloat16"), doc="parameter dtype"),
+        "autocast": Key(None, _OPT_STR, choices=(None, "bfloat16", "float16"), doc="run forward under torch.autocast"),
+        "compile": Key(False, (bool, str), doc="torch.compile each decoder layer (true: inductor; or a backend name)"),
     },
     "data": {
-        "source": Key("synthetic", (str,), choices=("synthetic", "text"), doc="seeded token stream or a local text file"),
-        "path": Key(None, _OPT_STR, doc="the text file (byte-level tokens) when source is 'text'"),
+        "source": Key("synthetic", (str,), choices=("synthetic", "files"), doc="seeded token stream or local files"),
+        "path": Key(None, _OPT_STR, doc="files: a .jsonl / .json, .parquet or .txt file, a directory or a glob of them"),
+        "tokenizer": Key(None, _OPT_STR, doc="files: a tokenizer directory or tokenizer.json (null: UTF-8 bytes)"),
+        "text_field": Key("text", (str,), doc="files: the field of a json / parquet record holding its text"),
+        "shuffle_buffer": Key(0, (int,), check=_non_negative, doc="files: documents shuffled in a buffer this big"),
         "seq_len": Key(16, (int,), check=_positive, doc="tokens per sequence"),
         "batch_size": Key(4, (int,), check=_positive, doc="sequences per step per data-parallel rank"),
         "branching": Key(2, (int,), check=_positive, doc="synthetic stream: successors per token (lower = easier)"),
@@ -136,6 +146,20 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "warmup_steps": Key(0, (int,), check=_non_negative),
         "decay": Key("constant", (str,), choices=("constant", "linear", "cosine")),
         "min_lr_ratio": Key(0.1, _NUM, check=_fraction, doc="final lr / peak lr for linear and cosine decay"),
+    },
+    "eval": {
+        "interval": Key(0, (int,), check=_non_negative, doc="steps between evaluations (loss, perplexity); 0: none"),
+        "batches": Key(2, (int,), check=_positive, doc="batches (of data.batch_size per data rank) per evaluation"),
+        "path": Key(None, _OPT_STR, doc="files: the eval split's files (null: the first eval.holdout_docs documents)"),
+        "holdout_docs": Key(0, (int,), check=_non_negative, doc="files: documents held out of training for eval"),
+    },
+    "moe": {
+        "balance": Key("auto", (str,), choices=("auto", "none", "aux_loss", "bias"),
+                       doc="aux_loss, bias (aux-loss-free correction-bias update) or none; auto: aux_loss when "
+                           "model.config.output_router_logits"),
+        "aux_loss_coef": Key(None, _NUM + (type(None),), check=_non_negative,
+                             doc="weight of the load-balancing loss (null: model.config.router_aux_loss_coef)"),
+        "bias_rate": Key(1e-3, _NUM, check=_positive, doc="bias: step of the correction-bias update"),
     },
     "parallel": {
         "tp_size": Key(1, (int,), check=_positive, doc="tensor parallel: attention heads and dense MLPs split over this many ranks"),
@@ -257,8 +281,11 @@ def _cross_checks(cfg: Config) -> list[str]:
         problems.append("model.path: required when model.kind is 'path'")
     if m.get("kind") == "path" and m.get("config"):
         problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
-    if d.get("source") == "text" and not d.get("path"):
-        problems.append("data.path: required when data.source is 'text'")
+    if d.get("source") == "files" and not d.get("path"):
+        problems.append("data.path: required when data.source is 'files'")
+    ev = cfg["eval"]
+    if d.get("source") == "files" and ev.get("interval") and not (ev.get("path") or ev.get("holdout_docs")):
+        problems.append("eval.interval: evaluating files needs eval.path or eval.holdout_docs")
     par, lp = cfg["parallel"], cfg["low_precision"]
     cp, seq = par.get("cp_size"), d.get("seq_len")
     if isinstance(cp, int) and isinstance(seq, int) and cp > 0 and seq % cp:

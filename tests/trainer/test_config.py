@@ -32,7 +32,7 @@ def test_types_and_cross_checks():
     with pytest.raises(ConfigError, match=r"run.log_interval: got True, expected an integer"):
         validate({"run": {"log_interval": True}})
     with pytest.raises(ConfigError, match=r"data.path: required when data.source is 'text'"):
-        validate({"data": {"source": "text"}})
+        validate({"data": {"source": "files"}})
     with pytest.raises(ConfigError, match=r"trace.steps\[0\]: step 9 outside 1..5"):
         validate({"schedule": {"steps": 5}, "trace": {"steps": [9]}})
     assert validate({"optimizer": {"lr": 1}})["optimizer"]["lr"] == 1  # ints are numbers

@@ -47,3 +47,28 @@ def tiny_raw(out_dir: str, kind: str = "qwen3_moe", steps: int = 6, **sections: 
 
 def tiny_config(out_dir: str, kind: str = "qwen3_moe", steps: int = 6, **sections: dict[str, Any]) -> Config:
     return validate(tiny_raw(out_dir, kind, steps, **sections))
+
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven red birds sing in tall green trees".split()
+
+
+def write_corpus(folder, docs: int = 40, seed: int = 0) -> tuple[str, str]:
+    """A jsonl corpus of ``docs`` seeded word documents (1 to 30 words) and a byte-level BPE tokenizer
+    trained on it offline with ``tokenizers`` (vocab 128, ``<eos>`` its EOS), saved as a transformers
+    tokenizer directory. Returns (jsonl path, tokenizer directory)."""
+    import json
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30))) for _ in range(docs)]
+    path = f"{folder}/corpus.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=128, special_tokens=["<eos>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>").save_pretrained(f"{folder}/tokenizer")
+    return path, f"{folder}/tokenizer"

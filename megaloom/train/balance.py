@@ -5,9 +5,10 @@ Linear-like router; under expert parallelism too, where each rank routes its own
 forward hook that keeps the router's logits (the last output ``[T, E]``) and its choice (an integer
 output, else the top-k of the logits) of every training forward.
 
-- ``aux_loss``: per router, ``E / k * sum_e f_e * P_e`` with ``f_e`` the share of the micro-batch's
-  tokens sent to expert ``e`` and ``P_e`` the mean softmax probability of ``e`` (Switch Transformer,
-  GShard; 1 when balanced), averaged over routers; times ``moe.aux_loss_coef``, added to the loss.
+- ``aux_loss``: ``E * sum_e f_e * P_e`` over the routers of a micro-batch, with ``f_e`` the share of
+  their tokens whose top-k softmax probabilities include expert ``e`` (summing to k) and ``P_e`` the mean
+  softmax probability of ``e`` (Switch Transformer; k when balanced), as transformers'
+  ``load_balancing_loss_func`` computes it; times ``moe.aux_loss_coef``, added to the loss.
 - ``bias``: after each optimizer step, every router's ``e_score_correction_bias`` (or ``expert_bias``)
   (on the router or its block) moves by ``moe.bias_rate`` towards balance: ``+rate`` for experts below the mean load of the step,
   ``-rate`` above (DeepSeek-V3, section 2.1.2), from the loads summed over every rank, so replicated
@@ -31,15 +32,18 @@ BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 class Balance:
     """Router hooks of ``model`` and the ``moe`` section's balancing (see the module doc)."""
 
-    def __init__(self, model: nn.Module, moe: dict, model_config: Any):
-        blocks = [(b, getattr(b, n)) for b in model.modules() if is_moe_block(b) for n in ROUTER_NAMES if hasattr(b, n)]
-        self.routers = [r for _, r in blocks]
+    def __init__(self, moe: dict, model_config: Any):
         routed = bool(getattr(model_config, "output_router_logits", False))
         self.mode = moe["balance"] if moe["balance"] != "auto" else "aux_loss" if routed else "none"
         coef = moe["aux_loss_coef"]
         self.coef = float(getattr(model_config, "router_aux_loss_coef", 0.001) if coef is None else coef)
         self.rate, self.top_k = moe["bias_rate"], int(getattr(model_config, "num_experts_per_tok", 0) or 0)
         model_config.output_router_logits = False  # the trainer adds the loss; transformers' own needs its routers
+
+    def attach(self, model: nn.Module) -> Balance:
+        """Hook the routers of ``model`` (as the replacement plan left them); checks the mode fits the model."""
+        blocks = [(b, getattr(b, n)) for b in model.modules() if is_moe_block(b) for n in ROUTER_NAMES if hasattr(b, n)]
+        self.routers = [r for _, r in blocks]
         self.biases = [next((getattr(m, n) for m in pair for n in BIAS_NAMES if torch.is_tensor(getattr(m, n, None))),
                             None) for pair in blocks]
         if self.mode != "none" and not self.routers:
@@ -53,6 +57,7 @@ class Balance:
         self.recording = False
         for i, router in enumerate(self.routers):
             router.register_forward_hook(lambda mod, args, out, i=i: self._record(i, mod, out))
+        return self
 
     def _record(self, i: int, router: nn.Module, out: Any) -> None:
         if not self.recording or not torch.is_grad_enabled():
@@ -73,16 +78,14 @@ class Balance:
         self.recording = bool(self.routers)
 
     def aux_loss(self) -> torch.Tensor | None:
-        """The mean load-balancing loss of the routers in the last forward (None unless ``aux_loss``)."""
+        """The load-balancing loss of the routers in the last forward (None unless ``aux_loss``)."""
         self.recording = False
         if self.mode != "aux_loss" or not self.records:
             return None
-        losses = []
-        for logits, chosen in self.records:
-            e = logits.shape[-1]
-            share = torch.bincount(chosen.flatten(), minlength=e).to(logits.device, torch.float32) / chosen.numel()
-            losses.append(e * (share * torch.softmax(logits.float(), -1).mean(0)).sum())
-        return torch.stack(losses).mean()
+        probs = [torch.softmax(logits.float(), -1) for logits, _ in self.records]
+        k, experts, rows = self.records[0][1].shape[-1], probs[0].shape[-1], sum(len(p) for p in probs)
+        share = sum(torch.bincount(p.topk(k, -1).indices.flatten(), minlength=experts) for p in probs) / rows
+        return experts * (share * sum(p.sum(0) for p in probs) / rows).sum()
 
     def step_loads(self, reduce) -> torch.Tensor | None:
         """Each router's per-expert share of the step's tokens on every rank (``reduce``: a mean over ranks);

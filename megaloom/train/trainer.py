@@ -136,8 +136,9 @@ class Trainer:
         self.data = make_stream(cfg, self.vocab, self.seed)
         self.eval_data = make_stream(cfg, self.vocab, self.seed, "eval") if cfg["eval"]["interval"] else None
         self.mesh = meshes.build(self.dims, self.comm, par["backend"], lambda c: TimedCommunicator(c, self.clock))
+        self.balance = Balance(cfg["moe"], self.base_model.config)
         self.swaps = self._apply_plan()
-        self.balance = Balance(self.base_model, cfg["moe"], self.base_model.config)
+        self.balance.attach(self.base_model)
         self.parallel = _setup_parallel(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
                                         self.mesh, self.clock, self.log, self._probe)
         self.model = self.parallel.model  # the base model (FSDP2 and TP convert its modules in place)
@@ -214,7 +215,7 @@ class Trainer:
                     ce, _ = lm_loss(self.model, inputs, labels, positions, autocast)
                     loss, aux = ce / targets, self.balance.aux_loss()
                     if aux is not None:
-                        loss, aux_total = loss + aux * (self.balance.coef / self.accum), aux_total + float(aux)
+                        loss, aux_total = loss + aux * (self.balance.coef / self.accum), aux_total + float(aux.detach())
                 with self._phase(tracing, "backward"):
                     loss.backward()
                 total += ce.detach() / targets

@@ -58,9 +58,10 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
                           "attention sinks, which context parallelism does not take")
     key, value = _GatherSequence.apply(key, comm), _GatherSequence.apply(value, comm)
     local = position_ids.expand(query.shape[0], -1).contiguous()
-    full = local.new_empty((comm.world_size, *local.shape))
+    full = local.new_empty((comm.world_size * local.shape[0], local.shape[1]))
     comm.all_gather(full, local)
-    docs = (full.movedim(0, 1).flatten(1) == 0).cumsum(1)  # [B, S]: document index of every position
+    # [B, S]: the document index of every position (a document starts where its positions restart at 0)
+    docs = (full.view(comm.world_size, *local.shape).movedim(0, 1).flatten(1) == 0).cumsum(1)
     s = query.shape[2]
     q_idx = torch.arange(s, device=query.device) + comm.rank * s
     k_idx = torch.arange(key.shape[2], device=query.device)

@@ -52,8 +52,8 @@ class Balance:
             raise ConfigError(f"moe.balance: bias needs a correction bias ({' or '.join(BIAS_NAMES)}) on every "
                               f"router; {type(self.routers[self.biases.index(None)]).__name__} has none")
         self.records: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.counts = torch.zeros(len(self.routers), self.routers[0].weight.shape[0] if self.routers else 0,
-                                  dtype=torch.float64)
+        experts = [next(p for p in r.parameters() if p.dim() == 2).shape[0] for r in self.routers]
+        self.counts = torch.zeros(len(self.routers), max(experts, default=0), dtype=torch.float64)
         self.recording = False
         for i, router in enumerate(self.routers):
             router.register_forward_hook(lambda mod, args, out, i=i: self._record(i, mod, out))
@@ -64,8 +64,10 @@ class Balance:
             return
         outs = out if isinstance(out, tuple) else (out,)
         experts = self.counts.shape[1]
-        logits = [t for t in outs if torch.is_tensor(t) and t.is_floating_point() and t.shape[-1] == experts][-1]
-        logits = logits.reshape(-1, experts)
+        logits = [t for t in outs if torch.is_tensor(t) and t.is_floating_point() and t.shape[-1] == experts]
+        if not logits:
+            raise ConfigError(f"moe: {type(router).__name__} returns no [tokens, {experts}] logits to balance")
+        logits = logits[-1].reshape(-1, experts)
         k = int(getattr(router, "top_k", 0) or self.top_k)
         chosen = next((t for t in outs if torch.is_tensor(t) and not t.is_floating_point()), None)
         chosen = logits.topk(k, dim=-1).indices if chosen is None else chosen.reshape(-1, k)

@@ -51,3 +51,15 @@ def test_autocast_on_a_float32_model(tmp_path):
         got, theirs = probe_logits(swapped, 128, 16, 0), probe_logits(model, 128, 16, 0)
     # autocast's own error: the transformers model measured 3.9e-2 off its float32 logits, the swapped one 1.9e-2
     assert 1e-3 < max_rel_err(got, exact) < max_rel_err(theirs, exact)
+
+
+def test_autocast_and_compile_keys(tmp_path):
+    """``model.autocast`` trains under torch.autocast; ``model.compile`` compiles every decoder layer (aot_eager
+    here: inductor needs minutes of C++ builds on a CPU) and trains like eager."""
+    eager = [r.loss for r in Trainer(tiny_config(tmp_path / "a", steps=3, replace={"rules": MOE_GATE})).fit()]
+    compiled = Trainer(tiny_config(tmp_path / "b", steps=3, replace={"rules": MOE_GATE}, model={"compile": "aot_eager"}))
+    layers = compiled.base_model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert [r.loss for r in compiled.fit()] == pytest.approx(eager, rel=1e-5)
+    autocast = [r.loss for r in Trainer(tiny_config(tmp_path / "c", steps=3, model={"autocast": "bfloat16"})).fit()]
+    assert autocast != eager and autocast == pytest.approx(eager, rel=2e-2)

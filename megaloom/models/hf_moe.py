@@ -100,21 +100,9 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
             config = config_cls(**kwargs)
         except Exception as e:  # transformers validates fields with its own exception types
             raise ConfigError(f"model.config: {config_cls.__name__} rejected the values: {e}") from None
-        with _default_dtype(dtype):
-            model = model_cls(config)
+        model = model_cls._from_config(config, dtype=dtype)
     model.train()
     return model
-
-
-class _default_dtype:
-    def __init__(self, dtype: torch.dtype):
-        self.dtype, self.prev = dtype, torch.get_default_dtype()
-
-    def __enter__(self):
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.prev)
 
 
 @dataclass(slots=True)

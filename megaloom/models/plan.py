@@ -177,18 +177,15 @@ TARGETS.register("mega_gate", Target(is_router, "an MoE router (a 2-D weight and
                                      "MegaGate (router as graphs)", _mega_gate))
 
 
-def _dims(**dims: int) -> list[str]:
-    return dim_problems(dims)
-
-
 FORMATS: Registry[list[ModuleType]] = Registry("low-precision format")
 FORMATS.register("mxfp8", [
     ModuleType(nn.Linear, MXFP8Linear, MXFP8Linear.from_float,
-               lambda m: _dims(in_features=m.in_features, out_features=m.out_features)),
+               lambda m: dim_problems({"in_features": m.in_features, "out_features": m.out_features})),
     ModuleType(GroupedExperts, MXFP8GroupedExperts, MXFP8GroupedExperts.from_float,
-               lambda m: _dims(dim=m.dim, hidden=m.hidden)),
+               lambda m: dim_problems({"dim": m.dim, "hidden": m.hidden})),
     ModuleType(RoutedExperts, RoutedExperts, lambda m, mode: m.with_mx(mode),
-               lambda m: _dims(hidden=m.hidden, intermediate=m.intermediate), applied=lambda m: m.mx is not None),
+               lambda m: dim_problems({"hidden": m.hidden, "intermediate": m.intermediate}),
+               applied=lambda m: m.mx is not None),
 ])
 
 

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import MoEBlockParts, behaviour_problems, block_parts, expert_weights, is_silu, read_block
+from megaloom.models.hf_moe import (MoEBlockParts, behaviour_problems, block_forward, block_parts, expert_weights,
+                                    is_silu, read_block)
 from megaloom.models.routers import gate_settings
 from megaloom.runtime.errors import ConfigError
 
@@ -175,10 +176,9 @@ class MegaMoEBlock(nn.Module):
             setattr(self, name, experts if child is parts.experts else child)
         for name, buf in block.named_buffers(recurse=False):  # the block's correction bias, the same tensor
             self.register_buffer(name, buf)
-        self.parts = parts if gate is None else dataclasses.replace(parts, router=gate)
-        self.router_name, self.shared_name = parts.router_name, parts.shared_name
-        self.shared_gated = parts.shared_gate is not None
-        self.num_experts, self.top_k = parts.num_experts, parts.top_k
+        # the parts as this block holds them (its router and experts), for block_forward
+        self.parts = dataclasses.replace(parts, router=gate or parts.router, experts=experts)
+        self.router_name, self.num_experts, self.top_k = parts.router_name, parts.num_experts, parts.top_k
         runner_keys = {"executor", "units", "policy", "cache_size"}
         gate_up = next(experts.parameters())
         spec = MegaMoESpec(tokens=1, hidden=parts.hidden, intermediate=parts.inter, experts=parts.num_experts,
@@ -204,17 +204,10 @@ class MegaMoEBlock(nn.Module):
 
         if not self.local_experts:
             raise ConfigError("MegaMoEBlock under expert parallelism: call keep_local_experts() before forward")
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        _, weights, indices = self.parts.route(self, x)
         gate_up, down = self.experts.weights()
-        y = megamoe(self.runner, x, indices, weights, gate_up, down, self.experts.mx).view(shape)
-        if self.shared_name is not None:
-            s = getattr(self, self.shared_name)(hidden_states)
-            if self.shared_gated:
-                s = torch.sigmoid(self.shared_expert_gate(hidden_states)) * s
-            y = y + s
-        return y
+        return block_forward(self.parts, hidden_states, self,
+                             lambda x, indices, weights: megamoe(self.runner, x, indices, weights, gate_up, down,
+                                                                self.experts.mx))
 
     def extra_repr(self) -> str:
         s = self.runner.spec

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from megaloom.models.hf_moe import ROUTER_NAMES, is_moe_block
+from megaloom.runtime.errors import ConfigError
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -50,6 +51,10 @@ def peak_flops(hardware: str | None, dtype: str) -> tuple[float | None, str]:
             hardware = "cpu"
     if hardware is None:
         return None, "no hardware profile"
-    profile, precision = load_profile(hardware), {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    try:
+        profile = load_profile(hardware)
+    except ConfigError as e:
+        raise ConfigError(f"run.hardware: {e}") from None
+    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
     return profile.peak("cube", precision), (f"hardware profile {hardware!r}, peak.cube {precision} "
                                              f"({profile.sources.get('peak.cube', 'no source given')})")

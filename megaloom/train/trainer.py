@@ -132,15 +132,19 @@ class Trainer:
         self.base_model = build_model(cfg["model"], self.seed)
         self.vocab = int(self.base_model.config.vocab_size)
         self.flops_per_token = flops_per_token(self.base_model, cfg["data"]["seq_len"])
-        self.peak_flops = self._peak_flops()
+        self.peak_flops, source = peak_flops(run["hardware"], cfg["parallel"]["fsdp_param_dtype"]
+                                             or cfg["model"]["autocast"] or cfg["model"]["dtype"])
+        self.log(f"MFU peak: {self.peak_flops:.3g} FLOP/s per rank from {source}" if self.peak_flops else "MFU: none")
         self.data = make_stream(cfg, self.vocab, self.seed)
         self.eval_data = make_stream(cfg, self.vocab, self.seed, "eval") if cfg["eval"]["interval"] else None
+        self.eval_start = self.eval_data.state() if self.eval_data else None  # every evaluation reads from here
         self.mesh = meshes.build(self.dims, self.comm, par["backend"], lambda c: TimedCommunicator(c, self.clock))
         self.balance = Balance(cfg["moe"], self.base_model.config)
         self.swaps = self._apply_plan()
         self.balance.attach(self.base_model)
-        self.parallel = _setup_parallel(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
-                                        self.mesh, self.clock, self.log, self._probe)
+        from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
+        self.parallel = setup(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
+                              self.mesh, self.clock, self.log, self._probe)
         self.model = self.parallel.model  # the base model (FSDP2 and TP convert its modules in place)
         if cfg["model"]["compile"]:
             backend = "inductor" if cfg["model"]["compile"] is True else cfg["model"]["compile"]
@@ -162,29 +166,15 @@ class Trainer:
         from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
         return apply_config_plan(self.base_model, self.cfg, self.log, self.mesh.ep)
 
-    def _peak_flops(self) -> float | None:
-        par, hw = self.cfg["parallel"], self.cfg["run"]["hardware"]
-        try:
-            peak, source = peak_flops(hw, par["fsdp_param_dtype"] or self.cfg["model"]["autocast"]
-                                      or self.cfg["model"]["dtype"])
-        except ConfigError as e:
-            raise ConfigError(f"run.hardware: {e}") from None
-        self.log(f"MFU peak: {peak:.3g} FLOP/s per rank from {source}" if peak else "MFU: no peak (run.hardware)")
-        return peak
-
-    def _rows(self, stream: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """This data rank's rows of the next step of ``stream``: micro-batch ``m`` is global micro-batch
-        ``data_rank * accum + m`` (so one rank accumulating D micro-batches reads what D data ranks read)."""
-        per_rank = self.accum * self.cfg["data"]["batch_size"]
-        tokens, positions = stream.read(per_rank * self.dims.dp)
-        mine = slice(self.mesh.coord("dp") * per_rank, (self.mesh.coord("dp") + 1) * per_rank)
-        return tokens[mine], positions[mine]
-
     def _micro_batches(self, stream: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """This rank's (inputs, labels, position ids) of each micro-batch of the next step of ``stream``."""
-        tokens, positions = self._rows(stream)
+        """This rank's (inputs, labels, position ids) of each micro-batch of the next step of ``stream``: micro-batch
+        ``m`` is global micro-batch ``data_rank * accum + m`` (so one rank accumulating D micro-batches reads what D
+        data ranks read)."""
         b = self.cfg["data"]["batch_size"]
-        return [self.parallel.inputs(tokens[i:i + b], positions[i:i + b]) for i in range(0, len(tokens), b)]
+        tokens, positions = stream.read(self.accum * b * self.dims.dp)
+        first = self.mesh.coord("dp") * self.accum
+        return [self.parallel.inputs(tokens[i * b:(i + 1) * b], positions[i * b:(i + 1) * b])
+                for i in range(first, first + self.accum)]
 
     def _probe(self) -> torch.Tensor:
         """Loss of a seeded batch of this rank's shape (for measuring a forward at set-up)."""
@@ -281,7 +271,7 @@ class Trainer:
 
     def evaluate(self) -> tuple[float, float]:
         """(loss, perplexity) over every target token of ``eval.batches`` batches of the eval split (a collective)."""
-        self.eval_data.load(self._eval_start)
+        self.eval_data.load(self.eval_start)
         sums = torch.zeros(2, dtype=torch.float64)
         self.model.eval()
         with torch.no_grad():
@@ -300,8 +290,6 @@ class Trainer:
         stop = min(sched["steps"], ck["stop_after"] or sched["steps"])
         bar = Progress(sched["steps"], enabled=run["progress"] and self.rank == 0)
         records = []
-        if self.eval_data is not None:
-            self._eval_start = self.eval_data.state()
         try:
             while self.step < stop:
                 rec = self.train_step()
@@ -348,7 +336,7 @@ class Trainer:
             self.data.load(state["data"])
         else:  # a checkpoint without the stream's position: the steps before it read from the start
             for _ in range(self.step):
-                self._rows(self.data)
+                self._micro_batches(self.data)
         self.log(f"resumed from {path} at step {self.step}")
 
     def _write_trace(self) -> None:
@@ -367,16 +355,6 @@ def _default_comm(par: dict) -> Any:
         return TorchCommunicator(backend=par["backend"], timeout=par["timeout_s"])
     from megaloom.comm.communicator import LocalCommunicator
     return LocalCommunicator()
-
-
-def _setup_parallel(model: nn.Module, par: dict, comm: Any, mesh: Any, clock: CommClock, log, probe):
-    from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
-    return setup(model, par, comm, mesh, clock, log, probe)
-
-
-def train(cfg: Config, comm: Any = None, log=None) -> list[StepRecord]:
-    """Build a :class:`Trainer` from ``cfg`` and run it."""
-    return Trainer(cfg, comm=comm, log=log).fit()
 
 
 def _claim_out_dir(run: dict, ckpt_dir: str, resuming: bool, owner: bool) -> None:

@@ -46,7 +46,7 @@ def test_torch_loads_a_megaloom_checkpoint(tmp_path):
 def test_megaloom_resumes_from_a_torch_checkpoint(tmp_path):
     cfg = tiny_config(tmp_path / "torch", steps=4)
     model, opt = _torch_side(cfg)
-    data = make_stream(cfg["data"], 128, 0)
+    data = make_stream(cfg, 128, 0)
     for step in range(2):  # a torch training loop: constant lr, no clipping
         causal_lm_loss(model, data.batch(step, 0, 1)).backward()
         opt.step()

@@ -38,7 +38,7 @@ from megaloom.train.parallel.mesh import Mesh
 
 @dataclass(slots=True)
 class Parallel:
-    """The parallel model and how to feed and sync it; ``data_rank`` / ``data_world`` pick batches."""
+    """The parallel model and how to feed and sync it."""
 
     model: nn.Module
     comm: Any
@@ -51,14 +51,6 @@ class Parallel:
     @property
     def world(self) -> int:
         return self.comm.world_size
-
-    @property
-    def data_rank(self) -> int:
-        return self.mesh.coord("dp")
-
-    @property
-    def data_world(self) -> int:
-        return self.mesh.dims.dp
 
     def inputs(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

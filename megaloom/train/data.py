@@ -151,10 +151,8 @@ class DocumentStream:
 
 def load_tokenizer(path: str | None, vocab: int | None = None) -> Any:
     """A transformers tokenizer from a directory or a ``tokenizer.json`` (None: byte tokens); checked against ``vocab``."""
-    if path is None:
-        size = 256
-        tok = None
-    else:
+    tok, size = None, 256
+    if path is not None:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
         try:

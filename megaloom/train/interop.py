@@ -143,9 +143,9 @@ def load_model(cfg: dict, path: str | None) -> torch.nn.Module:
     return model.eval()
 
 
-def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print) -> str:
-    """``model.save_pretrained`` into ``out_dir``, atomically: written beside it, then renamed into place.
-    ``out_dir`` must not exist yet (or be empty)."""
+def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print, tokenizer: Any = None) -> str:
+    """``model.save_pretrained`` (and ``tokenizer``'s) into ``out_dir``, atomically: written beside it, then renamed
+    into place. ``out_dir`` must not exist yet (or be empty)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise ConfigError(f"export: {out_dir!r} exists and is not an empty directory")
@@ -153,6 +153,8 @@ def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] =
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"export: cannot write {out_dir!r}: {e}") from None

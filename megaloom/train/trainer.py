@@ -361,9 +361,9 @@ def _claim_out_dir(run: dict, ckpt_dir: str, resuming: bool, owner: bool) -> Non
     """Refuse an out_dir holding a previous run's metrics, events or checkpoints unless resuming; with
     ``run.overwrite``, ``owner`` (rank 0) deletes them instead."""
     out = run["out_dir"]
-    found = [os.path.join(out, "metrics.jsonl"), os.path.join(ckpt_dir, ckpt.LATEST)]
-    found = [f for f in found if os.path.exists(f)] + glob.glob(os.path.join(out, "events.out.tfevents.*"))
-    found += glob.glob(os.path.join(ckpt_dir, "step_*"))
+    found = [f for pattern in (os.path.join(out, "metrics.jsonl"), os.path.join(out, "events.out.tfevents.*"),
+                               os.path.join(ckpt_dir, ckpt.LATEST), os.path.join(ckpt_dir, "step_*"))
+             for f in glob.glob(glob.escape(os.path.dirname(pattern)) + "/" + os.path.basename(pattern))]
     if not found or resuming:
         return
     if not run["overwrite"]:

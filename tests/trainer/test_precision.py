@@ -8,7 +8,7 @@ from megaloom.models.hf_moe import build_model
 from megaloom.models.plan import apply_config_plan, probe_logits
 from megaloom.train.trainer import Trainer
 
-from .tiny import max_rel_err, tiny_config
+from .tiny import QWEN3_MOE, max_rel_err, tiny_config
 
 MOE_GATE = [{"match": "model.layers.*.mlp", "with": "mega_moe", "options": {"gate": "mega_gate"}}]
 
@@ -53,13 +53,16 @@ def test_autocast_on_a_float32_model(tmp_path):
     assert 1e-3 < max_rel_err(got, exact) < max_rel_err(theirs, exact)
 
 
+@pytest.mark.slow
 def test_autocast_and_compile_keys(tmp_path):
     """``model.autocast`` trains under torch.autocast; ``model.compile`` compiles every decoder layer (aot_eager
-    here: inductor needs minutes of C++ builds on a CPU) and trains like eager."""
-    eager = [r.loss for r in Trainer(tiny_config(tmp_path / "a", steps=3, replace={"rules": MOE_GATE})).fit()]
-    compiled = Trainer(tiny_config(tmp_path / "b", steps=3, replace={"rules": MOE_GATE}, model={"compile": "aot_eager"}))
+    and dense layers here: inductor builds C++ for minutes on a CPU, and the routing of transformers' MoE
+    blocks recompiles) and trains like eager."""
+    dense = {"config": {**QWEN3_MOE, "mlp_only_layers": [0, 1]}}
+    eager = [r.loss for r in Trainer(tiny_config(tmp_path / "a", steps=2, model=dense)).fit()]
+    compiled = Trainer(tiny_config(tmp_path / "b", steps=2, model={**dense, "compile": "aot_eager"}))
     layers = compiled.base_model.model.layers
     assert all(layer._compiled_call_impl is not None for layer in layers)
     assert [r.loss for r in compiled.fit()] == pytest.approx(eager, rel=1e-5)
-    autocast = [r.loss for r in Trainer(tiny_config(tmp_path / "c", steps=3, model={"autocast": "bfloat16"})).fit()]
+    autocast = [r.loss for r in Trainer(tiny_config(tmp_path / "c", steps=2, model={**dense, "autocast": "bfloat16"})).fit()]
     assert autocast != eager and autocast == pytest.approx(eager, rel=2e-2)

@@ -125,8 +125,8 @@ def _rule(i: int, raw: dict, modules: dict[str, nn.Module], comm: Any, problems:
             return None
         accepted = {wanted: accepted[wanted]}
     if not accepted:
-        near = sorted({f"{type(m).__name__} (a router next to "
-                       f"{', '.join(f'{n} ({type(c).__name__})' for n, c in m.named_children() if n not in ROUTER_NAMES)})"
+        near = sorted({f"{type(m).__name__} (a router next to " + ", ".join(
+                       f"{n} ({type(c).__name__})" for n, c in m.named_children() if n not in ROUTER_NAMES) + ")"
                        for m in modules.values() if any(hasattr(m, n) for n in ROUTER_NAMES) and not target.accepts(m)})
         problems.append(f"{where}: the model has no module that is {target.kind} for {raw['with']}" + (
             f"; {', '.join(near)}: no 'experts' child holding the expert weights (3-D gate_up_proj and down_proj, or "

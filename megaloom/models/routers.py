@@ -42,7 +42,8 @@ def _dense(weights: torch.Tensor, indices: torch.Tensor, experts: int) -> torch.
 def _candidates(router: nn.Module, biased: bool) -> list[dict[str, Any]]:
     groups = int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1)
     scale = getattr(router, "routed_scaling_factor", None) or getattr(router, "router_scaling_factor", None)
-    base = {"scale": float(scale or 1.0), "n_group": groups, "topk_group": int(getattr(router, "topk_group", groups) or groups)}
+    base = {"scale": float(scale or 1.0), "n_group": groups,
+            "topk_group": int(getattr(router, "topk_group", groups) or groups)}
     scores = ("sigmoid", "softmax") if biased else ("softmax", "sigmoid")
     renorm = getattr(router, "norm_topk_prob", None)
     renorms = (bool(renorm),) if renorm is not None else (True, False)

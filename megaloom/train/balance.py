@@ -9,10 +9,10 @@ output, else the top-k of the logits) of every training forward.
   their tokens whose top-k softmax probabilities include expert ``e`` (summing to k) and ``P_e`` the mean
   softmax probability of ``e`` (Switch Transformer; k when balanced), as transformers'
   ``load_balancing_loss_func`` computes it; times ``moe.aux_loss_coef``, added to the loss.
-- ``bias``: after each optimizer step, every router's ``e_score_correction_bias`` (or ``expert_bias``)
-  (on the router or its block) moves by ``moe.bias_rate`` towards balance: ``+rate`` for experts below the mean load of the step,
-  ``-rate`` above (DeepSeek-V3, section 2.1.2), from the loads summed over every rank, so replicated
-  routers stay identical.
+- ``bias``: after each optimizer step, every router's ``e_score_correction_bias`` (or ``expert_bias``,
+  on the router or its block) moves by ``moe.bias_rate`` towards balance: ``+rate`` for experts below
+  the mean load of the step, ``-rate`` above (DeepSeek-V3, section 2.1.2), from the loads summed over
+  every rank, so replicated routers stay identical.
 
 :meth:`Balance.step_loads` gives each router's per-expert share of the step's tokens (all ranks).
 """

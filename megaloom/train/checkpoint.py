@@ -35,7 +35,8 @@ def save(root: str, step: int, parallel: Any, optimizer: torch.optim.Optimizer, 
     from megaloom.comm.checkpoint import save_params  # imports torch.distributed.checkpoint
 
     path, comm = step_dir(root, step), parallel.comm
-    extra = {"step": step, "world_size": comm.world_size, "rng": torch.get_rng_state().numpy().tobytes(), **(state or {})}
+    extra = {"step": step, "world_size": comm.world_size, "rng": torch.get_rng_state().numpy().tobytes(),
+             **(state or {})}
     save_params(path, comm, parallel.checkpoint_params(), optimizer, extra)
     if comm.rank == 0:
         mark_latest(root, step, comm.world_size, keep)

@@ -150,7 +150,8 @@ class DocumentStream:
 
 
 def load_tokenizer(path: str | None, vocab: int | None = None) -> Any:
-    """A transformers tokenizer from a directory or a ``tokenizer.json`` (None: byte tokens); checked against ``vocab``."""
+    """A transformers tokenizer from a directory or a ``tokenizer.json`` (None: byte tokens), checked against
+    ``vocab``."""
     tok, size = None, 256
     if path is not None:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast

@@ -1,5 +1,5 @@
 """``megaloom export CONFIG --hf DIR [--checkpoint STEP] [--section.key=value ...]``: a training checkpoint
-as a Hugging Face ``save_pretrained`` directory."""
+as a Hugging Face ``save_pretrained`` directory (with the config's ``data.tokenizer``, if it names one)."""
 from __future__ import annotations
 
 import argparse
@@ -35,11 +35,13 @@ def _flags(args: argparse.Namespace) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from megaloom.runtime.errors import ConfigError
     from megaloom.train.config import load_config
+    from megaloom.train.data import load_tokenizer
     from megaloom.train.interop import export_hf, load_model
 
     overrides = _flags(args)
     if not args.hf:
         raise ConfigError("export: --hf DIR is required")
     cfg = load_config(args.config, overrides)
-    export_hf(load_model(cfg, args.checkpoint), args.hf, log=lambda m: print(m, file=sys.stderr))
+    export_hf(load_model(cfg, args.checkpoint), args.hf, log=lambda m: print(m, file=sys.stderr),
+              tokenizer=load_tokenizer(cfg["data"]["tokenizer"]))
     return 0

@@ -3,7 +3,10 @@
 An MoE block is recognised by what it holds, not by its class name:
 
 - a **router** child (``gate`` or ``router``): a module with a 2-D ``weight [E, H]`` and an
-  integer ``top_k`` that returns ``(logits, top-k weights, top-k indices)`` (transformers >= 5);
+  integer ``top_k`` that returns ``(logits, top-k weights, top-k indices)`` (transformers >= 5; a
+  Linear subclass with its own forward too, as PhiMoE's), called with the block's own correction
+  bias when the block holds one (``e_score_correction_bias`` / ``expert_bias``: MiniMax-M2, HY-V3,
+  LFM2-MoE);
 - an **experts** child: fused 3-D weights ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``
   with an ``act_fn`` (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, Mixtral, OLMoE), or an
   ``nn.ModuleList`` of gated MLPs (``gate_proj`` / ``up_proj`` / ``down_proj`` or ``w1`` / ``w3`` /
@@ -35,6 +38,7 @@ from megaloom.runtime.errors import ConfigError
 ROUTER_NAMES = ("gate", "router")
 SHARED_NAMES = ("shared_experts", "shared_expert")
 SHARED_GATE_NAME = "shared_expert_gate"
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias")  # a correction bias the router takes from its block
 MLP_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # (gate, up, down) projections
 # relative error (max |a - b| / max |b|) allowed between a block and its rebuilt forward, per dtype
 PROBE_RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -96,21 +100,9 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
             config = config_cls(**kwargs)
         except Exception as e:  # transformers validates fields with its own exception types
             raise ConfigError(f"model.config: {config_cls.__name__} rejected the values: {e}") from None
-        with _default_dtype(dtype):
-            model = model_cls(config)
+        model = model_cls._from_config(config, dtype=dtype)
     model.train()
     return model
-
-
-class _default_dtype:
-    def __init__(self, dtype: torch.dtype):
-        self.dtype, self.prev = dtype, torch.get_default_dtype()
-
-    def __enter__(self):
-        torch.set_default_dtype(self.dtype)
-
-    def __exit__(self, *exc):
-        torch.set_default_dtype(self.prev)
 
 
 @dataclass(slots=True)
@@ -128,6 +120,11 @@ class MoEBlockParts:
     shared: nn.Module | None = None
     shared_name: str | None = None
     shared_gate: nn.Module | None = None
+    bias_name: str | None = None   # the block's own correction bias, passed to the router
+
+    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits, weights, indices)`` of ``block``'s router (``block``: the block or its swap) for ``x [T, H]``."""
+        return self.router(x, getattr(block, self.bias_name)) if self.bias_name else self.router(x)
 
     @property
     def fused(self) -> bool:
@@ -163,7 +160,7 @@ def is_moe_block(module: nn.Module) -> bool:
 def is_router(module: nn.Module) -> bool:
     """True for a candidate router: a 2-D ``weight`` Parameter and an integer ``top_k`` (not a plain Linear)."""
     w = getattr(module, "weight", None)
-    return (not isinstance(module, nn.Linear) and isinstance(w, nn.Parameter) and w.dim() == 2
+    return (type(module).forward is not nn.Linear.forward and isinstance(w, nn.Parameter) and w.dim() == 2
             and isinstance(getattr(module, "top_k", None), int))
 
 
@@ -241,14 +238,16 @@ def read_block(block: nn.Module) -> tuple[MoEBlockParts | None, list[str]]:
     problems += [f"part {n!r} ({type(c).__name__}) is not one megaloom understands; an MoE block holds a router "
                  f"({'/'.join(ROUTER_NAMES)}), experts, and optionally {'/'.join(SHARED_NAMES)} and "
                  f"{SHARED_GATE_NAME}" for n, c in children.items() if n not in known]
+    own = _own_tensors(block)
+    bias_name = own[0] if len(own) == 1 and own[0] in BIAS_NAMES and own[0] in dict(block.named_buffers()) else None
     problems += [f"parameter or buffer {n!r} of the block itself is not one megaloom understands"
-                 for n in _own_tensors(block)]
+                 for n in own if n != bias_name]
     jitter = getattr(block, "jitter_noise", 0) or 0
     if jitter:
         problems.append(f"router jitter noise (jitter_noise={jitter}) is not supported: it scales the hidden "
                         "states randomly in training")
     router, experts = children[router_name], children["experts"]
-    if isinstance(router, nn.Linear):
+    if type(router).forward is nn.Linear.forward:
         problems.append(f"router {router_name!r} is a plain Linear: the routing happens in the block's own forward, "
                         "which megaloom cannot read (routers must return (logits, weights, indices))")
     elif not is_router(router):
@@ -269,7 +268,7 @@ def read_block(block: nn.Module) -> tuple[MoEBlockParts | None, list[str]]:
     act = experts.act_fn if not isinstance(experts, nn.ModuleList) else experts[0].act_fn
     return MoEBlockParts(router=router, experts=experts, act=act, top_k=int(router.top_k), num_experts=e, hidden=h,
                          inter=i, router_name=router_name, shared=children.get(shared_name) if shared_name else None,
-                         shared_name=shared_name, shared_gate=gate), []
+                         shared_name=shared_name, shared_gate=gate, bias_name=bias_name), []
 
 
 def block_parts(block: nn.Module) -> MoEBlockParts:
@@ -289,7 +288,7 @@ def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         return False
 
 
-def block_forward(parts: MoEBlockParts, hidden: torch.Tensor,
+def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module | None = None,
                   experts: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The block's forward rebuilt from its parts: route, run the experts, add the (gated) shared expert.
 
@@ -298,7 +297,7 @@ def block_forward(parts: MoEBlockParts, hidden: torch.Tensor,
     """
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])
-    _, weights, indices = parts.router(x)
+    _, weights, indices = parts.route(block, x)
     if experts is None:
         from megaloom.graphs.moe.reference import moe_reference
 
@@ -315,8 +314,9 @@ def block_forward(parts: MoEBlockParts, hidden: torch.Tensor,
 def behaviour_problems(block: nn.Module, parts: MoEBlockParts) -> list[str]:
     """Why the block's own forward is not :func:`block_forward` of its parts, on a seeded probe (empty: it is).
 
-    Runs both on ``PROBE_TOKENS`` random tokens in the block's dtype and device, without
-    gradients and without touching the global RNG; tolerance :data:`PROBE_RTOL` by dtype.
+    Runs both on ``PROBE_TOKENS`` random tokens in the block's dtype and device, without gradients,
+    from the same RNG state (a router that samples, as PhiMoE's in training, draws alike) and without
+    touching the global RNG; tolerance :data:`PROBE_RTOL` by dtype.
     """
     p = next(parts.experts.parameters())
     if p.device.type == "meta":
@@ -325,7 +325,10 @@ def behaviour_problems(block: nn.Module, parts: MoEBlockParts) -> list[str]:
     x = torch.randn(1, PROBE_TOKENS, parts.hidden, generator=gen).to(p.device, p.dtype)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
-            want, got = block(x.clone()), block_forward(parts, x.clone())
+            torch.manual_seed(0)
+            want = block(x.clone())
+            torch.manual_seed(0)
+            got = block_forward(parts, x.clone(), block)
         except Exception as e:  # a forward that does not run on [1, T, H] is not one megaloom can rebuild
             return [f"its forward could not be checked on a [1, {PROBE_TOKENS}, {parts.hidden}] probe: "
                     f"{type(e).__name__}: {e}"]

@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import block_parts, is_moe_block, is_router
+from megaloom.models.hf_moe import ROUTER_NAMES, block_parts, is_moe_block, is_router
 from megaloom.models.replace import Check, Factory, Replacement, ReplacementPlan, Rule, glob_problem
 from megaloom.models.swaps import MegaMoEBlock, RoutedExperts, gate_problems, make_gate, moe_problems, routed_experts
 from megaloom.ops.mxfp8 import SCALE_MODES, GroupedExperts, MXFP8GroupedExperts, MXFP8Linear, dim_problems
@@ -125,7 +125,12 @@ def _rule(i: int, raw: dict, modules: dict[str, nn.Module], comm: Any, problems:
             return None
         accepted = {wanted: accepted[wanted]}
     if not accepted:
-        problems.append(f"{where}: the model has no {target.kind} for {raw['with']}")
+        near = sorted({f"{type(m).__name__} (a router next to " + ", ".join(
+                       f"{n} ({type(c).__name__})" for n, c in m.named_children() if n not in ROUTER_NAMES) + ")"
+                       for m in modules.values() if any(hasattr(m, n) for n in ROUTER_NAMES) and not target.accepts(m)})
+        problems.append(f"{where}: the model has no module that is {target.kind} for {raw['with']}" + (
+            f"; {', '.join(near)}: no 'experts' child holding the expert weights (3-D gate_up_proj and down_proj, or "
+            "a ModuleList of gated MLPs)" if near and kind == "mega_moe" else ""))
         return None
     if not include:
         return None
@@ -146,10 +151,15 @@ def _mega_moe(options: dict, comm: Any, where: str, problems: list[str]) -> tupl
 
     def check(block: nn.Module) -> list[str]:
         problems = moe_problems(block, ep)
-        return problems + (gate_problems(block_parts(block).router) if gate == "mega_gate" and not problems else [])
+        if problems or gate != "mega_gate":
+            return problems
+        parts = block_parts(block)
+        return gate_problems(parts.router, bool(parts.bias_name))
 
     def build(block: nn.Module) -> nn.Module:
-        router = make_gate(block_parts(block).router) if gate == "mega_gate" else None
+        parts = block_parts(block)
+        bias = getattr(block, parts.bias_name) if parts.bias_name else None
+        router = make_gate(parts.router, bias) if gate == "mega_gate" else None
         return MegaMoEBlock(block, comm=comm if ep > 1 else None, gate=router, **options)
     return build, check
 
@@ -167,18 +177,15 @@ TARGETS.register("mega_gate", Target(is_router, "an MoE router (a 2-D weight and
                                      "MegaGate (router as graphs)", _mega_gate))
 
 
-def _dims(**dims: int) -> list[str]:
-    return dim_problems(dims)
-
-
 FORMATS: Registry[list[ModuleType]] = Registry("low-precision format")
 FORMATS.register("mxfp8", [
     ModuleType(nn.Linear, MXFP8Linear, MXFP8Linear.from_float,
-               lambda m: _dims(in_features=m.in_features, out_features=m.out_features)),
+               lambda m: dim_problems({"in_features": m.in_features, "out_features": m.out_features})),
     ModuleType(GroupedExperts, MXFP8GroupedExperts, MXFP8GroupedExperts.from_float,
-               lambda m: _dims(dim=m.dim, hidden=m.hidden)),
+               lambda m: dim_problems({"dim": m.dim, "hidden": m.hidden})),
     ModuleType(RoutedExperts, RoutedExperts, lambda m, mode: m.with_mx(mode),
-               lambda m: _dims(hidden=m.hidden, intermediate=m.intermediate), applied=lambda m: m.mx is not None),
+               lambda m: dim_problems({"hidden": m.hidden, "intermediate": m.intermediate}),
+               applied=lambda m: m.mx is not None),
 ])
 
 
@@ -261,9 +268,11 @@ def config_plans(model: nn.Module, cfg: dict, comm: Any = None) -> tuple[Replace
 
 
 def probe_logits(model: nn.Module, vocab: int, seq_len: int, seed: int) -> torch.Tensor:
-    """Logits of a fixed seeded batch (2 sequences): the parity probe."""
+    """Logits of a fixed seeded batch (2 sequences): the parity probe; any random draw of the model's (a
+    sampling router) starts from the same seed each time."""
     ids = torch.randint(0, vocab, (2, seq_len), generator=torch.Generator().manual_seed(seed + 1))
-    with torch.no_grad():
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         return model(input_ids=ids, use_cache=False).logits.float()
 
 

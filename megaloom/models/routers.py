@@ -39,37 +39,38 @@ def _dense(weights: torch.Tensor, indices: torch.Tensor, experts: int) -> torch.
     return torch.zeros(indices.shape[0], experts).scatter_(1, indices.long(), weights.float())
 
 
-def _candidates(router: nn.Module) -> list[dict[str, Any]]:
+def _candidates(router: nn.Module, biased: bool) -> list[dict[str, Any]]:
     groups = int(getattr(router, "num_group", getattr(router, "n_group", 1)) or 1)
-    base = {"scale": float(getattr(router, "routed_scaling_factor", 1.0) or 1.0), "n_group": groups,
+    scale = getattr(router, "routed_scaling_factor", None) or getattr(router, "router_scaling_factor", None)
+    base = {"scale": float(scale or 1.0), "n_group": groups,
             "topk_group": int(getattr(router, "topk_group", groups) or groups)}
-    biased = getattr(router, "e_score_correction_bias", None) is not None
     scores = ("sigmoid", "softmax") if biased else ("softmax", "sigmoid")
     renorm = getattr(router, "norm_topk_prob", None)
     renorms = (bool(renorm),) if renorm is not None else (True, False)
     return [{**base, "score": s, "renorm": r} for s, r in itertools.product(scores, renorms)]
 
 
-def gate_settings(router: nn.Module) -> tuple[dict[str, Any] | None, list[str]]:
-    """MegaGate settings (score, scale, renorm, n_group, topk_group) that reproduce ``router``, or the problems."""
+def gate_settings(router: nn.Module, block_bias: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+    """MegaGate settings (score, scale, renorm, n_group, topk_group) that reproduce ``router``, or the problems;
+    ``block_bias``: the router takes its block's correction bias as a second argument."""
     from megaloom.graphs.gate.graph import megagate_reference
 
     name = type(router).__name__
     if not is_router(router):
         return None, [f"{name} is not a router (a module with a 2-D weight Parameter and an integer top_k)"]
     experts, hidden = router.weight.shape
-    cands = _candidates(router)
+    has_bias = block_bias or getattr(router, "e_score_correction_bias", None) is not None
+    cands = _candidates(router, has_bias)
     g = cands[0]
     if g["n_group"] < 1 or experts % g["n_group"] or not 1 <= g["topk_group"] <= g["n_group"]:
         return None, [f"{name}: {g['topk_group']} of {g['n_group']} expert groups does not fit {experts} experts"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_TOKENS, hidden, generator=gen)
     weight = torch.randn(experts, hidden, generator=gen) / hidden ** 0.5
-    has_bias = getattr(router, "e_score_correction_bias", None) is not None
     bias = 0.1 * torch.randn(experts, generator=gen) if has_bias else torch.zeros(experts)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
-            out = _twin(router, weight, bias if has_bias else None)(x)
+            out = _twin(router, weight, bias if has_bias and not block_bias else None)(x, *[bias] * block_bias)
             _, w, idx = out
         except Exception as e:  # a router that does not run like a transformers router is not understood
             return None, [f"{name}: its forward could not be probed ({type(e).__name__}: {e})"]

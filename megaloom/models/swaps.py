@@ -18,13 +18,15 @@ state_dict keys, optimizer state and checkpoints are unchanged:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import MoEBlockParts, behaviour_problems, block_parts, expert_weights, is_silu, read_block
+from megaloom.models.hf_moe import (MoEBlockParts, behaviour_problems, block_forward, block_parts, expert_weights,
+                                    is_silu, read_block)
 from megaloom.models.routers import gate_settings
 from megaloom.runtime.errors import ConfigError
 
@@ -44,9 +46,9 @@ def moe_problems(block: nn.Module, ep: int) -> list[str]:
     return problems + behaviour_problems(block, parts)
 
 
-def gate_problems(router: nn.Module) -> list[str]:
+def gate_problems(router: nn.Module, block_bias: bool = False) -> list[str]:
     """Why ``router`` cannot become a :class:`MegaGateRouter` (empty: it can)."""
-    return gate_settings(router)[1]
+    return gate_settings(router, block_bias)[1]
 
 
 @functools.cache
@@ -57,16 +59,17 @@ def _megagate_cls() -> type:
     class MegaGateRouter(MegaGate):
         """MegaGate returning the transformers router's ``(logits, weights, indices)``."""
 
-        def forward(self, x: torch.Tensor):
-            out = super().forward(x)
+        def forward(self, x: torch.Tensor, block_bias: torch.Tensor | None = None):
+            out = super().forward(x)  # a block's correction bias is the gate's own ``bias`` already
             return out.logits, out.weights, out.indices
 
     return MegaGateRouter
 
 
-def make_gate(router: nn.Module, **options: Any) -> nn.Module:
-    """A MegaGate over ``router``'s own weight Parameter (and correction-bias buffer), same state_dict keys."""
-    settings, problems = gate_settings(router)
+def make_gate(router: nn.Module, block_bias: torch.Tensor | None = None, **options: Any) -> nn.Module:
+    """A MegaGate over ``router``'s own weight Parameter (and correction-bias buffer, or its block's
+    ``block_bias``), same state_dict keys."""
+    settings, problems = gate_settings(router, block_bias is not None)
     if problems:
         raise ConfigError("; ".join(problems))
     experts, hidden = router.weight.shape
@@ -74,7 +77,7 @@ def make_gate(router: nn.Module, **options: Any) -> nn.Module:
     gate.weight = router.weight  # the model's own Parameter
     bias = getattr(router, "e_score_correction_bias", None)
     # MegaGate reads ``bias``; keep it out of the state_dict, under the router's own name when it has one
-    gate.register_buffer("bias", bias if bias is not None else gate.bias, persistent=False)
+    gate.register_buffer("bias", next(b for b in (block_bias, bias, gate.bias) if b is not None), persistent=False)
     if bias is not None:
         gate.register_buffer("e_score_correction_bias", bias)
     return gate
@@ -162,9 +165,11 @@ class MegaMoEBlock(nn.Module):
             if child is parts.router and gate is not None:
                 child = gate
             setattr(self, name, experts if child is parts.experts else child)
-        self.router_name, self.shared_name = parts.router_name, parts.shared_name
-        self.shared_gated = parts.shared_gate is not None
-        self.num_experts, self.top_k = parts.num_experts, parts.top_k
+        for name, buf in block.named_buffers(recurse=False):  # the block's correction bias, the same tensor
+            self.register_buffer(name, buf)
+        # the parts as this block holds them (its router and experts), for block_forward
+        self.parts = dataclasses.replace(parts, router=gate or parts.router, experts=experts)
+        self.router_name, self.num_experts, self.top_k = parts.router_name, parts.num_experts, parts.top_k
         runner_keys = {"executor", "units", "policy", "cache_size"}
         gate_up = next(experts.parameters())
         spec = MegaMoESpec(tokens=1, hidden=parts.hidden, intermediate=parts.inter, experts=parts.num_experts,
@@ -190,17 +195,10 @@ class MegaMoEBlock(nn.Module):
 
         if not self.local_experts:
             raise ConfigError("MegaMoEBlock under expert parallelism: call keep_local_experts() before forward")
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        _, weights, indices = getattr(self, self.router_name)(x)
         gate_up, down = self.experts.weights()
-        y = megamoe(self.runner, x, indices, weights, gate_up, down, self.experts.mx).view(shape)
-        if self.shared_name is not None:
-            s = getattr(self, self.shared_name)(hidden_states)
-            if self.shared_gated:
-                s = torch.sigmoid(self.shared_expert_gate(hidden_states)) * s
-            y = y + s
-        return y
+        return block_forward(self.parts, hidden_states, self,
+                             lambda x, indices, weights: megamoe(self.runner, x, indices, weights, gate_up, down,
+                                                                self.experts.mx))
 
     def extra_repr(self) -> str:
         s = self.runner.spec

@@ -5,7 +5,7 @@ manifest) holding every parameter, persistent buffer and optimizer state tensor 
 global tensor (FSDP shards and expert-parallel slices as chunks at their row offsets),
 so it loads at any world size and parallel layout. The trainer's own state rides in
 the same atomic save as ``megaloom.extra`` (msgpack, one entry per saving rank: step,
-world size, CPU RNG state). Data position and lr schedule are functions of the step.
+world size, CPU RNG state, the data stream's position). The lr schedule is a function of the step.
 ``<dir>/latest.json`` names the newest complete step; it is written after every rank
 saved, so a crash mid-save leaves the previous checkpoint the latest.
 """
@@ -28,12 +28,15 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:08d}")
 
 
-def save(root: str, step: int, parallel: Any, optimizer: torch.optim.Optimizer, keep: int) -> str:
-    """Save model, optimizer and trainer state of ``step`` (a collective), mark it latest, prune; returns its directory."""
+def save(root: str, step: int, parallel: Any, optimizer: torch.optim.Optimizer, keep: int,
+         state: dict[str, Any] | None = None) -> str:
+    """Save model, optimizer and trainer state of ``step`` (with ``state``: more msgpack-able entries of it;
+    a collective), mark it latest, prune; returns its directory."""
     from megaloom.comm.checkpoint import save_params  # imports torch.distributed.checkpoint
 
     path, comm = step_dir(root, step), parallel.comm
-    extra = {"step": step, "world_size": comm.world_size, "rng": torch.get_rng_state().numpy().tobytes()}
+    extra = {"step": step, "world_size": comm.world_size, "rng": torch.get_rng_state().numpy().tobytes(),
+             **(state or {})}
     save_params(path, comm, parallel.checkpoint_params(), optimizer, extra)
     if comm.rank == 0:
         mark_latest(root, step, comm.world_size, keep)
@@ -41,11 +44,11 @@ def save(root: str, step: int, parallel: Any, optimizer: torch.optim.Optimizer, 
     return path
 
 
-def load(path: str, parallel: Any, optimizer: torch.optim.Optimizer) -> int:
+def load(path: str, parallel: Any, optimizer: torch.optim.Optimizer) -> tuple[int, dict[str, Any]]:
     """Load a step directory saved at any world size into ``parallel``'s model and ``optimizer`` (a collective).
 
     Restores this rank's RNG state (rank ``r`` of a run resumed at another world size
-    takes saved rank ``r mod W_saved``'s) and returns the saved step.
+    takes saved rank ``r mod W_saved``'s) and returns the saved step and trainer state.
     """
     from megaloom.comm.checkpoint import CheckpointError, load_params
 
@@ -55,7 +58,7 @@ def load(path: str, parallel: Any, optimizer: torch.optim.Optimizer) -> int:
         raise CheckpointError(f"{man['path']}: not a training checkpoint (no trainer state in it)")
     mine = extras[parallel.comm.rank % len(extras)]
     torch.set_rng_state(torch.frombuffer(bytearray(mine["rng"]), dtype=torch.uint8))
-    return int(mine["step"])
+    return int(mine["step"]), mine
 
 
 def mark_latest(root: str, step: int, world_size: int, keep: int) -> None:

@@ -27,7 +27,6 @@ class Key:
     types: tuple[type, ...]
     choices: tuple[Any, ...] | None = None
     check: Callable[[Any], str | None] | None = None  # returns a problem description or None
-    doc: str = ""
 
     def allowed(self) -> str:
         if self.choices is not None:
@@ -108,92 +107,123 @@ _OPT_STR = (str, type(None))
 
 SCHEMA: dict[str, dict[str, Key]] = {
     "run": {
-        "seed": Key(0, (int,), check=_seed, doc="seed of model init, data order and every RNG"),
-        "out_dir": Key("runs/train", (str,), doc="metrics.jsonl, traces and (by default) checkpoints go here"),
-        "log_interval": Key(1, (int,), check=_positive, doc="steps between progress/metrics lines"),
-        "progress": Key(True, (bool,), doc="draw the progress bar on stderr (rank 0)"),
-        "hardware": Key("auto", _OPT_STR, doc="hardware profile whose peak matmul rate per rank is MFU's denominator "
-                                              "(auto: cpu, or the profile named in the GPU's name; null: no MFU)"),
+        "seed": Key(0, (int,), check=_seed),  # seed of model init, data order and every RNG
+        "out_dir": Key("runs/train", (str,)),  # metrics.jsonl, traces and (by default) checkpoints go here
+        "log_interval": Key(1, (int,), check=_positive),  # steps between progress/metrics lines
+        "progress": Key(True, (bool,)),  # draw the progress bar on stderr (rank 0)
+        # hardware profile whose peak matmul rate per rank is MFU's denominator (auto: cpu, or the profile named in the
+        # GPU's name; null: no MFU)
+        "hardware": Key("auto", _OPT_STR),
+        # start afresh in an out_dir holding a previous run (its metrics, events and checkpoints are deleted); without
+        # it such an out_dir is refused
+        "overwrite": Key(False, (bool,)),
+        # a NaN / inf loss or gradient norm: stop the run, or skip the step's update
+        "on_nonfinite": Key("stop", (str,), choices=("stop", "skip")),
+        "tensorboard": Key(True, (bool,)),  # write TensorBoard event files beside metrics.jsonl
     },
     "model": {
-        "kind": Key("qwen3_moe", (str,), doc="a transformers model type (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, "
-                    "olmoe, ...) built with random weights, or 'path' for a local checkpoint"),
-        "config": Key({}, (dict,), check=_model_config,
-                      doc="keyword arguments of the transformers config class (e.g. hidden_size)"),
-        "path": Key(None, _OPT_STR, doc="local directory with config.json (+ weights) when kind is 'path'"),
-        "dtype": Key("float32", (str,), choices=("float32", "bfloat16"), doc="parameter dtype"),
+        # a transformers model type (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, olmoe, ...) built with random weights,
+        # or 'path' for a local checkpoint
+        "kind": Key("qwen3_moe", (str,)),
+        # keyword arguments of the transformers config class (e.g. hidden_size)
+        "config": Key({}, (dict,), check=_model_config),
+        "path": Key(None, _OPT_STR),  # local directory with config.json (+ weights) when kind is 'path'
+        "dtype": Key("float32", (str,), choices=("float32", "bfloat16")),  # parameter dtype
+        "autocast": Key(None, _OPT_STR, choices=(None, "bfloat16", "float16")),  # run forward under torch.autocast
+        "compile": Key(False, (bool, str)),  # torch.compile each decoder layer (true: inductor; or a backend name)
     },
     "data": {
-        "source": Key("synthetic", (str,), choices=("synthetic", "text"), doc="seeded token stream or a local text file"),
-        "path": Key(None, _OPT_STR, doc="the text file (byte-level tokens) when source is 'text'"),
-        "seq_len": Key(16, (int,), check=_count, doc="tokens per sequence"),
-        "batch_size": Key(4, (int,), check=_count, doc="sequences per step per data-parallel rank"),
-        "branching": Key(2, (int,), check=_positive, doc="synthetic stream: successors per token (lower = easier)"),
+        "source": Key("synthetic", (str,), choices=("synthetic", "files")),  # seeded token stream or local files
+        "path": Key(None, _OPT_STR),  # files: a .jsonl / .json, .parquet or .txt file, a directory or a glob of them
+        "tokenizer": Key(None, _OPT_STR),  # files: a tokenizer directory or tokenizer.json (null: UTF-8 bytes)
+        "text_field": Key("text", (str,)),  # files: the field of a json / parquet record holding its text
+        "shuffle_buffer": Key(0, (int,), check=_non_negative),  # files: documents shuffled in a buffer this big
+        "seq_len": Key(16, (int,), check=_count),  # tokens per sequence
+        "batch_size": Key(4, (int,), check=_count),  # sequences per step per data-parallel rank
+        "branching": Key(2, (int,), check=_positive),  # synthetic stream: successors per token (lower = easier)
     },
     "optimizer": {
-        "name": Key("adamw", (str,), choices=("adamw", "sgd", "muon"),
-                    doc="muon: Muon for weight matrices (and stacked expert matrices), AdamW for the rest"),
+        # muon: Muon for weight matrices (and stacked expert matrices), AdamW for the rest
+        "name": Key("adamw", (str,), choices=("adamw", "sgd", "muon")),
         "lr": Key(1e-3, _NUM, check=_positive),
         "weight_decay": Key(0.0, _NUM, check=_non_negative),
         "betas": Key([0.9, 0.95], (list,), check=_betas),
         "eps": Key(1e-8, _NUM, check=_positive),
-        "momentum": Key(0.0, _NUM, check=_fraction, doc="sgd only"),
-        "grad_clip": Key(1.0, _NUM, check=_non_negative, doc="max global grad norm; 0 disables"),
-        "grad_accum_steps": Key(1, (int,), check=_positive, doc="micro-batches per optimizer step and data rank"),
-        "muon_momentum": Key(0.95, _NUM, check=_fraction, doc="muon only"),
-        "muon_adjust_lr": Key("match_rms_adamw", (str,), choices=("match_rms_adamw", "original"),
-                              doc="muon only: lr scaling per matrix shape (match_rms_adamw: one lr fits AdamW and Muon)"),
+        "momentum": Key(0.0, _NUM, check=_fraction),  # sgd only
+        "grad_clip": Key(1.0, _NUM, check=_non_negative),  # max global grad norm; 0 disables
+        "grad_accum_steps": Key(1, (int,), check=_positive),  # micro-batches per optimizer step and data rank
+        "muon_momentum": Key(0.95, _NUM, check=_fraction),  # muon only
+        # muon only: lr scaling per matrix shape (match_rms_adamw: one lr fits AdamW and Muon)
+        "muon_adjust_lr": Key("match_rms_adamw", (str,), choices=("match_rms_adamw", "original")),
     },
     "schedule": {
-        "steps": Key(20, (int,), check=_positive, doc="total optimizer steps"),
+        "steps": Key(20, (int,), check=_positive),  # total optimizer steps
         "warmup_steps": Key(0, (int,), check=_non_negative),
         "decay": Key("constant", (str,), choices=("constant", "linear", "cosine")),
-        "min_lr_ratio": Key(0.1, _NUM, check=_fraction, doc="final lr / peak lr for linear and cosine decay"),
+        "min_lr_ratio": Key(0.1, _NUM, check=_fraction),  # final lr / peak lr for linear and cosine decay
+    },
+    "eval": {
+        "interval": Key(0, (int,), check=_non_negative),  # steps between evaluations (loss, perplexity); 0: none
+        "batches": Key(2, (int,), check=_positive),  # batches (of data.batch_size per data rank) per evaluation
+        "path": Key(None, _OPT_STR),  # files: the eval split's files (null: the first eval.holdout_docs documents)
+        "holdout_docs": Key(0, (int,), check=_non_negative),  # files: documents held out of training for eval
+    },
+    "moe": {
+        # aux_loss, bias (aux-loss-free correction-bias update) or none; auto: aux_loss when
+        # model.config.output_router_logits
+        "balance": Key("auto", (str,), choices=("auto", "none", "aux_loss", "bias")),
+        # weight of the load-balancing loss (null: model.config.router_aux_loss_coef)
+        "aux_loss_coef": Key(None, _NUM + (type(None),), check=_non_negative),
+        "bias_rate": Key(1e-3, _NUM, check=_positive),  # bias: step of the correction-bias update
     },
     "parallel": {
-        "tp_size": Key(1, (int,), check=_positive, doc="tensor parallel: attention heads and dense MLPs split over this many ranks"),
-        "cp_size": Key(1, (int,), check=_positive, doc="context parallel: each sequence split over this many ranks"),
-        "ep_size": Key(1, (int,), check=_positive, doc="expert parallel: experts split over this many data / context ranks"),
-        "fsdp": Key(False, (bool,), doc="shard parameters over the data and context ranks (torch FSDP2, uneven shards)"),
-        "recompute": Key("none", (str, list), check=_recompute,
-                         doc="activation recomputation: none, full (every decoder layer) or module-name globs"),
-        "fsdp_param_dtype": Key(None, _OPT_STR, choices=(None, "float32", "bfloat16"),
-                                doc="FSDP mixed precision: dtype of gathered parameters (null: the model's)"),
-        "fsdp_reduce_dtype": Key(None, _OPT_STR, choices=(None, "float32", "bfloat16"),
-                                 doc="FSDP mixed precision: dtype of gradient reduction (null: as param_dtype)"),
-        "reshard_after_forward": Key(True, (bool,), doc="FSDP: free gathered weights after forward (gathered again for backward)"),
-        "prefetch": Key(0, (int,), check=_non_negative,
-                        doc="FSDP: layers whose weight gather is issued ahead explicitly (0: FSDP2's own backward prefetch)"),
-        "backend": Key("gloo", (str,), choices=("gloo", "nccl"), doc="torch.distributed backend under torchrun"),
-        "timeout_s": Key(60, _NUM, check=_positive, doc="collective timeout"),
+        # tensor parallel: attention heads and dense MLPs split over this many ranks
+        "tp_size": Key(1, (int,), check=_positive),
+        "cp_size": Key(1, (int,), check=_positive),  # context parallel: each sequence split over this many ranks
+        # expert parallel: experts split over this many data / context ranks
+        "ep_size": Key(1, (int,), check=_positive),
+        "fsdp": Key(False, (bool,)),  # shard parameters over the data and context ranks (torch FSDP2, uneven shards)
+        # activation recomputation: none, full (every decoder layer) or module-name globs
+        "recompute": Key("none", (str, list), check=_recompute),
+        # FSDP mixed precision: dtype of gathered parameters (null: the model's)
+        "fsdp_param_dtype": Key(None, _OPT_STR, choices=(None, "float32", "bfloat16")),
+        # FSDP mixed precision: dtype of gradient reduction (null: as param_dtype)
+        "fsdp_reduce_dtype": Key(None, _OPT_STR, choices=(None, "float32", "bfloat16")),
+        # FSDP: free gathered weights after forward (gathered again for backward)
+        "reshard_after_forward": Key(True, (bool,)),
+        # FSDP: layers whose weight gather is issued ahead explicitly (0: FSDP2's own backward prefetch)
+        "prefetch": Key(0, (int,), check=_non_negative),
+        "backend": Key("gloo", (str,), choices=("gloo", "nccl")),  # torch.distributed backend under torchrun
+        "timeout_s": Key(60, _NUM, check=_positive),  # collective timeout
     },
     "low_precision": {
-        "format": Key("none", (str,), choices=("none", "mxfp8"),
-                      doc="'mxfp8': nn.Linear -> MXFP8Linear and MegaMoE experts' GEMMs in MXFP8"),
-        "linear": Key(None, (str, type(None)), choices=(None, "none", "mxfp8"), doc="another name for format"),
-        "scale_mode": Key("floor", (str,), choices=("floor", "rceil"), doc="MX block scale rounding"),
-        "include": Key(["*"], (list,), check=_str_list, doc="module-name globs of the Linear layers / experts to swap"),
-        "exclude": Key(["lm_head"], (list,), check=_str_list, doc="globs kept in high precision"),
-        "rtol": Key(None, _NUM + (type(None),), check=_positive,
-                    doc="bound on the MXFP8 model's logits error before training (null: 0.1 float32, 0.15 bfloat16)"),
+        # 'mxfp8': nn.Linear -> MXFP8Linear and MegaMoE experts' GEMMs in MXFP8
+        "format": Key("none", (str,), choices=("none", "mxfp8")),
+        "linear": Key(None, (str, type(None)), choices=(None, "none", "mxfp8")),  # another name for format
+        "scale_mode": Key("floor", (str,), choices=("floor", "rceil")),  # MX block scale rounding
+        "include": Key(["*"], (list,), check=_str_list),  # module-name globs of the Linear layers / experts to swap
+        "exclude": Key(["lm_head"], (list,), check=_str_list),  # globs kept in high precision
+        # bound on the MXFP8 model's logits error before training (null: 0.1 float32, 0.15 bfloat16)
+        "rtol": Key(None, _NUM + (type(None),), check=_positive),
     },
     "replace": {
-        "rules": Key([], (list,), check=_rules, doc="the replacement plan: list of {match, type, with, options}"),
-        "check_outputs": Key(True, (bool,), doc="compare the replaced model's logits with the original's before training"),
-        "rtol": Key(None, _NUM + (type(None),), check=_positive,
-                    doc="relative tolerance of that check (null: 1e-5 float32, 2e-2 bfloat16)"),
+        "rules": Key([], (list,), check=_rules),  # the replacement plan: list of {match, type, with, options}
+        "check_outputs": Key(True, (bool,)),  # compare the replaced model's logits with the original's before training
+        # relative tolerance of that check (null: 1e-5 float32, 2e-2 bfloat16)
+        "rtol": Key(None, _NUM + (type(None),), check=_positive),
     },
     "checkpoint": {
-        "interval": Key(0, (int,), check=_non_negative, doc="steps between checkpoints; 0 saves only at the end"),
-        "dir": Key(None, _OPT_STR, doc="checkpoint directory (default: <run.out_dir>/checkpoints)"),
-        "resume": Key(False, (bool, str), doc="true: resume from the latest checkpoint in dir; a path: from that one"),
-        "keep": Key(2, (int,), check=_positive, doc="checkpoints kept on disk"),
-        "stop_after": Key(None, (int, type(None)), check=_positive, doc="stop (after saving) once this step is done; for tests and preemption"),
+        "interval": Key(0, (int,), check=_non_negative),  # steps between checkpoints; 0 saves only at the end
+        "dir": Key(None, _OPT_STR),  # checkpoint directory (default: <run.out_dir>/checkpoints)
+        "resume": Key(False, (bool, str)),  # true: resume from the latest checkpoint in dir; a path: from that one
+        "keep": Key(2, (int,), check=_positive),  # checkpoints kept on disk
+        # stop (after saving) once this step is done; for tests and preemption
+        "stop_after": Key(None, (int, type(None)), check=_positive),
     },
     "trace": {
-        "steps": Key([], (list,), check=_int_list, doc="steps (1-based) whose forward/backward are recorded"),
-        "dir": Key(None, _OPT_STR, doc="trace directory (default: <run.out_dir>/traces)"),
-        "perfetto": Key(True, (bool,), doc="also write Chrome Trace Event JSON that Perfetto opens"),
+        "steps": Key([], (list,), check=_int_list),  # steps (1-based) whose forward/backward are recorded
+        "dir": Key(None, _OPT_STR),  # trace directory (default: <run.out_dir>/traces)
+        "perfetto": Key(True, (bool,)),  # also write Chrome Trace Event JSON that Perfetto opens
     },
 }
 
@@ -270,8 +300,11 @@ def _cross_checks(cfg: Config) -> list[str]:
         problems.append("model.path: required when model.kind is 'path'")
     if m.get("kind") == "path" and m.get("config"):
         problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
-    if d.get("source") == "text" and not d.get("path"):
-        problems.append("data.path: required when data.source is 'text'")
+    if d.get("source") == "files" and not d.get("path"):
+        problems.append("data.path: required when data.source is 'files'")
+    ev = cfg["eval"]
+    if d.get("source") == "files" and ev.get("interval") and not (ev.get("path") or ev.get("holdout_docs")):
+        problems.append("eval.interval: evaluating files needs eval.path or eval.holdout_docs")
     par, lp = cfg["parallel"], cfg["low_precision"]
     cp, seq = par.get("cp_size"), d.get("seq_len")
     if isinstance(cp, int) and isinstance(seq, int) and cp > 0 and seq % cp:

@@ -1,15 +1,30 @@
-"""Token streams for training: a seeded synthetic stream and a local text file (byte tokens).
+"""Token streams for training: rows of ``seq_len + 1`` tokens with each token's position in its document.
 
-Batches are a pure function of ``(seed, step, rank)``, so the data position of a run is
-its step number: resuming at step k reads exactly the batches an uninterrupted run reads.
+A stream hands out global rows in order (:meth:`read`); every data rank reads the same rows and
+keeps its own, so 2 micro-batches of 4 rows see exactly the rows one batch of 8 sees, and one
+process accumulating D micro-batches reads what D data ranks read. Its :meth:`state` rides in
+checkpoints, so a resume continues the same stream, at any world size.
+
+- ``synthetic``: a seeded random bigram chain; row ``i`` is a pure function of ``(seed, i)``.
+- ``files``: jsonl / json, parquet or text files (text: one document per paragraph) streamed by
+  ``datasets`` (``streaming=True``), shuffled in a buffer if asked (seeded by the seed and the
+  epoch), tokenized by a transformers tokenizer (a directory, or a ``tokenizers`` ``tokenizer.json``;
+  none: UTF-8 bytes, vocab >= 256) with its EOS token closing each document, and **packed**:
+  documents follow each other in the rows. Positions restart at 0 where a document (or a row)
+  starts; given as ``position_ids``, they confine attention to the document (transformers masks
+  packed sequences by them), and the label of a document's first token is masked (-100).
 """
 from __future__ import annotations
 
+import glob
 import os
+from typing import Any
 
 import torch
 
 from megaloom.runtime.errors import ConfigError
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text", ".md": "text"}
 
 
 class SyntheticTokens:
@@ -21,55 +36,146 @@ class SyntheticTokens:
 
     def __init__(self, vocab: int, seq_len: int, batch_size: int, seed: int, branching: int = 2):
         gen = torch.Generator().manual_seed(seed)
-        self.vocab, self.seq_len, self.batch_size, self.seed = vocab, seq_len, batch_size, seed
+        self.vocab, self.seq_len, self.batch_size, self.seed, self.row = vocab, seq_len, batch_size, seed, 0
         self.successors = torch.randint(0, vocab, (vocab, branching), generator=gen)
 
-    def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
-        """Token ids ``[batch_size, seq_len + 1]`` (inputs are ``[:, :-1]``, labels ``[:, 1:]``)."""
-        gen = torch.Generator().manual_seed(_mix(self.seed, step, rank))
-        b, n = self.batch_size, self.seq_len + 1
-        out = torch.empty(b, n, dtype=torch.long)
-        out[:, 0] = torch.randint(0, self.vocab, (b,), generator=gen)
-        choice = torch.randint(0, self.successors.shape[1], (b, n - 1), generator=gen)
-        for t in range(1, n):
+    def rows(self, start: int, count: int) -> torch.Tensor:
+        """Token ids of rows ``start .. start + count - 1``: ``[count, seq_len + 1]``."""
+        gens = [torch.Generator().manual_seed(_mix(self.seed, start + i, 0)) for i in range(count)]
+        out = torch.empty(count, self.seq_len + 1, dtype=torch.long)
+        out[:, 0] = torch.cat([torch.randint(0, self.vocab, (1,), generator=g) for g in gens])
+        choice = torch.stack([torch.randint(0, self.successors.shape[1], (self.seq_len,), generator=g) for g in gens])
+        for t in range(1, self.seq_len + 1):
             out[:, t] = self.successors[out[:, t - 1], choice[:, t - 1]]
         return out
 
-
-class TextTokens:
-    """Byte-level tokens of a local text file; windows drawn in a seeded order per epoch."""
-
-    def __init__(self, path: str | os.PathLike, vocab: int, seq_len: int, batch_size: int, seed: int):
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except OSError as e:
-            raise ConfigError(f"data.path: cannot read {path}: {e.strerror}") from None
-        if not raw:
-            raise ConfigError(f"data.path: {path} is empty")
-        if vocab < 256:
-            raise ConfigError(f"data.source 'text' uses byte tokens: model vocab_size must be >= 256, got {vocab}")
-        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
-        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
-        self.windows = (len(self.tokens) - 1) // seq_len
-        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, window permutation)
-        if self.windows < 1:
-            raise ConfigError(f"data.path: {path} has {len(self.tokens)} bytes, fewer than data.seq_len + 1 = {seq_len + 1}")
-
     def batch(self, step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
-        """Rows ``(step * world + rank) * batch_size + i`` of the epoch-wise shuffled windows."""
-        rows = []
-        for i in range(self.batch_size):
-            epoch, pos = divmod((step * world + rank) * self.batch_size + i, self.windows)
-            start = int(self._epoch_order(epoch)[pos]) * self.seq_len
-            rows.append(self.tokens[start:start + self.seq_len + 1])
-        return torch.stack(rows)
+        """Rank ``rank``'s ``batch_size`` rows of 0-based ``step`` when ``world`` ranks read a batch each."""
+        return self.rows((step * world + rank) * self.batch_size, self.batch_size)
 
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        if self._order is None or self._order[0] != epoch:
-            gen = torch.Generator().manual_seed(_mix(self.seed, epoch, 0))
-            self._order = (epoch, torch.randperm(self.windows, generator=gen))
-        return self._order[1]
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``count`` rows: (tokens, positions), each ``[count, seq_len + 1]``."""
+        tokens = self.rows(self.row, count)
+        self.row += count
+        return tokens, torch.arange(self.seq_len + 1).expand(count, -1)
+
+    def state(self) -> dict[str, int]:
+        return {"row": self.row}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.row = int(state["row"])
+
+
+class DocumentStream:
+    """Documents of local files, tokenized and packed into rows (see the module doc).
+
+    ``skip`` / ``take``: leave out the first ``skip`` documents, or keep only the first ``take``
+    (a held-out eval split). The state is ``(epoch, document, offset)`` of the next token.
+    """
+
+    def __init__(self, path: str, tokenizer: str | None, seq_len: int, seed: int, field: str = "text",
+                 shuffle_buffer: int = 0, skip: int = 0, take: int | None = None, vocab: int | None = None):
+        self.files, self.builder = _files(path)
+        self.path, self.field, self.seq_len, self.seed, self.shuffle = path, field, seq_len, seed, shuffle_buffer
+        self.tokenizer = load_tokenizer(tokenizer, vocab)
+        try:
+            import datasets
+        except ImportError:
+            raise ConfigError("data.source: files are read with 'datasets' (pip install 'megaloom[train]')") from None
+        options = {"sample_by": "paragraph"} if self.builder == "text" else {}
+        ds = datasets.load_dataset(self.builder, data_files=self.files, split="train", streaming=True, **options)
+        ds = ds.skip(skip) if skip else ds  # before shuffling: the held-out documents stay out of every epoch
+        self.dataset = ds.take(take) if take is not None else ds
+        self.load({"epoch": 0, "doc": 0, "offset": 0})
+        self._current = self._next_document()  # the files are read (and checked) now, not at the first step
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "doc": self.doc, "offset": self.offset}
+
+    def load(self, state: dict[str, int]) -> None:
+        self.epoch, self.doc, self.offset = (int(state[k]) for k in ("epoch", "doc", "offset"))
+        self._docs = self._current = None
+
+    def _documents(self):
+        ds = self.dataset
+        if self.shuffle:
+            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle)
+            ds.set_epoch(self.epoch)
+        return iter(ds.skip(self.doc))
+
+    def _next_document(self) -> torch.Tensor:
+        """Tokens of the next non-empty document (the next epoch's first after the last)."""
+        restarted = False
+        while True:
+            if self._docs is None:
+                self._docs = self._documents()
+            record = next(self._docs, None)
+            if record is None:
+                if restarted:
+                    raise ConfigError(f"data.path: {self.path} has no documents with tokens in it")
+                self.epoch, self.doc, self._docs, restarted = self.epoch + 1, 0, None, True
+                continue
+            ids = self._encode(record)
+            if len(ids):
+                return ids
+            self.doc += 1
+
+    def _encode(self, record: dict[str, Any]) -> torch.Tensor:
+        text = record.get(self.field)
+        if not isinstance(text, str):
+            raise ConfigError(f"data.text_field: a record of {self.path} has no text field {self.field!r} "
+                              f"(fields: {', '.join(record)})")
+        if self.tokenizer is None:
+            return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long()
+        ids = self.tokenizer.encode(text)
+        eos = self.tokenizer.eos_token_id
+        return torch.tensor(ids + [eos] if eos is not None and ids[-1:] != [eos] else ids, dtype=torch.long)
+
+    def read(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ``count`` packed rows: (tokens, positions in the document), each ``[count, seq_len + 1]``."""
+        n = self.seq_len + 1
+        tokens, positions = torch.empty(count, n, dtype=torch.long), torch.empty(count, n, dtype=torch.long)
+        for r in range(count):
+            filled = 0
+            while filled < n:
+                if self._current is None:
+                    self._current = self._next_document()
+                piece = self._current[self.offset:self.offset + n - filled]
+                tokens[r, filled:filled + len(piece)] = piece
+                positions[r, filled:filled + len(piece)] = torch.arange(len(piece))
+                filled, self.offset = filled + len(piece), self.offset + len(piece)
+                if self.offset == len(self._current):
+                    self.doc, self.offset, self._current = self.doc + 1, 0, None
+        return tokens, positions
+
+
+def load_tokenizer(path: str | None, vocab: int | None = None) -> Any:
+    """A transformers tokenizer from a directory or a ``tokenizer.json`` (None: byte tokens), checked against
+    ``vocab``."""
+    tok, size = None, 256
+    if path is not None:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+        try:
+            tok = (PreTrainedTokenizerFast(tokenizer_file=path) if os.path.isfile(path)
+                   else AutoTokenizer.from_pretrained(path, local_files_only=True))
+        except Exception as e:  # transformers and tokenizers raise their own types
+            raise ConfigError(f"data.tokenizer: cannot load a tokenizer from {path!r}: {e}") from None
+        size = len(tok)
+    if vocab is not None and size > vocab:
+        raise ConfigError(f"data.tokenizer: {path or 'byte tokens'} has {size} tokens, more than the model's "
+                          f"vocab_size {vocab}")
+    return tok
+
+
+def _files(path: str) -> tuple[list[str], str]:
+    """The data files of ``path`` (a file, a directory or a glob) and their ``datasets`` builder."""
+    files = sorted(glob.glob(os.path.join(path, "*")) if os.path.isdir(path) else glob.glob(path))
+    files = [f for f in files if os.path.isfile(f) and (os.path.splitext(f)[1] in BUILDERS or not os.path.isdir(path))]
+    builders = {BUILDERS.get(os.path.splitext(f)[1]) for f in files}
+    if not files or None in builders or len(builders) > 1:
+        raise ConfigError(f"data.path: {path!r} names no files of one kind ({', '.join(BUILDERS)})")
+    return files, builders.pop()
 
 
 def _mix(seed: int, step: int, rank: int) -> int:
@@ -77,8 +183,16 @@ def _mix(seed: int, step: int, rank: int) -> int:
     return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (1 << 63)
 
 
-def make_stream(data_cfg: dict, vocab: int, seed: int) -> SyntheticTokens | TextTokens:
-    """The stream described by a validated ``data`` config section."""
-    if data_cfg["source"] == "text":
-        return TextTokens(data_cfg["path"], vocab, data_cfg["seq_len"], data_cfg["batch_size"], seed)
-    return SyntheticTokens(vocab, data_cfg["seq_len"], data_cfg["batch_size"], seed, data_cfg["branching"])
+def make_stream(cfg: dict, vocab: int, seed: int, split: str = "train") -> SyntheticTokens | DocumentStream:
+    """The ``train`` or ``eval`` stream of a validated config (``data`` and ``eval`` sections)."""
+    d, ev = cfg["data"], cfg["eval"]
+    if d["source"] == "synthetic":
+        stream = SyntheticTokens(vocab, d["seq_len"], d["batch_size"], seed, d["branching"])
+        stream.row = 1 << 48 if split == "eval" else 0  # eval rows: far from any training row
+        return stream
+    held = 0 if ev["path"] else ev["holdout_docs"]
+    if split == "eval":
+        return DocumentStream(ev["path"] or d["path"], d["tokenizer"], d["seq_len"], seed, d["text_field"],
+                              take=held or None, vocab=vocab)
+    return DocumentStream(d["path"], d["tokenizer"], d["seq_len"], seed, d["text_field"], d["shuffle_buffer"],
+                          skip=held, vocab=vocab)

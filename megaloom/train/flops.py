@@ -2,37 +2,34 @@
 
 Training a token costs 3x its forward (backward: twice the forward's matmuls):
 
-    forward = 2 x (weights of every Linear, the routers, and top_k / E of each MoE block's experts)
+    forward = 2 x (the matrices a token goes through: every weight of 2 or more dimensions but the
+                   embeddings', the routed experts' counted top_k / E)
             + 2 x layers x seq_len x heads x (qk_head_dim + v_head_dim)      (scores and weighted sum)
 
-The attention term counts the whole sequence, as the usual MFU definition does (PaLM,
-appendix B), also under a causal mask. Embedding look-ups are free. Counted on the whole
-(unsharded) model, before any parallel split.
+Counted from shapes alone, so every model counts, MoE blocks megaloom swaps or not. The attention
+term counts the whole sequence, as the usual MFU definition does (PaLM, appendix B), also under a
+causal mask. Embedding look-ups are free. Counted on the whole (unsharded) model, before any split.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import block_parts, is_moe_block
+from megaloom.models.hf_moe import ROUTER_NAMES, is_moe_block
+from megaloom.runtime.errors import ConfigError
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token of a transformers causal LM."""
-    weights, inside = 0.0, set()
-    for name, mod in model.named_modules():
-        if any(name.startswith(p + ".") for p in inside):
-            continue
-        if is_moe_block(mod):
-            parts = block_parts(mod)
-            weights += 3 * parts.hidden * parts.inter * parts.top_k + parts.router.weight.numel()
-            for extra in (parts.shared, parts.shared_gate):
-                if extra is not None:
-                    weights += sum(m.weight.numel() for m in extra.modules() if isinstance(m, nn.Linear))
-            inside.add(name)
-        elif isinstance(mod, nn.Linear):
-            weights += mod.weight.numel()
-    cfg = model.config
+    cfg, share = model.config, {}  # id of a module among routed experts -> the share of them a token runs through
+    for block in model.modules():
+        if is_moe_block(block):
+            router = next(getattr(block, n) for n in ROUTER_NAMES if hasattr(block, n))
+            experts = next(p for p in router.parameters() if p.dim() == 2).shape[0]
+            top_k = getattr(router, "top_k", None) or getattr(block, "top_k", None) or cfg.num_experts_per_tok
+            share |= {id(m): top_k / experts for m in block.experts.modules()}
+    weights = sum(p.numel() * share.get(id(m), 1.0) for m in model.modules() if not isinstance(m, nn.Embedding)
+                  for p in m.parameters(recurse=False) if p.dim() >= 2)
     layers, heads = cfg.num_hidden_layers, cfg.num_attention_heads
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     qk = getattr(cfg, "qk_nope_head_dim", 0) + getattr(cfg, "qk_rope_head_dim", 0) or head
@@ -40,9 +37,10 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     return 3 * (2 * weights + 2 * layers * seq_len * heads * (qk + v))
 
 
-def peak_flops(hardware: str | None, dtype: str) -> float | None:
-    """Peak matmul FLOP/s of one rank from hardware profile ``hardware`` (None: no MFU). ``auto``: ``cpu``
-    without CUDA, else the profile whose name is in the GPU's name (``h100`` in "NVIDIA H100 80GB HBM3"), or None."""
+def peak_flops(hardware: str | None, dtype: str) -> tuple[float | None, str]:
+    """(peak matmul FLOP/s of one rank, where it comes from) from hardware profile ``hardware`` (None: no MFU).
+    ``auto``: ``cpu`` without CUDA, else the profile whose name is in the GPU's name (``h100`` in "NVIDIA H100
+    80GB HBM3"), or None."""
     from megaloom.scheduler.profile import list_profiles, load_profile
 
     if hardware == "auto":
@@ -52,5 +50,11 @@ def peak_flops(hardware: str | None, dtype: str) -> float | None:
         else:
             hardware = "cpu"
     if hardware is None:
-        return None
-    return load_profile(hardware).peak("cube", {"float32": "fp32", "bfloat16": "bf16"}[dtype])
+        return None, "no hardware profile"
+    try:
+        profile = load_profile(hardware)
+    except ConfigError as e:
+        raise ConfigError(f"run.hardware: {e}") from None
+    precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
+    return profile.peak("cube", precision), (f"hardware profile {hardware!r}, peak.cube {precision} "
+                                             f"({profile.sources.get('peak.cube', 'no source given')})")

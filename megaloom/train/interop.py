@@ -150,9 +150,9 @@ def load_model(cfg: dict, path: str | None) -> torch.nn.Module:
     return model.eval()
 
 
-def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print) -> str:
-    """``model.save_pretrained`` into ``out_dir``, atomically: written beside it, then renamed into place.
-    ``out_dir`` must not exist yet (or be empty). Every file gets the mode the umask gives (safetensors
+def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] = print, tokenizer: Any = None) -> str:
+    """``model.save_pretrained`` (and ``tokenizer``'s) into ``out_dir``, atomically: written beside it, then renamed
+    into place. ``out_dir`` must not exist yet (or be empty). Every file gets the mode the umask gives (safetensors
     alone writes 0600)."""
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
@@ -161,6 +161,8 @@ def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] =
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         for entry in os.scandir(tmp):
             os.chmod(entry.path, (0o777 if entry.is_dir() else 0o666) & ~umask())
     except OSError as e:

@@ -41,8 +41,8 @@ def test_model_config_value_of_the_wrong_type(tmp_path):
 def test_empty_data_file(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_bytes(b"")
-    with pytest.raises(ConfigError, match="is empty"):
-        Trainer(tiny_config(tmp_path, data={"source": "text", "path": str(empty)}, model={"config": {"vocab_size": 256}}))
+    with pytest.raises(ConfigError, match="has no documents with tokens in it"):
+        Trainer(tiny_config(tmp_path, data={"source": "files", "path": str(empty)}, model={"config": {"vocab_size": 256}}))
 
 
 def test_unwritable_out_dir_before_any_work(tmp_path):

@@ -21,7 +21,7 @@ def test_all_problems_listed_with_allowed_values():
     assert "optimizer.name: got 'lamb', expected one of 'adamw', 'sgd'" in msg
     assert "optimizer.lr: got -1, must be > 0" in msg
     assert "unknown key optimizer.betaz; allowed: name, lr," in msg
-    assert "data.source: got 'web', expected one of 'synthetic', 'text'" in msg
+    assert "data.source: got 'web', expected one of 'synthetic', 'files'" in msg
     assert "parallel.fsdp: got 'yes', expected true/false" in msg
     assert "unknown section 'bogus'" in msg
 
@@ -31,8 +31,8 @@ def test_types_and_cross_checks():
         validate({"schedule": {"steps": 2.5}})
     with pytest.raises(ConfigError, match=r"run.log_interval: got True, expected an integer"):
         validate({"run": {"log_interval": True}})
-    with pytest.raises(ConfigError, match=r"data.path: required when data.source is 'text'"):
-        validate({"data": {"source": "text"}})
+    with pytest.raises(ConfigError, match=r"data.path: required when data.source is 'files'"):
+        validate({"data": {"source": "files"}})
     with pytest.raises(ConfigError, match=r"trace.steps\[0\]: step 9 outside 1..5"):
         validate({"schedule": {"steps": 5}, "trace": {"steps": [9]}})
     assert validate({"optimizer": {"lr": 1}})["optimizer"]["lr"] == 1  # ints are numbers

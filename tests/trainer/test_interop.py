@@ -16,7 +16,7 @@ from megaloom.train.interop import load_model, read_metadata
 from megaloom.train.optim import make_optimizer
 from megaloom.train.trainer import Trainer, causal_lm_loss
 
-from .tiny import max_rel_err, tiny_config, tiny_raw
+from .tiny import max_rel_err, tiny_config, tiny_raw, write_corpus
 
 MOE_GATE = {"rules": [{"match": "model.layers.*.mlp", "with": "mega_moe", "options": {"gate": "mega_gate"}}]}
 
@@ -46,7 +46,7 @@ def test_torch_loads_a_megaloom_checkpoint(tmp_path):
 def test_megaloom_resumes_from_a_torch_checkpoint(tmp_path):
     cfg = tiny_config(tmp_path / "torch", steps=4)
     model, opt = _torch_side(cfg)
-    data = make_stream(cfg["data"], 128, 0)
+    data = make_stream(cfg, 128, 0)
     for step in range(2):  # a torch training loop: constant lr, no clipping
         causal_lm_loss(model, data.batch(step, 0, 1)).backward()
         opt.step()
@@ -85,9 +85,10 @@ def test_torch_metadata_is_never_unpickled_freely(tmp_path):
 
 def test_export_hf_loads_with_from_pretrained_and_identical_logits(tmp_path, capsys):
     import yaml
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    raw = tiny_raw(tmp_path / "run", "deepseek_v3", steps=2, replace=MOE_GATE)
+    _, tokenizer = write_corpus(tmp_path)
+    raw = tiny_raw(tmp_path / "run", "deepseek_v3", steps=2, replace=MOE_GATE, data={"tokenizer": tokenizer})
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(raw))
     assert main(["train", str(f)]) == 0
@@ -100,6 +101,8 @@ def test_export_hf_loads_with_from_pretrained_and_identical_logits(tmp_path, cap
         want = trainer.model.eval()(input_ids=ids, use_cache=False).logits
         got = hf(input_ids=ids, use_cache=False).logits
     assert type(hf).__name__ == "DeepseekV3ForCausalLM" and max_rel_err(got, want) < 1e-5
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)  # the tokenizer beside it
+    assert exported.encode("the lazy dog") == AutoTokenizer.from_pretrained(tokenizer).encode("the lazy dog")
     with torch.no_grad():  # the plain model on the checkpoint's weights: the very same logits
         assert torch.equal(load_model(trainer.cfg, None)(input_ids=ids, use_cache=False).logits, got)
     assert main(["export", str(f), "--hf", str(tmp_path / "hf")]) == 2  # never over an existing export

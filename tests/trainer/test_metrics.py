@@ -21,8 +21,10 @@ def test_flops_per_token_counts_weights_routed_experts_and_attention(tmp_path):
 
 
 def test_peak_flops_from_profiles():
-    assert peak_flops("cpu", "float32") == 1.0e11 and peak_flops("h100", "bfloat16") > 1e14
-    assert peak_flops(None, "float32") is None
+    peak, source = peak_flops("cpu", "float32")
+    assert peak == 1.0e11 and source == "hardware profile 'cpu', peak.cube fp32 (estimate: AVX2 FMA fp32; " \
+        "bf16/fp16 without native support)"
+    assert peak_flops("h100", "bfloat16")[0] > 1e14 and peak_flops(None, "float32") == (None, "no hardware profile")
     assert peak_flops("auto", "float32") == peak_flops("cpu", "float32")  # no CUDA here
     with pytest.raises(ConfigError, match="unknown hardware profile 'tpu9'"):
         peak_flops("tpu9", "float32")

@@ -8,10 +8,11 @@ from megaloom.comm.spawn import run_world
 from megaloom.runtime.errors import ConfigError
 from megaloom.train.trainer import Trainer
 
-from .tiny import tiny_config
+from .tiny import tiny_config, write_corpus
 
 STEPS = 4
 MOE = {"rules": [{"match": "model.layers.*.mlp", "with": "mega_moe"}]}
+MOE_GATE = {"rules": [{"match": "model.layers.*.mlp", "with": "mega_moe", "options": {"gate": "mega_gate"}}]}
 UNEVEN = {"config": {"vocab_size": 129}}  # embedding / lm_head rows split unevenly
 QWEN_KV4 = {"config": {"vocab_size": 129, "num_key_value_heads": 4}}  # 4 KV heads: tp 4 splits them
 
@@ -26,6 +27,10 @@ TWO = {
                                         "model": UNEVEN}),
     "ds_tp2+fsdp": ("deepseek_v3", {"parallel": {"tp_size": 2, "fsdp": True}}),
     "ds_cp2+ep2": ("deepseek_v3", {"parallel": {"cp_size": 2, "ep_size": 2}, "replace": MOE}),
+    "ep2+aux_loss": ("qwen3_moe", {"parallel": {"ep_size": 2}, "replace": MOE_GATE, "model": UNEVEN,
+                                   "moe": {"balance": "aux_loss", "aux_loss_coef": 0.5}}),
+    "ds_ep2+bias": ("deepseek_v3", {"parallel": {"ep_size": 2}, "replace": MOE_GATE,
+                                    "moe": {"balance": "bias", "bias_rate": 0.05}}),
     "dp2+accum2": ("qwen3_moe", {"optimizer": {"grad_accum_steps": 2}, "model": UNEVEN}),
     "fsdp+muon": ("qwen3_moe", {"parallel": {"fsdp": True}, "optimizer": {"name": "muon", "lr": 1e-2},
                                 "model": {"config": {"vocab_size": 129, "num_hidden_layers": 1, "num_experts": 4}}}),
@@ -77,7 +82,10 @@ def _check(tmp_path, cases, world):
 
 @pytest.mark.dist
 def test_two_ranks_match_one_process(tmp_path):
-    _check(tmp_path, TWO, 2)
+    """... and context parallelism keeps packed documents apart (a jsonl corpus, BPE tokens)."""
+    path, tokenizer = write_corpus(tmp_path)
+    packed = {"data": {"source": "files", "path": path, "tokenizer": tokenizer}, "model": UNEVEN}
+    _check(tmp_path, {**TWO, "cp2_packed": ("qwen3_moe", {"parallel": {"cp_size": 2}, **packed})}, 2)
 
 
 @pytest.mark.dist

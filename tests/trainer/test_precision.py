@@ -8,7 +8,7 @@ from megaloom.models.hf_moe import build_model
 from megaloom.models.plan import apply_config_plan, probe_logits
 from megaloom.train.trainer import Trainer
 
-from .tiny import max_rel_err, tiny_config
+from .tiny import QWEN3_MOE, max_rel_err, tiny_config
 
 MOE_GATE = [{"match": "model.layers.*.mlp", "with": "mega_moe", "options": {"gate": "mega_gate"}}]
 
@@ -51,3 +51,18 @@ def test_autocast_on_a_float32_model(tmp_path):
         got, theirs = probe_logits(swapped, 128, 16, 0), probe_logits(model, 128, 16, 0)
     # autocast's own error: the transformers model measured 3.9e-2 off its float32 logits, the swapped one 1.9e-2
     assert 1e-3 < max_rel_err(got, exact) < max_rel_err(theirs, exact)
+
+
+@pytest.mark.slow
+def test_autocast_and_compile_keys(tmp_path):
+    """``model.autocast`` trains under torch.autocast; ``model.compile`` compiles every decoder layer (aot_eager
+    and dense layers here: inductor builds C++ for minutes on a CPU, and the routing of transformers' MoE
+    blocks recompiles) and trains like eager."""
+    dense = {"config": {**QWEN3_MOE, "mlp_only_layers": [0, 1]}}
+    eager = [r.loss for r in Trainer(tiny_config(tmp_path / "a", steps=2, model=dense)).fit()]
+    compiled = Trainer(tiny_config(tmp_path / "b", steps=2, model={**dense, "compile": "aot_eager"}))
+    layers = compiled.base_model.model.layers
+    assert all(layer._compiled_call_impl is not None for layer in layers)
+    assert [r.loss for r in compiled.fit()] == pytest.approx(eager, rel=1e-5)
+    autocast = [r.loss for r in Trainer(tiny_config(tmp_path / "c", steps=2, model={**dense, "autocast": "bfloat16"})).fit()]
+    assert autocast != eager and autocast == pytest.approx(eager, rel=2e-2)

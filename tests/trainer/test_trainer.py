@@ -100,13 +100,14 @@ def test_local_checkpoint_model_and_text_data(tmp_path):
     build_model(cfg["model"], seed=0).save_pretrained(tmp_path / "ckpt")  # a local "pretrained" model
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    raw = tiny_raw(tmp_path / "run", steps=1, data={"source": "text", "path": str(text)})
+    raw = tiny_raw(tmp_path / "run", steps=1, data={"source": "files", "path": str(text)})
     raw["model"] = {"kind": "path", "path": str(tmp_path / "ckpt")}
     local = validate(raw)
     fresh = tiny_config(tmp_path / "run2", steps=1, model={"config": {**QWEN3_MOE, "vocab_size": 256}},
-                        data={"source": "text", "path": str(text)})
+                        data={"source": "files", "path": str(text)})
     assert _losses(local) == _losses(fresh)  # same weights loaded from disk, same text batches
     with pytest.raises(ConfigError, match="is not a local directory"):
-        Trainer(validate({**raw, "model": {"kind": "path", "path": str(tmp_path / "nope")}}))
+        Trainer(validate({**raw, "run": {"out_dir": str(tmp_path / "run3")},
+                          "model": {"kind": "path", "path": str(tmp_path / "nope")}}))
     with pytest.raises(ConfigError, match="model.config: not used when model.kind is 'path'"):
         validate({**raw, "model": {"kind": "path", "path": "x", "config": {"hidden_size": 8}}})

@@ -2,15 +2,18 @@
 
 Everything but attention works token by token, so only attention needs the other ranks:
 its keys and values are all-gathered along the sequence (rank order is position order),
-and this rank's queries attend causally to the positions before them:
+and this rank's queries attend causally to the positions before them, within their document
+(packed rows: a document starts where ``position_ids``, gathered too, restart at 0) and within
+the layer's sliding window if it has one:
 
-    q  [B, H, S/cp, d]  positions  r*S/cp ... (r+1)*S/cp - 1
+    q  [B, H, S/cp, d]  row positions  r*S/cp ... (r+1)*S/cp - 1
     K, V  all-gathered  [B, Hkv, S, d]      backward: gradients reduce-scattered (summed)
 
 It plugs in as a transformers attention function (``AttentionInterface`` entry
-``megaloom_cp``), so the model code is untouched; rotary embeddings get the global
-positions through ``position_ids``. Supported: the attention of Qwen3-MoE and DeepSeek-V3
-(MLA: keys and values of different head sizes) without sliding windows.
+``megaloom_cp``), so the model code is untouched; rotary embeddings get the positions through
+``position_ids``. Supported: every model whose attention runs through transformers' SDPA
+interface (``_supports_sdpa``; keys and values may differ in head size, as in MLA), without
+attention sinks or chunked attention.
 """
 from __future__ import annotations
 
@@ -23,7 +26,6 @@ from torch import nn
 from megaloom.runtime.errors import ConfigError
 
 NAME = "megaloom_cp"
-SUPPORTED = ("Qwen3MoeAttention", "DeepseekV3Attention")
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -47,14 +49,26 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **_kwargs: Any):
+              attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
+              sliding_window: int | None = None, position_ids: torch.Tensor | None = None, **kwargs: Any):
     """The transformers attention-function signature; ``module.megaloom_cp`` is the context-parallel communicator."""
     comm = module.megaloom_cp
+    if position_ids is None or kwargs.get("s_aux") is not None:
+        raise ConfigError(f"parallel.cp_size: {type(module).__name__} passes no position_ids to its attention, or "
+                          "attention sinks, which context parallelism does not take")
     key, value = _GatherSequence.apply(key, comm), _GatherSequence.apply(value, comm)
+    local = position_ids.expand(query.shape[0], -1).contiguous()
+    full = local.new_empty((comm.world_size * local.shape[0], local.shape[1]))
+    comm.all_gather(full, local)
+    # [B, S]: the document index of every position (a document starts where its positions restart at 0)
+    docs = (full.view(comm.world_size, *local.shape).movedim(0, 1).flatten(1) == 0).cumsum(1)
     s = query.shape[2]
-    q_pos = torch.arange(s, device=query.device) + comm.rank * s
-    causal = torch.arange(key.shape[2], device=query.device)[None, :] <= q_pos[:, None]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal, dropout_p=dropout, scale=scaling,
+    q_idx = torch.arange(s, device=query.device) + comm.rank * s
+    k_idx = torch.arange(key.shape[2], device=query.device)
+    mask = (k_idx[None, :] <= q_idx[:, None]) & (docs[:, q_idx, None] == docs[:, None, :])
+    if sliding_window:
+        mask &= (q_idx[:, None] - k_idx[None, :] < sliding_window)[None]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[:, None], dropout_p=dropout, scale=scaling,
                                          enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
@@ -63,15 +77,12 @@ def apply(model: nn.Module, comm: Any) -> int:
     """Route ``model``'s attention through :func:`attention` over ``comm``; returns the number of attention modules."""
     from transformers import AttentionInterface
 
-    found = [m for m in model.modules() if type(m).__name__ in SUPPORTED]
-    others = sorted({type(m).__name__ for m in model.modules()
-                     if type(m).__name__.endswith("Attention") and type(m).__name__ not in SUPPORTED})
-    if not found or others:
-        raise ConfigError(f"parallel.cp_size: context parallelism supports {', '.join(SUPPORTED)}; "
-                          f"the model has {', '.join(others) or 'no attention of these kinds'}")
-    if getattr(model.config, "sliding_window", None) and getattr(model.config, "use_sliding_window", False):
-        raise ConfigError("parallel.cp_size: context parallelism does not support sliding-window attention "
-                          "(model.config.use_sliding_window)")
+    found = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+    chunked = getattr(model.config, "attention_chunk_size", None)
+    if not found or not getattr(model, "_supports_sdpa", False) or chunked:
+        raise ConfigError(f"parallel.cp_size: context parallelism takes attention through transformers' SDPA "
+                          f"interface; {type(model).__name__} has " + ("chunked attention" if chunked else
+                          "no such attention"))
     AttentionInterface.register(NAME, attention)
     for m in found:
         m.megaloom_cp = comm
@@ -79,12 +90,12 @@ def apply(model: nn.Module, comm: Any) -> int:
     return len(found)
 
 
-def split(tokens: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``tokens [B, S+1]`` -> this rank's (inputs, labels, position ids) of part ``rank`` of ``size``."""
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    if size == 1:
-        return inputs, labels, None
-    s = inputs.shape[1] // size
+def split(tokens: torch.Tensor, positions: torch.Tensor | None, rank: int, size: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tokens [B, S+1]`` and their ``positions`` in their documents (None: one document a row) -> this
+    rank's (inputs, labels, position ids) of part ``rank`` of ``size``; a document's first token is no label (-100)."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens) if positions is None else positions
+    labels = tokens[:, 1:].masked_fill(positions[:, 1:] == 0, -100)
+    s = (tokens.shape[1] - 1) // size
     part = slice(rank * s, (rank + 1) * s)
-    positions = torch.arange(rank * s, (rank + 1) * s).expand(inputs.shape[0], -1)
-    return inputs[:, part], labels[:, part], positions
+    return tokens[:, part], labels[:, part], positions[:, part]

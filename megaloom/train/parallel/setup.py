@@ -38,7 +38,7 @@ from megaloom.train.parallel.mesh import Mesh
 
 @dataclass(slots=True)
 class Parallel:
-    """The parallel model and how to feed and sync it; ``data_rank`` / ``data_world`` pick batches."""
+    """The parallel model and how to feed and sync it."""
 
     model: nn.Module
     comm: Any
@@ -52,17 +52,10 @@ class Parallel:
     def world(self) -> int:
         return self.comm.world_size
 
-    @property
-    def data_rank(self) -> int:
-        return self.mesh.coord("dp")
-
-    @property
-    def data_world(self) -> int:
-        return self.mesh.dims.dp
-
-    def inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def inputs(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (inputs, labels, position ids) of ``tokens [B, S+1]`` (its part of the sequence under CP)."""
-        return context.split(tokens, self.mesh.coord("cp"), self.mesh.dims.cp)
+        return context.split(tokens, positions, self.mesh.coord("cp"), self.mesh.dims.cp)
 
     def set_sync(self, sync: bool) -> None:
         """Whether the next backward reduces gradients (False while accumulating micro-batches)."""
@@ -100,11 +93,13 @@ class Parallel:
             self.comm.all_reduce(total, "sum")
         return float(total.sqrt())
 
-    def mean(self, value: torch.Tensor) -> float:
-        t = value.detach().double().reshape(1).clone()
+    def mean(self, value: torch.Tensor) -> float | torch.Tensor:
+        """Mean of ``value`` over every rank: a float for one element, else a float64 tensor (a collective)."""
+        t = value.detach().double().clone().reshape(-1)
         if self.world > 1:
             self.comm.all_reduce(t, "sum")
-        return float(t[0] / self.world)
+        t = (t / self.world).view(value.shape)
+        return float(t) if t.numel() == 1 else t
 
     def checkpoint_params(self) -> dict[str, tuple[torch.Tensor, Any]]:
         """Every parameter and persistent buffer under its name in the model, with its layout: a DTensor

@@ -19,7 +19,13 @@ from megaloom.runtime.plugins import Registry
 if TYPE_CHECKING:
     import torch
 
-ENGINE_KINDS = ("cube", "vector", "comm")
+CUBE, VECTOR, COMM, COPY, HOST = "cube", "vector", "comm", "copy", "host"
+"""The engine kinds, the one table of them: matrix units, vector units, collectives and point-to-point
+transfers, copy (DMA) engines, and the host's threads (imported traces: CPU ops and launches)."""
+ENGINE_KINDS = (CUBE, VECTOR, COMM)
+"""The kinds megaloom's own graphs run on (a chip's engines)."""
+MOVERS = (COMM, COPY)
+"""The kinds whose tasks move bytes rather than compute (costed by their bytes and the link)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -180,14 +180,13 @@ class _Worker:
     """A pool thread. It sleeps on its own lock (``park``), released to wake it: between runs
     until given a job, and inside a run while no unit with ready work is free."""
 
-    __slots__ = ("park", "waiting", "job", "thread", "threads", "unit")
+    __slots__ = ("park", "waiting", "job", "thread", "unit")
 
     def __init__(self, number: int) -> None:
         self.park = threading.Lock()
         self.park.acquire()
         self.waiting = False
         self.job: Callable[[_Worker], None] | None = None
-        self.threads = 0  # this thread's torch intra-op count, as last set
         self.unit = ("", -1)  # the engine unit it holds, for reports
         self.thread = threading.Thread(target=self._loop, name=f"megaloom-worker-{number}", daemon=True)
         self.thread.start()
@@ -378,9 +377,8 @@ class _Run:
         """One worker's part of the run (in a pool thread); it leaves when the run is over.
         A task's completion is :meth:`Core.done` inline, and so is :meth:`Core.pop` of the plain
         FIFO (the dispatch hot path)."""
-        if me.threads != self.threads:  # OpenMP thread counts are per thread
+        if torch.get_num_threads() != self.threads:  # per thread, and others may have set it since
             torch.set_num_threads(self.threads)
-            me.threads = self.threads
         lock, core, parked, free, logs = self.lock, self.core, self.parked, self.free, self.logs
         unmet, succ, push, pop, fifo = core.unmet, core.succ, core.push_of, core.pop, core.fifo
         take, ready, wake = self._take, self._ready, self._wake

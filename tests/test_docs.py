@@ -72,7 +72,7 @@ def test_documented_command_lines_run(tmp_path, monkeypatch, capsys):
         ["trace", "convert", "run.mlt", "-o", "run.json"],
         ["replay", "run.mlt"],
         ["replay", "run.mlt", "--units", "cube=2,vector=4", "--policy", "critical_path"],
-        ["replay", "run.json", "--profile", "h100", "--perfetto", "predicted.json"],
+        ["replay", "run.mlt", "--profile", "h100", "--perfetto", "predicted.json"],
         ["calibrate", "--from", "run.mlt"],
         ["profiles"],
         ["profiles", "h100"],

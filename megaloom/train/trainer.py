@@ -124,6 +124,8 @@ class Trainer:
             _writable_dir(key, path)  # before any work, not at the first save
         resume_from = ckpt.find(cfg["checkpoint"]["resume"], self.ckpt_dir)
         _claim_out_dir(run, self.ckpt_dir, cfg["checkpoint"]["resume"] is not False, self.rank == 0)
+        if self.world > 1:
+            self.comm.barrier()  # every rank has looked before rank 0 writes into out_dir
         self.seed = run["seed"]
         par = cfg["parallel"]
         self.dims = meshes.MeshDims.of(par, self.world)

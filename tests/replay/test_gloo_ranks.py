@@ -2,6 +2,8 @@
 gloo's own threads, seen only as ``gloo:*`` annotations) import as comm tasks with bytes,
 matched across ranks; send/recv pairs match by peer; the host's wait for an async collective
 is derived; a comm what-if moves the replay."""
+import time
+
 import pytest
 
 from megaloom.comm.spawn import run_world
@@ -23,6 +25,8 @@ def _record(comm, out: str) -> int:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         torch.randn(64, 64) @ torch.randn(64, 64)
         dist.all_reduce(x)
+        if rank == 1:
+            time.sleep(0.05)  # rank 0's work.wait() below surely waits (for rank 1 to join)
         work = dist.all_reduce(x[: N // 4], async_op=True)
         torch.randn(32, 32).relu()
         work.wait()

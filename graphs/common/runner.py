@@ -21,6 +21,7 @@ from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.registry import COMM
 from megaloom.runtime.trace import Trace
 
 _RUNNERS: weakref.WeakValueDictionary[int, GraphRunner] = weakref.WeakValueDictionary()
@@ -107,7 +108,7 @@ class GraphRunner:
         # compute tasks on one thread (a second Python thread would only trade the GIL back and forth),
         # blocking comm tasks on threads of their own
         units = self.units or dict.fromkeys(graph.cached("engines", graph.engines), 1)
-        return cls(self.units, policy=make_policy(self.policy), ctx=ctx, workers=1 + units.get("comm", 0))
+        return cls(self.units, policy=make_policy(self.policy), ctx=ctx, workers=1 + units.get(COMM, 0))
 
 
 def runner_for(key: int) -> GraphRunner:

@@ -30,7 +30,8 @@ def parse_spec(cls: type[S], data: Mapping[str, Any], *, what: str = "", also: I
     unknown = [k for k in data if k not in names]
     if unknown:
         refused = f" (unknown {what} options are refused)" if what else ""
-        problems.append(f"unknown option(s) {', '.join(map(str, unknown))}{refused}; known: {', '.join([*names, *also])}")
+        problems.append(f"unknown option(s) {', '.join(map(str, unknown))}{refused}; "
+                        f"known: {', '.join([*names, *also])}")
     for key, value in data.items():
         if key not in names:
             continue

@@ -183,14 +183,12 @@ class MoEGraphBuilder(GraphBuilder):
 
     extras = {"direction": "fwd", "routing": "balanced", "seed": 0, "rank": 0, "dynamic": False}
 
-    def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple:
-        return (synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"])),)
-
-    def kwargs(self, extras: dict[str, Any]) -> dict[str, Any]:
+    def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         dyn = extras["dynamic"]
         if not isinstance(dyn, bool):
             raise ConfigError(f"option dynamic must be true or false, got {dyn!r}")
-        return {"dynamic": True} if dyn else {}
+        counts = synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"]))
+        return (counts,), {"dynamic": True} if dyn else {}
 
     def world(self, spec: str | None = None, **options: Any) -> list[TaskGraph]:
         """``megaloom simulate --graph megamoe:... --world``: every EP rank's graph (``rank = 0 .. ep - 1``,

@@ -176,12 +176,6 @@ MOE_OPS = MoEOps()
 _OPTIONS = {(mx, save): json.dumps({"mx": mx, "save": save}) for mx in ("", *SCALE_MODES) for save in (False, True)}
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on for ``x``'s device type, else ``x``'s dtype."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor,
             down: Tensor, mx: str | None = None) -> Tensor:
     """``out [T, H] = sum_j w[t, j] MLP_{ids[t, j]}(x[t])`` through the MegaMoE graphs of ``runner``.
@@ -192,14 +186,14 @@ def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Te
     parameters in float32); otherwise x and the weights must share a dtype. ``T`` may be 0. ``mx``:
     the expert GEMMs in MXFP8 with this scale rule (``"floor"`` or ``"rceil"``).
     """
-    dt = compute_dtype(x)
     if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
         x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
     if not x.dtype == gate_up.dtype == down.dtype:
         raise ConfigError(f"MegaMoE: hidden states are {x.dtype}, expert weights {gate_up.dtype} / {down.dtype} "
                           "(cast the module with .to(dtype), or run under torch.autocast)")
     ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
-    w = topk_weights.reshape(ids.shape).to(dt)
+    w = topk_weights.reshape(ids.shape).to(x.dtype)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
     options = _OPTIONS.get((mx or "", save))
     if options is None:

@@ -31,7 +31,9 @@ from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
+from megaloom.runtime.registry import (
+    COMM, CUBE, VECTOR, Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference,
+)
 from megaloom.scheduler.cost import DURATION_ATTR
 
 
@@ -231,19 +233,19 @@ def _topk_grad_kernel(ins, outs) -> None:
     outs[0].copy_(moe_topk_grad(*ins))
 
 
-register(OpDef("moe_gather", ("vector", "comm"), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
+register(OpDef("moe_gather", (VECTOR, COMM), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
                doc="rows of src picked by idx (times scale): MoE permute / dispatch packing"))
-register(OpDef("moe_gmm", ("cube",), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
+register(OpDef("moe_gmm", (CUBE,), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
                doc="one grouped-GEMM tile: x @ w[e] (w[e]^T when trans_w)"))
-register(OpDef("moe_wgrad", ("cube",), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
+register(OpDef("moe_wgrad", (CUBE,), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
                doc="expert weight-gradient tile: a^T @ b into [1, k, n]"))
-register(OpDef("swiglu", ("vector",), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
+register(OpDef("swiglu", (VECTOR,), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
                _swiglu_kernel, doc="silu(gate) * up"))
-register(OpDef("swiglu_grad", ("vector",), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
+register(OpDef("swiglu_grad", (VECTOR,), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
                _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
-register(OpDef("moe_unpermute_sum", ("vector",), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
+register(OpDef("moe_unpermute_sum", (VECTOR,), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
                _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))
-register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
+register(OpDef("moe_topk_grad", (VECTOR,), moe_topk_grad, _topk_grad_shape,
                lambda i, o, a: _topk_cost(i[1], i[2], i[0]),
                _topk_grad_kernel, doc="gradient of the top-k weights",
                grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
@@ -426,9 +428,9 @@ def _exchange_ref(row, src, old=None, ctx=None, **attrs):
     return out
 
 
-register(OpDef("moe_dyn", ("cube", "vector"), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel,
+register(OpDef("moe_dyn", (CUBE, VECTOR), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel,
                extra={"in_place": True, "bind": _dyn_bind},
                doc="op attrs['op'] on the live rows of a tile or expert block, read from a plan row"))
-register(OpDef("moe_exchange", ("comm", "vector"), _exchange_ref, _exchange_shape, _exchange_cost,
+register(OpDef("moe_exchange", (COMM, VECTOR), _exchange_ref, _exchange_shape, _exchange_cost,
                _exchange_kernel, context=True, extra={"in_place": True},
                doc="one all-to-all round (chunk) of an expert with run-time split sizes; own rows: a copy"))

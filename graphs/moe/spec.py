@@ -17,6 +17,7 @@ graphs instead (:mod:`.layout`), which take the counts as run-time data too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import accumulate
 from typing import Any, Sequence
 
 import torch
@@ -128,17 +129,10 @@ class Counts:
     recv_off: list[list[int]] = field(init=False)  # [E_l][W + 1]: recv-layout block starts
 
     def __post_init__(self) -> None:
-        mine = self.counts[self.rank]
-        self.send_off = [0]
-        for c in mine:
-            self.send_off.append(self.send_off[-1] + c)
-        self.recv_off, at = [], 0
-        for e in range(self.experts_local):
-            offs = [at]
-            for s in range(self.ep):
-                at += self.counts[s][self.rank * self.experts_local + e]
-                offs.append(at)
-            self.recv_off.append(offs)
+        self.send_off = list(accumulate(self.counts[self.rank], initial=0))
+        El, W = self.experts_local, self.ep
+        at = list(accumulate((self.counts[s][self.rank * El + e] for e in range(El) for s in range(W)), initial=0))
+        self.recv_off = [at[e * W:(e + 1) * W + 1] for e in range(El)]
 
     @property
     def send_rows(self) -> int:
@@ -164,6 +158,15 @@ class Counts:
     def pair(self, src: int, dest: int, e: int) -> int:
         """Rows ``src`` sends to local expert ``e`` of ``dest``."""
         return self.counts[src][dest * self.experts_local + e]
+
+    def round(self, e: int, j: int, combine: bool) -> tuple[list[int], tuple[int, int], tuple[int, int]]:
+        """All-to-all round ``j`` of local expert ``e`` (this rank sends to ``rank + j``, receives from
+        ``rank - j``): the rows each rank ``s`` sends in it, this rank's source and destination blocks."""
+        W, r = self.ep, self.rank
+        to, frm = (r + j) % W, (r - j) % W
+        if combine:  # owner r returns the rows of source `to`; gets its own rows back from `frm`
+            return [self.pair((s + j) % W, s, e) for s in range(W)], self.recv_block(e, to), self.send_block(frm, e)
+        return [self.pair(s, (s + j) % W, e) for s in range(W)], self.send_block(to, e), self.recv_block(e, frm)
 
     def __hash__(self) -> int:  # the offsets follow from rank and counts: counts-built graphs are cached by them
         return hash((self.rank, self.counts))

@@ -15,6 +15,7 @@ from megaloom.graphs.moe.ops import Cut, swiglu_program
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
+from megaloom.runtime.registry import VECTOR
 
 FP8, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
 
@@ -40,7 +41,7 @@ class TaskBuilder:
         """Start stage ``name``; under ``sequential`` it waits for every earlier task.
         A task's ``stage`` tag is the current stage unless it passes its own."""
         if self.sequential and self._stage_tasks:
-            self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine="vector",
+            self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine=VECTOR,
                                         after=self._stage_tasks, tags=self.tags(name))
             self._stage_tasks = []
         self._stage = name
@@ -85,21 +86,17 @@ class TaskBuilder:
                                ((Cut.ROWS, Cut.EXPERT), (Cut.ROWS,)), f"{stage}.e{e}.{a}.c{c0}", e, j,
                                attrs={"trans_w": True} if trans else None)
 
-    def row_tiles(self, op: str, ins: list[Buffer], out: Buffer, stage: str) -> None:
-        """A vector op applied to each row tile of every expert."""
-        for e, a, b, j in self.tiles():
-            self.tile_task(op, [x[a:b] for x in ins], [out[a:b]], ((Cut.ROWS,) * len(ins), (Cut.ROWS,)),
-                           f"{stage}.e{e}.{a}", e, j)
-
     def swiglu_tiles(self, stage: str, gu: Buffer, out: Buffer, da: Buffer | None = None) -> None:
         """SwiGLU of ``gu = [gate | up]`` into ``out`` (with ``da``: its gradient ``[dgate | dup]``) on each
         row tile of every expert: ``dvm.fused`` tasks under ``fuse_vector``, else the unfused op. In a
         dynamic graph a fused tile runs on its whole tile (its program has the tile's shape; rows past
         the live ones hold values nothing reads) and an empty tile returns at once."""
-        if not self.spec.fuse_vector:
-            return self.row_tiles(stage, [gu] if da is None else [gu, da], out, stage)
         inter, made = gu.shape[1] // 2, {}
         for e, a, b, j in self.tiles():
+            if not self.spec.fuse_vector:  # the unfused op
+                ins = [gu[a:b]] if da is None else [gu[a:b], da[a:b]]
+                self.tile_task(stage, ins, [out[a:b]], ((Cut.ROWS,) * len(ins), (Cut.ROWS,)), f"{stage}.e{e}.{a}", e, j)
+                continue
             halves = [gu[a:b, :inter], gu[a:b, inter:]]
             if da is None:
                 ins, outs = halves, [out[a:b]]

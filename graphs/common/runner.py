@@ -59,15 +59,13 @@ class GraphRunner:
     def graph(self, family: Any, spec: Any, direction: str = "fwd", *args: Any, **kw: Any) -> TaskGraph:
         """``family.build(spec, direction, *args, **kw)``, validated; built once per (hashable) arguments."""
         key = (family.name, direction, spec, args, tuple(sorted(kw.items())))
-        g = self._graphs.get(key)
+        g = self._graphs.pop(key, None)
         if g is None:
             g = family.build(spec, direction, *args, **kw).validate()
             self.builds += 1
-            self._graphs[key] = g
-            while len(self._graphs) > self.cache_size:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+        self._graphs[key] = g  # the latest used last
+        while len(self._graphs) > self.cache_size:
+            self._graphs.popitem(last=False)
         return g
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor], direction: str = "fwd", *,

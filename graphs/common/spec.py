@@ -76,6 +76,11 @@ def positive(spec: Any, *names: str) -> list[str]:
             if not isinstance(getattr(spec, n), int) or isinstance(getattr(spec, n), bool) or getattr(spec, n) <= 0]
 
 
+def bools(spec: Any, *names: str) -> list[str]:
+    """A problem for each named field that is not a bool."""
+    return [f"{n} must be a bool, got {getattr(spec, n)!r}" for n in names if not isinstance(getattr(spec, n), bool)]
+
+
 def dtype_problems(spec: Any) -> list[str]:
     """Set ``spec.dtype`` to its canonical name; a problem unless it is one of :data:`DTYPES`."""
     try:

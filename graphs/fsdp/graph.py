@@ -157,12 +157,9 @@ def fsdp_mlp_inputs(weights: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.
                     world_size: int, rank: int) -> dict[str, torch.Tensor]:
     """The graph's inputs on ``rank``: its token batch and its shard of every full weight."""
     dims = [weights[0].shape[1]] + [w.shape[0] for w in weights]
-    out = {"x": x}
-    for i, (w, lay) in enumerate(zip(weights, weight_layouts(dims, world_size, rank))):
-        out[f"w{i}"] = lay.shard(w).contiguous()
-    if dy is not None:
-        out["dy"] = dy
-    return out
+    layouts = weight_layouts(dims, world_size, rank)
+    out = {"x": x, **{f"w{i}": lay.shard(w).contiguous() for i, (w, lay) in enumerate(zip(weights, layouts))}}
+    return out if dy is None else {**out, "dy": dy}
 
 
 def fsdp_mlp_reference(weights: Sequence[torch.Tensor], x: torch.Tensor,

@@ -41,8 +41,7 @@ class GateOps(GraphOps):
 
     def fake(self, runner: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, weight = tensors[:2]
-        k, acc = json_options(options)["top_k"], torch_dtype(acc_dtype(dtype_name(x.dtype)))
-        t = x.shape[0]
+        (t, _), k, acc = x.shape, json_options(options)["top_k"], torch_dtype(acc_dtype(dtype_name(x.dtype)))
         return [x.new_empty(t, weight.shape[0], dtype=acc), x.new_empty(t, k, dtype=acc),
                 x.new_empty(t, k, dtype=torch.int64)]
 

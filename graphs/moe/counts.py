@@ -42,9 +42,8 @@ class CountsBuilder(TaskBuilder):
 
     def tiles(self) -> list[tuple[int, int, int, int | None]]:
         """(expert, first row, end row, tile index: None here) of every row tile of the recv layout."""
-        tm = self.spec.tile_m
-        return [(e, a, b, None) for e in range(self.El) for a, b in tile_ranges(self.c.expert_rows(e)[1], tm,
-                                                                                  self.c.expert_rows(e)[0])]
+        return [(e, a, b, None) for e, (lo, hi) in enumerate(self.rows_of)
+                for a, b in tile_ranges(hi, self.spec.tile_m, lo)]
 
     def experts(self, e: int) -> slice:
         """The experts of a per-expert stack that a tile of expert ``e`` reads."""

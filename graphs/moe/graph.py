@@ -48,8 +48,7 @@ from megaloom.graphs.common.tiles import tile_ranges
 from megaloom.graphs.moe.counts import CountsBuilder
 from megaloom.graphs.moe.dynamic import DynamicBuilder
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
-from megaloom.graphs.moe.tasks import E8M0, FP8, TaskBuilder
-from megaloom.ops.mxfp8.format import BLOCK
+from megaloom.graphs.moe.tasks import TaskBuilder, mx_buffers
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Buffer, TaskGraph
 
@@ -131,14 +130,9 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (St,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (St, 1), dt)
     b = builder(g, spec, counts, "bwd")
-    padded = b.padded_rows
-
-    def saved_mx(name: str, cols: int) -> tuple[Buffer, Buffer]:
-        return g.input(name, (padded, cols), FP8), g.input(f"{name}_scales", (padded // BLOCK, cols), E8M0)
-
-    xr = saved_mx("xr_mx", H) if mx else g.input("xr", (R, H), dt)
+    xr = mx_buffers(g, "xr_mx", (b.padded_rows, H), "cols", g.input) if mx else g.input("xr", (R, H), dt)
     gu = g.input("gu", (R, 2 * I), dt)
-    a = saved_mx("a_mx", I) if mx else g.input("a", (R, I), dt)
+    a = mx_buffers(g, "a_mx", (b.padded_rows, I), "cols", g.input) if mx else g.input("a", (R, I), dt)
     yc = g.input("yc", (S if spec.ep > 1 else R, H), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
     dx, dw = g.output("dx", (T, H), dt), g.output("dw", (T, k), dt)

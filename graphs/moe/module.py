@@ -45,6 +45,7 @@ def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> M
 
 @lru_cache(maxsize=256)
 def _layout(spec: MegaMoESpec, rank: int) -> tuple[Layout, Counts]:
+    """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
     return Layout(spec, rank), synthetic_counts(spec, rank=rank)
 
 
@@ -80,24 +81,20 @@ class MegaMoERunner(GraphRunner):
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
         return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
-    def layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
-        """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
-        return _layout(spec, self.rank)
-
     def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
         """The cached dynamic graph of ``spec`` (built and validated on the first call)."""
-        return self.graph(MEGAMOE, spec, direction, self.layout(spec)[1], dynamic=True, **kw)
+        return self.graph(MEGAMOE, spec, direction, _layout(spec, self.rank)[1], dynamic=True, **kw)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
         g = self.dynamic_graph(spec, "fwd", save=save)
-        plan, _ = step_inputs(self.layout(spec)[0], routing)
+        plan, _ = step_inputs(_layout(spec, self.rank)[0], routing)
         return self.run(g, {"x": x, **plan, "w": w, "gate_up": gate_up, "down": down}, "fwd", contiguous=False)
 
     def backward(self, spec: MegaMoESpec, routing: Routing, dout: torch.Tensor, w: torch.Tensor,
                  saved: Mapping[str, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> RunResult:
         g = self.dynamic_graph(spec, "bwd")
-        lay = self.layout(spec)[0]
+        lay = _layout(spec, self.rank)[0]
         plan, rows = step_inputs(lay, routing)
         ws = place(rows, w.reshape(-1).index_select(0, routing.flat).unsqueeze(1), lay)
         return self.run(g, {"dout": dout, **plan, "ws": ws, **saved, "gate_up": gate_up, "down": down}, "bwd",
@@ -115,8 +112,7 @@ class MoEOps(GraphOps):
 
     def forward(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, topk_ids, w, gate_up, down = tensors
-        opts = json_options(options)
-        mx, save = opts["mx"], opts["save"]
+        mx, save = (json_options(options)[k] for k in ("mx", "save"))
         spec, routing = r.route(topk_ids, x.dtype, mx)
         res = r.forward(spec, routing, x.contiguous(), w.contiguous(), gate_up, down, save)
         if not save:
@@ -126,8 +122,7 @@ class MoEOps(GraphOps):
 
     def fake(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, topk_ids, _, _, down = tensors
-        opts = json_options(options)
-        mx, save = opts["mx"], opts["save"]
+        mx, save = (json_options(options)[k] for k in ("mx", "save"))
         t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
         out = x.new_empty(t, h)
         if not save:

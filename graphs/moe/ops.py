@@ -270,12 +270,6 @@ class Cut(str, Enum):
     ZEROED = "z"  # as is, zeroed when there are no live rows
 
 
-def _codes(attrs: dict) -> tuple[str, str, str]:
-    kind, rest = attrs["codes"][0], attrs["codes"][1:]
-    cin, cout = rest.split("|")
-    return kind, cin, cout
-
-
 def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
     """(first row, rows, expert) of a task from its plan row."""
     row = meta.tolist()
@@ -303,8 +297,8 @@ def _narrow(x, code: str, s: int, n: int, e: int):
 
 def _split(attrs: dict) -> tuple[str, str, str, dict]:
     """(kind, input codes, output codes, the inner op's attrs) of a moe_dyn task."""
-    kind, cin, cout = _codes(attrs)
-    return kind, cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}
+    cin, cout = attrs["codes"][1:].split("|")
+    return attrs["codes"][0], cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}
 
 
 def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
@@ -366,13 +360,13 @@ def _dyn_kernel(ins, outs, **attrs) -> None:
 
 def _dyn_ref(*ins, **attrs):
     """The task's outputs: live rows by the inner op's reference, other rows as they were (``rmw``) or zeros."""
-    kind, cin, cout = _codes(attrs)
+    kind, cin, _, _ = split = _split(attrs)
     specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
     s, n, e = _live(ins[0], kind, attrs.get("base", 0))
     if n:
-        i, o, a = _dyn_parts(ins, full, _split(attrs), n, s, e)
+        i, o, a = _dyn_parts(ins, full, split, n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)
     return tuple(full)

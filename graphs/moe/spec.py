@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.graphs.common.spec import GraphSpec, bools, dtype_problems, positive, report
 from megaloom.ops.mxfp8.format import SCALE_MODES
 from megaloom.runtime.errors import ConfigError
 
@@ -82,14 +82,10 @@ class MegaMoESpec(GraphSpec):
                 problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
             if self.top_k > self.experts:
                 problems.append(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
-        problems += [f"{n} must be a bool, got {getattr(self, n)!r}" for n in ("ordered_comm", "fuse_vector")
-                     if not isinstance(getattr(self, n), bool)]
-        if self.schedule not in SCHEDULES:
-            problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.scale_mode not in SCALE_MODES:
-            problems.append(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        choices = {"schedule": SCHEDULES, "precision": PRECISIONS, "scale_mode": SCALE_MODES}
+        problems += bools(self, "ordered_comm", "fuse_vector") + [
+            f"{n} must be one of {known}, got {getattr(self, n)!r}" for n, known in choices.items()
+            if getattr(self, n) not in known]
         if not problems and self.quant_cols % 32:
             problems.append(f"quant_cols must be a multiple of 32, got {self.quant_cols}")
         if self.precision == "mxfp8" and not problems:
@@ -234,11 +230,9 @@ def synthetic_counts(spec: MegaMoESpec, routing: str = "balanced", *, rank: int 
         probs = torch.arange(1, E + 1, dtype=torch.float64).pow(-skew)[torch.randperm(E, generator=gen)]
     else:
         probs = torch.ones(E, dtype=torch.float64)
-    rows = []
-    for s in range(spec.ep):
-        if routing == "balanced":
-            rows.append(tuple(S // E + (1 if (g - s) % E < S % E else 0) for g in range(E)))
-        else:
-            pick = torch.multinomial(probs, S, replacement=True, generator=gen)
-            rows.append(tuple(torch.bincount(pick, minlength=E).tolist()))
+    if routing == "balanced":
+        rows = [tuple(S // E + (1 if (g - s) % E < S % E else 0) for g in range(E)) for s in range(spec.ep)]
+    else:
+        picks = [torch.multinomial(probs, S, replacement=True, generator=gen) for _ in range(spec.ep)]
+        rows = [tuple(torch.bincount(pick, minlength=E).tolist()) for pick in picks]
     return Counts(rank, spec.ep, spec.experts_local, tuple(rows))

@@ -36,7 +36,7 @@ class GraphBuilder:
     ``name``: the builder's registered name and YAML key; ``label``: how messages name the
     family; ``spec``: its spec dataclass. :attr:`extras` are the options the family takes
     besides the spec's fields, with their defaults; :meth:`args` turns them into the
-    builders' arguments after the spec (a subclass overrides both).
+    builders' positional and keyword arguments after the spec (a subclass overrides both).
     """
 
     extras: dict[str, Any] = {"direction": "fwd"}

@@ -89,8 +89,7 @@ def _grad_input_ref(g: torch.Tensor, w: torch.Tensor, cols=None, out_dtype: str 
 
 
 def _grad_input_kernel(ins, outs, cols=None, out_dtype: str | None = None) -> None:
-    g, w = ins
-    out = outs[0]
+    (g, w), out = ins, outs[0]
     if out.dtype == g.dtype == w.dtype and out.is_contiguous():
         torch.mm(g, w, out=out.view(g.shape[0], -1))
     else:
@@ -122,8 +121,7 @@ def _grad_weight_ref(g: torch.Tensor, a: torch.Tensor, acc: torch.Tensor | None 
 
 
 def _grad_weight_kernel(ins, outs, out_dtype: str | None = None) -> None:
-    g, a = up(ins[0]), _flat(ins[1])
-    out = outs[0]
+    g, a, out = up(ins[0]), _flat(ins[1]), outs[0]
     if len(ins) == 2:
         if out.dtype == a.dtype:
             torch.mm(g.t(), a, out=out)

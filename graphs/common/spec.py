@@ -25,7 +25,6 @@ def parse_spec(cls: type[S], data: Mapping[str, Any], *, what: str = "", also: I
     ConfigError (then the spec's own checks). ``also``: further option names the caller takes
     (listed as known); ``what`` names the family in the unknown-option message."""
     names = {f.name: f for f in dataclasses.fields(cls)}
-    also = list(also)
     problems, kwargs = [], {}
     unknown = [k for k in data if k not in names]
     if unknown:
@@ -95,12 +94,8 @@ def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> di
 
     An unreadable file or a document that is not a mapping raises ConfigError naming the file.
     """
-    opts: dict[str, Any] = {}
-    if path is not None:
-        data = load_yaml(path, f"{key} spec") or {}
-        data = data.get(key, data) if isinstance(data, dict) else data
-        if not isinstance(data, dict):
-            raise ConfigError(f"{key} spec {path!r}: must hold a mapping of options")
-        opts.update(data)
-    opts.update(overrides)
-    return opts
+    data = {} if path is None else load_yaml(path, f"{key} spec") or {}
+    data = data.get(key, data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key} spec {path!r}: must hold a mapping of options")
+    return {**data, **overrides}

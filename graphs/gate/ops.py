@@ -98,8 +98,7 @@ def _topk_ref(logits, bias, top_k: int, score: str, scale: float = 1.0, renorm: 
 
 def _topk_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, n_group: int = 1,
                  topk_group: int = 1) -> None:
-    logits, bias = ins
-    w, idx = outs
+    (logits, bias), (w, idx) = ins, outs
     s = scores(logits, score)
     idx.copy_(select(s, bias, top_k, n_group, topk_group))
     torch.gather(s, -1, idx, out=w)
@@ -130,8 +129,7 @@ def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: floa
 
 
 def _bwd_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, **_groups) -> None:
-    logits, idx, g_w, g_logits = ins
-    out = outs[0]
+    (logits, idx, g_w, g_logits), out = ins, outs[0]
     s = scores(logits, score)
     g = g_w * scale
     if renorm and top_k > 1:

@@ -161,8 +161,7 @@ def _mix_norm_bwd_ref(y, h, post, res, new, inv_rms, g_new, g_flat, g_block_new,
 def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
     raw, inv, alpha, bias, g_pre, g_post, g_res = ins
     g_raw, g_inv, g_alpha, g_bias = outs
-    l = raw * inv
-    lp, lq, lr = split_logits(l, n)
+    lp, lq, lr = split_logits(raw * inv, n)
     bp, bq, br = split_logits(bias, n)
     sp = torch.sigmoid(alpha[0] * lp + bp)
     sq = torch.sigmoid(alpha[1] * lq + bq)
@@ -182,8 +181,7 @@ def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1
         g = (g - (g * a).sum(-1, keepdim=True)) / r
     g_zr = m0 * (g - (g * m0).sum(-1, keepdim=True))
     g_z = torch.cat([g_zp, g_zq, g_zr.flatten(1)], -1)
-    gl_p, gl_q, gl_r = g_zp * alpha[0], g_zq * alpha[1], g_zr.flatten(1) * alpha[2]
-    g_l = torch.cat([gl_p, gl_q, gl_r], -1)
+    g_l = torch.cat([g_zp * alpha[0], g_zq * alpha[1], g_zr.flatten(1) * alpha[2]], -1)
     torch.mul(g_l, inv, out=g_raw)
     torch.sum(g_l * raw, -1, keepdim=True, out=g_inv)
     g_alpha.copy_(torch.stack([(g_zp * lp).sum(), (g_zq * lq).sum(), (g_zr * lr).sum()]).unsqueeze(0))

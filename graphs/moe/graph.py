@@ -83,14 +83,13 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     ``meta`` (and ``comm`` under EP) read at run time; ``counts`` then only set simulated sizes and tags.
     At W == 1 ``tok`` and ``pos`` index the pooled layout (:func:`.layout.pooled_routing`)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    dt = spec.dtype
+    dt, mx = spec.dtype, spec.mxfp8
     g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
     builder = DynamicBuilder if dynamic else CountsBuilder
     R, S, St = builder.rows(spec, counts)
     x, tok = g.input("x", (T, H), dt), g.input("tok", (St,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
-    mx = spec.mxfp8
     keep = g.output if save else g.buffer
     xs, xr = _layout_buffers(g, spec, (S, R), ("xs", "xr"), (False, save and not mx))
     gu, a = keep("gu", (R, 2 * I), dt), (keep if not mx else g.buffer)("a", (R, I), dt)

@@ -52,8 +52,7 @@ class Layout:
     def __init__(self, spec: MegaMoESpec, rank: int = 0):
         self.spec, self.rank = spec, rank
         self.tm, self.W, self.El = spec.tile_m, spec.ep, spec.experts_local
-        self.align = align(spec)
-        self.pooled = self.W == 1
+        self.align, self.pooled = align(spec), self.W == 1
         self.slot, self.rows = capacity(spec, spec.tokens)
         self.tiles = self.rows // self.tm
 

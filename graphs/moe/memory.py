@@ -51,9 +51,5 @@ def estimate_memory(graph: TaskGraph) -> MemoryEstimate:
 
 def measured_bytes(graph: TaskGraph, buffers: Mapping[str, torch.Tensor]) -> int:
     """Bytes of storage a run allocated for the non-input buffers (``RunResult.buffers``)."""
-    seen: dict[int, int] = {}
-    for b in graph.buffers.values():
-        if not b.is_input and b.name in buffers:
-            st = buffers[b.name].untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    stores = (buffers[b.name].untyped_storage() for b in graph.buffers.values() if not b.is_input and b.name in buffers)
+    return sum({st.data_ptr(): st.nbytes() for st in stores}.values())  # views of one storage count once

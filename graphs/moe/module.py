@@ -10,8 +10,8 @@ exchanges per-expert counts on the host before building (or reusing) its graphs.
 The graph runs are the custom ops ``megaloom::moe_forward`` and ``megaloom::moe_backward``
 (:mod:`megaloom.graphs.common.torch_ops`), so ``torch.compile`` traces a block that calls
 :func:`megamoe` without a graph break (``fullgraph=True`` works). :func:`megamoe` honours
-``torch.autocast``: under autocast the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
-would. Double backward (``create_graph=True``) differentiates the first-order gradients of
+``torch.autocast``: under autocast the experts compute in the autocast dtype (GEMMs accumulate in
+float32), as ``F.linear`` would. Double backward (``create_graph=True``) differentiates the first-order gradients of
 megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
@@ -123,13 +123,12 @@ class MoEOps(GraphOps):
     def fake(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, topk_ids, _, _, down = tensors
         mx, save = (json_options(options)[k] for k in ("mx", "save"))
-        t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
+        (t, h), k, i = x.shape, topk_ids.shape[1], down.shape[1]
         out = x.new_empty(t, h)
         if not save:
             return [out]
         spec = r.spec_for(1, x.dtype, mx)
         rows = capacity(spec, t)[1]  # the static capacity of the recv layout
-        i = down.shape[1]
         if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
             fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
             acts = [x.new_empty(rows, h, dtype=fp8), x.new_empty(rows // 32, h, dtype=e8m0), x.new_empty(rows, 2 * i),

@@ -354,10 +354,6 @@ def _dyn_bind(attrs: dict):
     return run
 
 
-def _dyn_kernel(ins, outs, **attrs) -> None:
-    _dyn_bind(attrs)(ins, outs)
-
-
 def _dyn_ref(*ins, **attrs):
     """The task's outputs: live rows by the inner op's reference, other rows as they were (``rmw``) or zeros."""
     kind, cin, _, _ = split = _split(attrs)
@@ -412,19 +408,17 @@ def _exchange_into(src: torch.Tensor, dst: torch.Tensor, row: torch.Tensor, attr
     communicator(ctx).all_to_all(dst[c:d], src[a:b], send, recv)
 
 
-def _exchange_kernel(ins, outs, ctx=None, **attrs) -> None:
-    _exchange_into(ins[1], outs[0], ins[0], attrs, ctx)
-
-
 def _exchange_ref(row, src, old=None, ctx=None, **attrs):
     out = old.clone() if old is not None else src.new_zeros((attrs["rows"], *src.shape[1:]))
     _exchange_into(src, out, row, attrs, ctx)
     return out
 
 
-register(OpDef("moe_dyn", (CUBE, VECTOR), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel,
+register(OpDef("moe_dyn", (CUBE, VECTOR), _dyn_ref, _dyn_shape, _dyn_cost,
+               lambda ins, outs, **attrs: _dyn_bind(attrs)(ins, outs),
                extra={"in_place": True, "bind": _dyn_bind},
                doc="op attrs['op'] on the live rows of a tile or expert block, read from a plan row"))
 register(OpDef("moe_exchange", (COMM, VECTOR), _exchange_ref, _exchange_shape, _exchange_cost,
-               _exchange_kernel, context=True, extra={"in_place": True},
+               lambda ins, outs, ctx=None, **attrs: _exchange_into(ins[1], outs[0], ins[0], attrs, ctx),
+               context=True, extra={"in_place": True},
                doc="one all-to-all round (chunk) of an expert with run-time split sizes; own rows: a copy"))

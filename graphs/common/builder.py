@@ -36,7 +36,7 @@ class GraphBuilder:
     ``name``: the builder's registered name and YAML key; ``label``: how messages name the
     family; ``spec``: its spec dataclass. :attr:`extras` are the options the family takes
     besides the spec's fields, with their defaults; :meth:`args` turns them into the
-    builders' arguments after the spec (a subclass overrides both).
+    builders' positional and keyword arguments after the spec (a subclass overrides both).
     """
 
     extras: dict[str, Any] = {"direction": "fwd"}
@@ -57,20 +57,18 @@ class GraphBuilder:
             raise ConfigError(f"{self.label}: direction must be 'fwd' or 'bwd', got {direction!r}")
         return self.builders[direction](spec, *args, **kw)
 
-    def args(self, spec: Any, extras: dict[str, Any]) -> tuple:
-        """The builders' arguments after the spec, from the extra options (none here)."""
-        return ()
-
-    def kwargs(self, extras: dict[str, Any]) -> dict[str, Any]:
-        """The builders' keyword arguments from the extra options (none here)."""
-        return {}
+    def args(self, spec: Any, extras: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """The builders' positional arguments after the spec and keyword arguments, from the extra
+        options (none here)."""
+        return (), {}
 
     def from_options(self, options: Mapping[str, Any]) -> TaskGraph:
         """A graph from plain options: the spec's fields plus :attr:`extras`."""
         opts = dict(options)
         extras = {k: opts.pop(k, v) for k, v in self.extras.items()}
         spec = parse_spec(self.spec, opts, what=self.label, also=self.extras)
-        return self.build(spec, extras["direction"], *self.args(spec, extras), **self.kwargs(extras))
+        args, kw = self.args(spec, extras)
+        return self.build(spec, extras["direction"], *args, **kw)
 
     def __call__(self, spec: str | None = None, direction: str | None = None, **options: Any) -> TaskGraph:
         """``megaloom simulate --graph NAME[:direction=bwd,k=v,...]``: ``spec`` is a YAML file of

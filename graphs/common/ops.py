@@ -19,7 +19,7 @@ import torch
 from megaloom.ops.basic import precision
 from megaloom.runtime.dtypes import torch_dtype
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
+from megaloom.runtime.registry import CUBE, VECTOR, Cost, GradOf, OpDef, TensorSpec, register
 
 
 def acc_dtype(dtype: str) -> str:
@@ -89,8 +89,7 @@ def _grad_input_ref(g: torch.Tensor, w: torch.Tensor, cols=None, out_dtype: str 
 
 
 def _grad_input_kernel(ins, outs, cols=None, out_dtype: str | None = None) -> None:
-    g, w = ins
-    out = outs[0]
+    (g, w), out = ins, outs[0]
     if out.dtype == g.dtype == w.dtype and out.is_contiguous():
         torch.mm(g, w, out=out.view(g.shape[0], -1))
     else:
@@ -122,8 +121,7 @@ def _grad_weight_ref(g: torch.Tensor, a: torch.Tensor, acc: torch.Tensor | None 
 
 
 def _grad_weight_kernel(ins, outs, out_dtype: str | None = None) -> None:
-    g, a = up(ins[0]), _flat(ins[1])
-    out = outs[0]
+    g, a, out = up(ins[0]), _flat(ins[1]), outs[0]
     if len(ins) == 2:
         if out.dtype == a.dtype:
             torch.mm(g.t(), a, out=out)
@@ -160,14 +158,14 @@ def _sum_kernel(ins, outs, out_dtype: str | None = None) -> None:
         out.copy_(up(p).sum(0))
 
 
-register(OpDef("proj", ("cube",), _proj_ref, _proj_shape, _proj_cost, _proj_kernel,
+register(OpDef("proj", (CUBE,), _proj_ref, _proj_shape, _proj_cost, _proj_kernel,
                doc="a [m, ...] flattened to [m, k] times w [n, k] transposed, accumulated in float32"))
-register(OpDef("proj_grad_input", ("cube",), _grad_input_ref, _grad_input_shape, _grad_input_cost, _grad_input_kernel,
+register(OpDef("proj_grad_input", (CUBE,), _grad_input_ref, _grad_input_shape, _grad_input_cost, _grad_input_kernel,
                doc="g [m, n] @ w [n, k], reshaped to [m, *cols], cast to out_dtype",
                grad_of=GradOf("proj", "dy0 x1", "dx0")))
-register(OpDef("proj_grad_weight", ("cube",), _grad_weight_ref, _grad_weight_shape, _grad_weight_cost,
+register(OpDef("proj_grad_weight", (CUBE,), _grad_weight_ref, _grad_weight_shape, _grad_weight_cost,
                _grad_weight_kernel,
                doc="[acc +] g^T @ a.flat accumulated in float32, cast to out_dtype; chains over token tiles",
                grad_of=GradOf("proj", "dy0 x0", "dx1")))
-register(OpDef("sum_partials", ("vector",), _sum_ref, _sum_shape, _sum_cost, _sum_kernel,
+register(OpDef("sum_partials", (VECTOR,), _sum_ref, _sum_shape, _sum_cost, _sum_kernel,
                doc="sum of per-tile partials over dim 0, accumulated, cast to out_dtype"))

@@ -21,6 +21,7 @@ from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import EXECUTORS, ExecContext, Executor, ReferenceExecutor, ThreadExecutor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.registry import COMM
 from megaloom.runtime.trace import Trace
 
 _RUNNERS: weakref.WeakValueDictionary[int, GraphRunner] = weakref.WeakValueDictionary()
@@ -58,15 +59,13 @@ class GraphRunner:
     def graph(self, family: Any, spec: Any, direction: str = "fwd", *args: Any, **kw: Any) -> TaskGraph:
         """``family.build(spec, direction, *args, **kw)``, validated; built once per (hashable) arguments."""
         key = (family.name, direction, spec, args, tuple(sorted(kw.items())))
-        g = self._graphs.get(key)
+        g = self._graphs.pop(key, None)
         if g is None:
             g = family.build(spec, direction, *args, **kw).validate()
             self.builds += 1
-            self._graphs[key] = g
-            while len(self._graphs) > self.cache_size:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+        self._graphs[key] = g  # the latest used last
+        while len(self._graphs) > self.cache_size:
+            self._graphs.popitem(last=False)
         return g
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor], direction: str = "fwd", *,
@@ -107,7 +106,7 @@ class GraphRunner:
         # compute tasks on one thread (a second Python thread would only trade the GIL back and forth),
         # blocking comm tasks on threads of their own
         units = self.units or dict.fromkeys(graph.cached("engines", graph.engines), 1)
-        return cls(self.units, policy=make_policy(self.policy), ctx=ctx, workers=1 + units.get("comm", 0))
+        return cls(self.units, policy=make_policy(self.policy), ctx=ctx, workers=1 + units.get(COMM, 0))
 
 
 def runner_for(key: int) -> GraphRunner:

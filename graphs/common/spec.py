@@ -25,12 +25,12 @@ def parse_spec(cls: type[S], data: Mapping[str, Any], *, what: str = "", also: I
     ConfigError (then the spec's own checks). ``also``: further option names the caller takes
     (listed as known); ``what`` names the family in the unknown-option message."""
     names = {f.name: f for f in dataclasses.fields(cls)}
-    also = list(also)
     problems, kwargs = [], {}
     unknown = [k for k in data if k not in names]
     if unknown:
         refused = f" (unknown {what} options are refused)" if what else ""
-        problems.append(f"unknown option(s) {', '.join(map(str, unknown))}{refused}; known: {', '.join([*names, *also])}")
+        problems.append(f"unknown option(s) {', '.join(map(str, unknown))}{refused}; "
+                        f"known: {', '.join([*names, *also])}")
     for key, value in data.items():
         if key not in names:
             continue
@@ -75,6 +75,11 @@ def positive(spec: Any, *names: str) -> list[str]:
             if not isinstance(getattr(spec, n), int) or isinstance(getattr(spec, n), bool) or getattr(spec, n) <= 0]
 
 
+def bools(spec: Any, *names: str) -> list[str]:
+    """A problem for each named field that is not a bool."""
+    return [f"{n} must be a bool, got {getattr(spec, n)!r}" for n in names if not isinstance(getattr(spec, n), bool)]
+
+
 def dtype_problems(spec: Any) -> list[str]:
     """Set ``spec.dtype`` to its canonical name; a problem unless it is one of :data:`DTYPES`."""
     try:
@@ -89,12 +94,8 @@ def load_options(path: str | None, key: str, overrides: Mapping[str, Any]) -> di
 
     An unreadable file or a document that is not a mapping raises ConfigError naming the file.
     """
-    opts: dict[str, Any] = {}
-    if path is not None:
-        data = load_yaml(path, f"{key} spec") or {}
-        data = data.get(key, data) if isinstance(data, dict) else data
-        if not isinstance(data, dict):
-            raise ConfigError(f"{key} spec {path!r}: must hold a mapping of options")
-        opts.update(data)
-    opts.update(overrides)
-    return opts
+    data = {} if path is None else load_yaml(path, f"{key} spec") or {}
+    data = data.get(key, data) if isinstance(data, dict) else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key} spec {path!r}: must hold a mapping of options")
+    return {**data, **overrides}

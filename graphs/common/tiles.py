@@ -32,12 +32,9 @@ def weight_grad_chains(g: TaskGraph, grad: Buffer, act: Buffer, out: Buffer, til
     per = -(-rows // (tiles[0][1] - tiles[0][0]))
     tiles = [(tiles[i][0], tiles[min(i + per, len(tiles)) - 1][1]) for i in range(0, len(tiles), per)]
     last, lead = act.shape[-1], act.shape[1:-1]
-    blocks = [(idx, c0, min(c0 + cols, last)) for idx in itertools.product(*map(range, lead))
-              for c0 in range(0, last, cols)]
-    for j, (idx, c0, c1) in enumerate(blocks):
-        row = 0
-        for k, d in zip(idx, lead):  # row-major index of the trailing-dims row
-            row = row * d + k
+    blocks = [(row, idx, c0, min(c0 + cols, last)) for row, idx in enumerate(itertools.product(*map(range, lead)))
+              for c0 in range(0, last, cols)]  # row: the row-major index of the trailing-dims row idx
+    for j, (row, idx, c0, c1) in enumerate(blocks):
         dst = out[:, row * last + c0:row * last + c1]
         # one accumulator per chain keeps each buffer's writer list short
         acc_buf = g.buffer(f"{out.name}.acc{j}", dst.shape, acc) if len(tiles) > 1 else None

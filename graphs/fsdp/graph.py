@@ -116,13 +116,9 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
             ends.append(mm if last else g.task("dvm.relu", [pre[i][lo:hi]], [acts[i + 1][lo:hi]],
                                                name=f"relu.fwd{i}.{lo}", tags=b.tags(b.stages[s], "relu")))
         b.ends.append(ends)
-    if not backward:
-        chain(*b.comm)
-        return g
-
-    dx = g.output("dx", (tokens, dims[0]), dtype)
-    grads = [dx] + [g.buffer(f"da{i}", (tokens, dims[i + 1]), dtype) for i in range(n - 1)] + [dy]
-    for s in range(n, 2 * n):  # backward, last layer first
+    grads = [g.output("dx", (tokens, dims[0]), dtype)] + [g.buffer(f"da{i}", (tokens, dims[i + 1]), dtype)
+                                                          for i in range(n - 1)] + [dy] if backward else []
+    for s in range(n, len(b.stages)):  # backward (when built), last layer first
         stage = b.stages[s]
         i = stage[1]
         b.gather_through(s)
@@ -143,8 +139,7 @@ def build_fsdp_mlp_graph(dims: Sequence[int], tokens: int, world_size: int, rank
         dw_full = g.buffer(f"dw{i}.full", layouts[i].shape, dtype)
         for lo, hi in tile_ranges(dims[i + 1], tile or dims[i + 1]):  # rows of dW, all tokens each
             ends.append(g.task("matmul", [dh[:, lo:hi], acts[i]], [dw_full[lo:hi]], attrs={"trans_a": True},
-                               name=f"wgrad.bwd{i}.{lo}",
-                               tags=b.tags(stage, "wgrad")))
+                               name=f"wgrad.bwd{i}.{lo}", tags=b.tags(stage, "wgrad")))
         b.ends.append(ends)
         dw = g.output(f"dw{i}", layouts[i].local_shape, dtype)
         b.comm_task("shard_reduce_scatter", dw_full, dw,
@@ -157,27 +152,21 @@ def fsdp_mlp_inputs(weights: Sequence[torch.Tensor], x: torch.Tensor, dy: torch.
                     world_size: int, rank: int) -> dict[str, torch.Tensor]:
     """The graph's inputs on ``rank``: its token batch and its shard of every full weight."""
     dims = [weights[0].shape[1]] + [w.shape[0] for w in weights]
-    out = {"x": x}
-    for i, (w, lay) in enumerate(zip(weights, weight_layouts(dims, world_size, rank))):
-        out[f"w{i}"] = lay.shard(w).contiguous()
-    if dy is not None:
-        out["dy"] = dy
-    return out
+    layouts = weight_layouts(dims, world_size, rank)
+    out = {"x": x, **{f"w{i}": lay.shard(w).contiguous() for i, (w, lay) in enumerate(zip(weights, layouts))}}
+    return out if dy is None else {**out, "dy": dy}
 
 
 def fsdp_mlp_reference(weights: Sequence[torch.Tensor], x: torch.Tensor,
                        dy: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Unsharded torch autograd: ``y`` and, given ``dy``, ``dx`` and full ``dw{l}`` (this batch only)."""
     ws = [w.detach().clone().requires_grad_(dy is not None) for w in weights]
-    h = x.detach().clone().requires_grad_(dy is not None)
-    a = h
+    a = h = x.detach().clone().requires_grad_(dy is not None)
     for i, w in enumerate(ws):
         a = a @ w.t()
         if i < len(ws) - 1:
             a = torch.relu(a)
-    out = {"y": a.detach()}
-    if dy is not None:
-        a.backward(dy)
-        out["dx"] = h.grad
-        out.update({f"dw{i}": w.grad for i, w in enumerate(ws)})
-    return out
+    if dy is None:
+        return {"y": a.detach()}
+    a.backward(dy)
+    return {"y": a.detach(), "dx": h.grad, **{f"dw{i}": w.grad for i, w in enumerate(ws)}}

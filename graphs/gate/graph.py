@@ -28,7 +28,7 @@ import torch
 
 from megaloom.graphs.common.builder import GraphBuilder
 from megaloom.graphs.common.ops import up
-from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.graphs.common.spec import GraphSpec, bools, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
 from megaloom.graphs.gate.ops import GIVEN, SCORES, combine, scores, select  # (registers the gate ops)
@@ -71,11 +71,9 @@ class GateSpec(GraphSpec):
                 or self.top_k > self.topk_group * (self.experts // self.n_group)):
             problems.append(f"top_k={self.top_k} from topk_group={self.topk_group} of n_group={self.n_group} groups "
                             f"does not fit experts={self.experts}")
-        if not isinstance(self.fuse_vector, bool):
-            problems.append(f"fuse_vector must be a bool, got {self.fuse_vector!r}")
         if self.score not in SCORES:
             problems.append(f"score must be one of {', '.join(SCORES)}, got {self.score!r}")
-        report("GateSpec", problems + dtype_problems(self))
+        report("GateSpec", problems + bools(self, "fuse_vector") + dtype_problems(self))
 
     @property
     def attrs(self) -> dict:

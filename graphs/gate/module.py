@@ -41,8 +41,7 @@ class GateOps(GraphOps):
 
     def fake(self, runner: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, weight = tensors[:2]
-        k, acc = json_options(options)["top_k"], torch_dtype(acc_dtype(dtype_name(x.dtype)))
-        t = x.shape[0]
+        (t, _), k, acc = x.shape, json_options(options)["top_k"], torch_dtype(acc_dtype(dtype_name(x.dtype)))
         return [x.new_empty(t, weight.shape[0], dtype=acc), x.new_empty(t, k, dtype=acc),
                 x.new_empty(t, k, dtype=torch.int64)]
 
@@ -64,8 +63,7 @@ def run_megagate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _route(x: Tensor, weight: Tensor, bias: Tensor | None, runner: int, options: str) -> GateOutput:
-    hidden = x.shape[-1]
-    x2 = x.reshape(-1, hidden)
+    x2 = x.reshape(-1, x.shape[-1])
     acc = torch_dtype(acc_dtype(dtype_name(x.dtype)))
     if bias is None:
         bias = torch.zeros(weight.shape[0], dtype=acc, device=x.device)
@@ -76,9 +74,7 @@ def _route(x: Tensor, weight: Tensor, bias: Tensor | None, runner: int, options:
         settings = {k: v for k, v in json_options(options).items() if k not in ("tile_tokens", "weight_cols",
                                                                                 "weight_rows")}
         logits, weights, indices = megagate_reference(x2, weight.to(x.dtype), bias.detach().to(acc), **settings)
-    lead = x.shape[:-1]
-    k, e = weights.shape[-1], logits.shape[-1]
-    return GateOutput(weights.reshape(*lead, k), indices.reshape(*lead, k), logits.reshape(*lead, e))
+    return GateOutput(*(t.reshape(*x.shape[:-1], t.shape[-1]) for t in (weights, indices, logits)))
 
 
 class MegaGate(nn.Module):

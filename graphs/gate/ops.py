@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from megaloom.graphs.common.ops import io_bytes
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
+from megaloom.runtime.registry import VECTOR, Cost, GradOf, OpDef, TensorSpec, register
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
 GIVEN = "given"  # gate_topk's score when a fused scoring task computed the scores
@@ -98,8 +98,7 @@ def _topk_ref(logits, bias, top_k: int, score: str, scale: float = 1.0, renorm: 
 
 def _topk_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, n_group: int = 1,
                  topk_group: int = 1) -> None:
-    logits, bias = ins
-    w, idx = outs
+    (logits, bias), (w, idx) = ins, outs
     s = scores(logits, score)
     idx.copy_(select(s, bias, top_k, n_group, topk_group))
     torch.gather(s, -1, idx, out=w)
@@ -130,8 +129,7 @@ def _bwd_ref(logits, indices, g_w, g_logits, top_k: int, score: str, scale: floa
 
 
 def _bwd_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: bool = True, **_groups) -> None:
-    logits, idx, g_w, g_logits = ins
-    out = outs[0]
+    (logits, idx, g_w, g_logits), out = ins, outs[0]
     s = scores(logits, score)
     g = g_w * scale
     if renorm and top_k > 1:
@@ -148,8 +146,8 @@ def _bwd_kernel(ins, outs, top_k: int, score: str, scale: float = 1.0, renorm: b
     torch.add(ds, g_logits, out=out)
 
 
-register(OpDef("gate_topk", ("vector",), _topk_ref, _topk_shape, _topk_cost, _topk_kernel,
+register(OpDef("gate_topk", (VECTOR,), _topk_ref, _topk_shape, _topk_cost, _topk_kernel,
                doc="router scores, top-k of scores + bias, gathered weights renormalised and scaled"))
-register(OpDef("gate_topk_bwd", ("vector",), _bwd_ref, _bwd_shape, _bwd_cost, _bwd_kernel,
+register(OpDef("gate_topk_bwd", (VECTOR,), _bwd_ref, _bwd_shape, _bwd_cost, _bwd_kernel,
                doc="gradient of gate_topk's weights with respect to the logits, plus the logits' own gradient",
                grad_of=GradOf("gate_topk", "x0 y1 dy0 dx0", "dx0")))

@@ -37,7 +37,7 @@ import torch
 
 from megaloom.graphs.common.builder import GraphBuilder
 from megaloom.graphs.common.ops import up
-from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.graphs.common.spec import GraphSpec, bools, dtype_problems, positive, report
 from megaloom.graphs.common.tags import tags
 from megaloom.graphs.common.tiles import tile_ranges, weight_grad_chains
 from megaloom.graphs.mhc.ops import coeff_attrs, fused_coeff  # (registers the MegaMHC ops)
@@ -70,9 +70,7 @@ class MHCSpec(GraphSpec):
             problems.append(f"iters must be >= 0, got {self.iters!r}")
         if not isinstance(self.rms_eps, (int, float)) or not self.rms_eps > 0:
             problems.append(f"rms_eps must be positive, got {self.rms_eps!r}")
-        if not isinstance(self.fuse_vector, bool):
-            problems.append(f"fuse_vector must be a bool, got {self.fuse_vector!r}")
-        report("MHCSpec", problems + dtype_problems(self))
+        report("MHCSpec", problems + bools(self, "fuse_vector") + dtype_problems(self))
 
     @property
     def logits(self) -> int:

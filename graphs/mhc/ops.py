@@ -28,6 +28,8 @@ outputs for the same inputs (its reference recomputes them).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -35,7 +37,7 @@ from megaloom.graphs.common.ops import acc_dtype, io_bytes, up
 from megaloom.ops import dvm
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.graph import Region
-from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, register
+from megaloom.runtime.registry import VECTOR, Cost, GradOf, OpDef, TensorSpec, register
 
 
 def _check(name: str, ins: list[TensorSpec], want: list[tuple[int, ...] | None]) -> None:
@@ -137,27 +139,21 @@ def _coeff_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6)
 
 # -- backward references: VJPs of the forward references ---------------------------------
 def _coeff_bwd_ref(raw, inv_rms, alpha, bias, g_pre, g_post, g_res, n: int = 4, iters: int = 20, pre_eps: float = 1e-6):
-    def f(r, i, a, b):
-        return coeff_ref(r, i, a, b, n, iters, pre_eps)
-
+    f = partial(coeff_ref, n=n, iters=iters, pre_eps=pre_eps)
     _, (gr, gi, ga, gb) = torch.autograd.functional.vjp(f, (raw, inv_rms, alpha, bias), (g_pre, g_post, g_res))
     return gr, gi, ga.unsqueeze(0), gb.unsqueeze(0)
 
 
 def _block_in_bwd_ref(new, pre, norm_w, g_block, g_pre, rms_eps: float = 1e-6):
-    def f(new_, pre_, w_):
-        return block_in_ref(new_, pre_, w_, rms_eps)
-
+    f = partial(block_in_ref, rms_eps=rms_eps)
     _, (gn, gp, gw) = torch.autograd.functional.vjp(f, (up(new), pre, up(norm_w)), up(g_block))
     return gn, gp + g_pre, gw.unsqueeze(0)
 
 
 def _mix_norm_bwd_ref(y, h, post, res, new, inv_rms, g_new, g_flat, g_block_new, g_inv, rms_eps: float = 1e-6):
-    def f(y_, h_, post_, res_):
-        return mix_norm_ref(y_, h_, post_, res_, rms_eps)
-
-    x = (up(y), up(h), post, res)
-    _, (gy, gh, gpost, gres) = torch.autograd.functional.vjp(f, x, (up(g_new) + g_flat + g_block_new, g_inv))
+    f = partial(mix_norm_ref, rms_eps=rms_eps)
+    g = (up(g_new) + g_flat + g_block_new, g_inv)
+    _, (gy, gh, gpost, gres) = torch.autograd.functional.vjp(f, (up(y), up(h), post, res), g)
     return gy.to(y.dtype), gh.to(h.dtype), gpost, gres
 
 
@@ -165,8 +161,7 @@ def _mix_norm_bwd_ref(y, h, post, res, new, inv_rms, g_new, g_flat, g_block_new,
 def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1e-6) -> None:
     raw, inv, alpha, bias, g_pre, g_post, g_res = ins
     g_raw, g_inv, g_alpha, g_bias = outs
-    l = raw * inv
-    lp, lq, lr = split_logits(l, n)
+    lp, lq, lr = split_logits(raw * inv, n)
     bp, bq, br = split_logits(bias, n)
     sp = torch.sigmoid(alpha[0] * lp + bp)
     sq = torch.sigmoid(alpha[1] * lq + bq)
@@ -186,8 +181,7 @@ def _coeff_bwd_kernel(ins, outs, n: int = 4, iters: int = 20, pre_eps: float = 1
         g = (g - (g * a).sum(-1, keepdim=True)) / r
     g_zr = m0 * (g - (g * m0).sum(-1, keepdim=True))
     g_z = torch.cat([g_zp, g_zq, g_zr.flatten(1)], -1)
-    gl_p, gl_q, gl_r = g_zp * alpha[0], g_zq * alpha[1], g_zr.flatten(1) * alpha[2]
-    g_l = torch.cat([gl_p, gl_q, gl_r], -1)
+    g_l = torch.cat([g_zp * alpha[0], g_zq * alpha[1], g_zr.flatten(1) * alpha[2]], -1)
     torch.mul(g_l, inv, out=g_raw)
     torch.sum(g_l * raw, -1, keepdim=True, out=g_inv)
     g_alpha.copy_(torch.stack([(g_zp * lp).sum(), (g_zq * lq).sum(), (g_zr * lr).sum()]).unsqueeze(0))
@@ -276,20 +270,20 @@ def _mix_norm_bwd_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 SINKHORN_FLOPS = 4.0  # per matrix entry and round: a sum and a divide, rows then columns
 
-register(OpDef("mhc_mix_norm", ("vector",), mix_norm_ref, _mix_norm_shape, _cost(12.0, 1), _mix_norm_kernel,
+register(OpDef("mhc_mix_norm", (VECTOR,), mix_norm_ref, _mix_norm_shape, _cost(12.0, 1), _mix_norm_kernel,
                doc="new residual R^T h + post (x) y and the inverse RMS of its flattening"))
-register(OpDef("mhc_block_in", ("vector",), block_in_ref, _block_in_shape, _cost(4.0, 0), _block_in_kernel,
+register(OpDef("mhc_block_in", (VECTOR,), block_in_ref, _block_in_shape, _cost(4.0, 0), _block_in_kernel,
                doc="block input RMSNorm(sum_j pre_j new_j) * norm_w, with the pre computed from new"))
-register(OpDef("mhc_block_in_bwd", ("vector",), _block_in_bwd_ref, _block_in_bwd_shape, _cost(10.0, 0),
+register(OpDef("mhc_block_in_bwd", (VECTOR,), _block_in_bwd_ref, _block_in_bwd_shape, _cost(10.0, 0),
                _block_in_bwd_kernel, doc="gradient of mhc_block_in, plus the per-tile norm-weight partial",
                grad_of=GradOf("mhc_block_in", "x0 x1 x2 dy0 dx1", "dx0 dx1 dx2")))
-register(OpDef("mhc_coeff", ("vector",), coeff_ref, _coeff_shape,
+register(OpDef("mhc_coeff", (VECTOR,), coeff_ref, _coeff_shape,
                lambda i, o, a: Cost(i[0].numel * (8.0 + SINKHORN_FLOPS * a.get("iters", 20)), io_bytes(i, o)),
                _coeff_kernel, doc="next pre / post / Sinkhorn residual mix from the projected logits"))
-register(OpDef("mhc_coeff_bwd", ("vector",), _coeff_bwd_ref, _coeff_bwd_shape,
+register(OpDef("mhc_coeff_bwd", (VECTOR,), _coeff_bwd_ref, _coeff_bwd_shape,
                lambda i, o, a: Cost(i[0].numel * (16.0 + 3 * SINKHORN_FLOPS * a.get("iters", 20)), io_bytes(i, o)),
                _coeff_bwd_kernel, doc="gradient of mhc_coeff (analytic, Sinkhorn reversed step by step)",
                grad_of=GradOf("mhc_coeff", "x0 x1 x2 x3 dy0 dy1 dy2", "dx0 dx1 dx2 dx3")))
-register(OpDef("mhc_mix_norm_bwd", ("vector",), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(22.0, 1),
+register(OpDef("mhc_mix_norm_bwd", (VECTOR,), _mix_norm_bwd_ref, _mix_norm_bwd_shape, _cost(22.0, 1),
                _mix_norm_bwd_kernel, doc="gradient of mhc_mix_norm",
                grad_of=GradOf("mhc_mix_norm", "x0 x1 x2 x3 y0 y1 dy0 dy0 dy0 dy1", "dx0 dx1 dx2 dx3")))

@@ -7,6 +7,7 @@ destination order (see :mod:`.graph`), one collective per (expert, round, chunk 
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 from megaloom.graphs.common.tiles import tile_ranges
@@ -15,7 +16,7 @@ from megaloom.graphs.moe.spec import Counts, MegaMoESpec
 from megaloom.graphs.moe.tasks import TaskBuilder
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.graph import Buffer, Task, TaskGraph
-from megaloom.runtime.registry import get_op
+from megaloom.runtime.registry import COMM, VECTOR, get_op
 
 
 def _chunk(block: tuple[int, int], i: int, tile: int) -> tuple[int, int]:
@@ -30,11 +31,9 @@ class CountsBuilder(TaskBuilder):
     def __init__(self, g: TaskGraph, spec: MegaMoESpec, counts: Counts, direction: str):
         super().__init__(g, spec, counts, direction)
         self.rows_of = [counts.expert_rows(e) for e in range(self.El)]
-        self.blocks, at = [], 0  # each local expert's rows padded to 32
-        for lo, hi in self.rows_of:
-            self.blocks.append((at, at + -(-(hi - lo) // BLOCK) * BLOCK))
-            at = self.blocks[-1][1]
-        self.padded_rows, self.group_rows = at, [hi - lo for lo, hi in self.rows_of]
+        self.group_rows = [hi - lo for lo, hi in self.rows_of]
+        ends = list(accumulate((-(-n // BLOCK) * BLOCK for n in self.group_rows), initial=0))
+        self.blocks, self.padded_rows = list(zip(ends, ends[1:])), ends[-1]  # each local expert's rows padded to 32
 
     @staticmethod
     def rows(spec: MegaMoESpec, counts: Counts) -> tuple[int, int, int]:
@@ -43,9 +42,8 @@ class CountsBuilder(TaskBuilder):
 
     def tiles(self) -> list[tuple[int, int, int, int | None]]:
         """(expert, first row, end row, tile index: None here) of every row tile of the recv layout."""
-        tm = self.spec.tile_m
-        return [(e, a, b, None) for e in range(self.El) for a, b in tile_ranges(self.c.expert_rows(e)[1], tm,
-                                                                                  self.c.expert_rows(e)[0])]
+        return [(e, a, b, None) for e, (lo, hi) in enumerate(self.rows_of)
+                for a, b in tile_ranges(hi, self.spec.tile_m, lo)]
 
     def experts(self, e: int) -> slice:
         """The experts of a per-expert stack that a tile of expert ``e`` reads."""
@@ -76,15 +74,10 @@ class CountsBuilder(TaskBuilder):
         """Rounds ``1 .. W - 1`` of expert ``expert``, each in chunks of at most ``comm_tile`` rows (a round
         no rank has rows for is skipped on every rank); combine copies the own rows back."""
         c, r, W, e = self.c, self.rank, self.W, expert
+        src_buf, dst_buf = (recv, send) if combine else (send, recv)
         for j in range(1, W):
             to, frm = (r + j) % W, (r - j) % W
-            if combine:  # owner r returns the rows of source `to`; gets its own rows back from `frm`
-                rows = [c.pair((s + j) % W, s, e) for s in range(W)]  # what rank s sends in this round
-                src_blk, dst_blk = c.recv_block(e, to), c.send_block(frm, e)
-            else:
-                rows = [c.pair(s, (s + j) % W, e) for s in range(W)]
-                src_blk, dst_blk = c.send_block(to, e), c.recv_block(e, frm)
-            src_buf, dst_buf = (recv, send) if combine else (send, recv)
+            rows, src_blk, dst_blk = c.round(e, j, combine)
             tile = self.spec.comm_tile or max(rows + [1])
             chunks = max(-(-n // tile) for n in rows)  # the same on every rank: 0 skips the round
             for i in range(chunks):
@@ -92,7 +85,7 @@ class CountsBuilder(TaskBuilder):
                 splits_s, splits_r = [0] * W, [0] * W
                 splits_s[to], splits_r[frm] = s1 - s0, d1 - d0
                 t = self.task("all_to_all", [src_buf[s0:s1]], [dst_buf[d0:d1]], f"{self._stage}.e{e}.j{j}.{i}",
-                              expert=e, peer=to, engine="comm", round=j, link="intra",
+                              expert=e, peer=to, engine=COMM, round=j, link="intra",
                               attrs={"send_splits": splits_s, "recv_splits": splits_r})
                 self.comm_task(t, e, combine)
         if combine and W > 1:  # own rows
@@ -100,4 +93,4 @@ class CountsBuilder(TaskBuilder):
             if hi > lo:
                 s0 = c.send_block(r, e)[0]
                 self.task("copy", [recv[lo:hi]], [send[s0:s0 + hi - lo]], f"{self._stage}.e{e}.self",
-                          expert=e, peer=r, engine="vector")
+                          expert=e, peer=r, engine=VECTOR)

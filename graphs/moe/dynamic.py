@@ -15,7 +15,7 @@ from megaloom.graphs.moe.ops import Cut
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec
 from megaloom.graphs.moe.tasks import TaskBuilder
 from megaloom.runtime.graph import Buffer, Task, TaskGraph
-from megaloom.runtime.registry import get_op
+from megaloom.runtime.registry import COMM, VECTOR, get_op
 from megaloom.scheduler.cost import DURATION_ATTR
 
 
@@ -103,8 +103,8 @@ class DynamicBuilder(TaskBuilder):
                     ins, attrs["rows"] = ins[:2], dst.shape[0]
                 if not j:  # own rows: a local copy
                     self.task("moe_exchange", ins, [dst], f"{self._stage}.e{e}.self.{i}", expert=e,
-                              peer=self.rank, engine="vector", attrs=attrs)
+                              peer=self.rank, engine=VECTOR, attrs=attrs)
                     continue
                 t = self.task("moe_exchange", ins, [dst], f"{self._stage}.e{e}.j{j}.{i}", expert=e,
-                              peer=to, engine="comm", round=j, link="intra", attrs=attrs)
+                              peer=to, engine=COMM, round=j, link="intra", attrs=attrs)
                 self.comm_task(t, e, combine)

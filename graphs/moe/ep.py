@@ -63,8 +63,7 @@ def ep_check(comm: Any, cfg: dict[str, Any]) -> dict[str, Any]:
             p = {**problem(world, **shape, dtype=cfg.get("dtype", "float32"), seed=cfg.get("seed", 0) + i,
                            idle=cfg.get("idle", 0)), "gate_up": p["gate_up"], "down": p["down"]}
         moe.zero_grad(set_to_none=True)
-        x = p["x"][mine].clone().requires_grad_()
-        w = p["w"][mine].clone().requires_grad_()
+        x, w = (p[k][mine].clone().requires_grad_() for k in ("x", "w"))
         comm.barrier()
         t0 = time.perf_counter()
         y = moe(x, p["ids"][mine], w)

@@ -48,8 +48,7 @@ from megaloom.graphs.common.tiles import tile_ranges
 from megaloom.graphs.moe.counts import CountsBuilder
 from megaloom.graphs.moe.dynamic import DynamicBuilder
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
-from megaloom.graphs.moe.tasks import E8M0, FP8, TaskBuilder
-from megaloom.ops.mxfp8.format import BLOCK
+from megaloom.graphs.moe.tasks import TaskBuilder, mx_buffers
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Buffer, TaskGraph
 
@@ -84,14 +83,13 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     ``meta`` (and ``comm`` under EP) read at run time; ``counts`` then only set simulated sizes and tags.
     At W == 1 ``tok`` and ``pos`` index the pooled layout (:func:`.layout.pooled_routing`)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
-    dt = spec.dtype
+    dt, mx = spec.dtype, spec.mxfp8
     g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
     builder = DynamicBuilder if dynamic else CountsBuilder
     R, S, St = builder.rows(spec, counts)
     x, tok = g.input("x", (T, H), dt), g.input("tok", (St,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
-    mx = spec.mxfp8
     keep = g.output if save else g.buffer
     xs, xr = _layout_buffers(g, spec, (S, R), ("xs", "xr"), (False, save and not mx))
     gu, a = keep("gu", (R, 2 * I), dt), (keep if not mx else g.buffer)("a", (R, I), dt)
@@ -131,14 +129,9 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (St,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (St, 1), dt)
     b = builder(g, spec, counts, "bwd")
-    padded = b.padded_rows
-
-    def saved_mx(name: str, cols: int) -> tuple[Buffer, Buffer]:
-        return g.input(name, (padded, cols), FP8), g.input(f"{name}_scales", (padded // BLOCK, cols), E8M0)
-
-    xr = saved_mx("xr_mx", H) if mx else g.input("xr", (R, H), dt)
+    xr = mx_buffers(g, "xr_mx", (b.padded_rows, H), "cols", g.input) if mx else g.input("xr", (R, H), dt)
     gu = g.input("gu", (R, 2 * I), dt)
-    a = saved_mx("a_mx", I) if mx else g.input("a", (R, I), dt)
+    a = mx_buffers(g, "a_mx", (b.padded_rows, I), "cols", g.input) if mx else g.input("a", (R, I), dt)
     yc = g.input("yc", (S if spec.ep > 1 else R, H), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
     dx, dw = g.output("dx", (T, H), dt), g.output("dw", (T, k), dt)
@@ -183,14 +176,12 @@ class MoEGraphBuilder(GraphBuilder):
 
     extras = {"direction": "fwd", "routing": "balanced", "seed": 0, "rank": 0, "dynamic": False}
 
-    def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple:
-        return (synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"])),)
-
-    def kwargs(self, extras: dict[str, Any]) -> dict[str, Any]:
+    def args(self, spec: MegaMoESpec, extras: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         dyn = extras["dynamic"]
         if not isinstance(dyn, bool):
             raise ConfigError(f"option dynamic must be true or false, got {dyn!r}")
-        return {"dynamic": True} if dyn else {}
+        counts = synthetic_counts(spec, extras["routing"], rank=int(extras["rank"]), seed=int(extras["seed"]))
+        return (counts,), {"dynamic": True} if dyn else {}
 
     def world(self, spec: str | None = None, **options: Any) -> list[TaskGraph]:
         """``megaloom simulate --graph megamoe:... --world``: every EP rank's graph (``rank = 0 .. ep - 1``,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -51,8 +52,7 @@ class Layout:
     def __init__(self, spec: MegaMoESpec, rank: int = 0):
         self.spec, self.rank = spec, rank
         self.tm, self.W, self.El = spec.tile_m, spec.ep, spec.experts_local
-        self.align = align(spec)
-        self.pooled = self.W == 1
+        self.align, self.pooled = align(spec), self.W == 1
         self.slot, self.rows = capacity(spec, spec.tokens)
         self.tiles = self.rows // self.tm
 
@@ -81,19 +81,13 @@ class Plan:
         rows = [(e, n, 0) for e, n in self.tile] + list(zip(self.start, self.n, ends))
         return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
 
-    def comm_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.comm, dtype=torch.int64)
-
 
 def make_plan(layout: Layout, c: Counts) -> Plan:
     """The plan of counts ``c`` in ``layout``; raises ConfigError when they exceed its capacity."""
-    tm, a, W, El, r = layout.tm, layout.align, layout.W, layout.El, c.rank
+    tm, a, W, El = layout.tm, layout.align, layout.W, layout.El
     n = [hi - lo for lo, hi in (c.expert_rows(e) for e in range(El))]
     if layout.pooled:
-        start, at = [], 0
-        for k in n:
-            start.append(at)
-            at += -(-k // a) * a
+        start = list(accumulate((-(-k // a) * a for k in n[:-1]), initial=0))
     else:
         start = [e * layout.slot for e in range(El)]
     if not layout.pooled and (sum(map(sum, c.counts)) != W * layout.spec.rows
@@ -105,28 +99,18 @@ def make_plan(layout: Layout, c: Counts) -> Plan:
     for e in range(El):
         for j in range(start[e] // tm, -(-(start[e] + n[e]) // tm)):
             tile[j] = (e, min(tm, start[e] + n[e] - j * tm))
-    comm = []
-    if not layout.pooled:
-        for combine in (False, True):
-            per_e = []
-            for e in range(El):
-                rounds = []
-                for j in range(W):
-                    to, frm = (r + j) % W, (r - j) % W
-                    base = c.expert_rows(e)[0]
-                    if combine:
-                        most = max(c.pair((s + j) % W, s, e) for s in range(W))
-                        (s0, s1), (d0, d1) = c.recv_block(e, to), c.send_block(frm, e)
-                        s0, s1 = s0 - base, s1 - base
-                    else:
-                        most = max(c.pair(s, (s + j) % W, e) for s in range(W))
-                        (s0, s1), (d0, d1) = c.send_block(to, e), c.recv_block(e, frm)
-                        d0, d1 = d0 - base, d1 - base
-                    rounds.append((s0, s1 - s0, d0, d1 - d0, most))
-                per_e.append(rounds)
-            comm.append(per_e)
+    comm = [] if layout.pooled else [[[_round(c, e, j, combine) for j in range(W)] for e in range(El)]
+                                     for combine in (False, True)]
     shift = [start[g] - c.send_off[g] for g in range(El)] if layout.pooled else []
     return Plan(start, n, tile, comm, shift)
+
+
+def _round(c: Counts, e: int, j: int, combine: bool) -> tuple[int, int, int, int, int]:
+    """The plan entry of all-to-all round ``j`` of local expert ``e`` (recv-layout rows relative to the
+    expert's first row)."""
+    rows, (s0, s1), (d0, d1) = c.round(e, j, combine)
+    base = c.expert_rows(e)[0]
+    return s0 - base * combine, s1 - s0, d0 - base * (not combine), d1 - d0, max(rows)
 
 
 def step_inputs(layout: Layout, routing: Routing) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -135,7 +119,7 @@ def step_inputs(layout: Layout, routing: Routing) -> tuple[dict[str, torch.Tenso
     plan = make_plan(layout, routing.counts)
     ins = {"meta": plan.meta(layout)}
     if not layout.pooled:
-        return {**ins, "comm": plan.comm_tensor(), "tok": routing.tok, "pos": routing.pos}, None
+        return {**ins, "comm": torch.tensor(plan.comm, dtype=torch.int64), "tok": routing.tok, "pos": routing.pos}, None
     counts = torch.tensor(routing.counts.counts[0], dtype=torch.int64)
     rows = torch.arange(layout.spec.rows) + torch.repeat_interleave(torch.tensor(plan.shift), counts)
     tok = torch.zeros(layout.rows, dtype=torch.int64)

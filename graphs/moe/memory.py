@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Mapping
 
 import torch
@@ -28,16 +29,13 @@ class MemoryEstimate:
 
 def estimate_memory(graph: TaskGraph) -> MemoryEstimate:
     """Peak and total workspace bytes of ``graph`` from the tasks that touch each buffer."""
-    order = graph.topological_order()
-    step = {tid: i for i, tid in enumerate(order)}
+    order, tasks = graph.topological_order(), graph.tasks
     first: dict[str, int] = {}
     last: dict[str, int] = {}
-    for t in graph.tasks:
-        s = step[t.id]
-        for r in (*t.inputs, *t.outputs):
-            n = r.buffer.name
-            first[n] = min(first.get(n, s), s)
-            last[n] = max(last.get(n, s), s)
+    for s, tid in enumerate(order):
+        for r in (*tasks[tid].inputs, *tasks[tid].outputs):
+            first.setdefault(r.buffer.name, s)
+            last[r.buffer.name] = s
     work = {b.name: b.nbytes for b in graph.buffers.values() if not b.is_input}
     end = len(order)
     delta = [0] * (end + 1)
@@ -47,19 +45,11 @@ def estimate_memory(graph: TaskGraph) -> MemoryEstimate:
         delta[first[name]] += nbytes
         stop = end if graph.buffers[name].is_output else last[name] + 1
         delta[stop] -= nbytes
-    peak = live = 0
-    for d in delta:
-        live += d
-        peak = max(peak, live)
-    return MemoryEstimate(sum(work.values()), peak, sum(n for k, n in work.items() if graph.buffers[k].is_output),
-                          work)
+    saved = sum(n for k, n in work.items() if graph.buffers[k].is_output)
+    return MemoryEstimate(sum(work.values()), max(0, *accumulate(delta)), saved, work)
 
 
 def measured_bytes(graph: TaskGraph, buffers: Mapping[str, torch.Tensor]) -> int:
     """Bytes of storage a run allocated for the non-input buffers (``RunResult.buffers``)."""
-    seen: dict[int, int] = {}
-    for b in graph.buffers.values():
-        if not b.is_input and b.name in buffers:
-            st = buffers[b.name].untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
+    stores = (buffers[b.name].untyped_storage() for b in graph.buffers.values() if not b.is_input and b.name in buffers)
+    return sum({st.data_ptr(): st.nbytes() for st in stores}.values())  # views of one storage count once

@@ -10,8 +10,8 @@ exchanges per-expert counts on the host before building (or reusing) its graphs.
 The graph runs are the custom ops ``megaloom::moe_forward`` and ``megaloom::moe_backward``
 (:mod:`megaloom.graphs.common.torch_ops`), so ``torch.compile`` traces a block that calls
 :func:`megamoe` without a graph break (``fullgraph=True`` works). :func:`megamoe` honours
-``torch.autocast``: under autocast the experts compute in the autocast dtype (GEMMs accumulate in float32), as ``F.linear``
-would. Double backward (``create_graph=True``) differentiates the first-order gradients of
+``torch.autocast``: under autocast the experts compute in the autocast dtype (GEMMs accumulate in
+float32), as ``F.linear`` would. Double backward (``create_graph=True``) differentiates the first-order gradients of
 megaloom's eager reference block (one rank, high precision only).
 """
 from __future__ import annotations
@@ -45,6 +45,7 @@ def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> M
 
 @lru_cache(maxsize=256)
 def _layout(spec: MegaMoESpec, rank: int) -> tuple[Layout, Counts]:
+    """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
     return Layout(spec, rank), synthetic_counts(spec, rank=rank)
 
 
@@ -80,24 +81,20 @@ class MegaMoERunner(GraphRunner):
             all_counts = self.comm.exchange(local_counts(topk_ids, spec.experts))
         return spec, make_routing(topk_ids.cpu(), spec, self.rank, all_counts)
 
-    def layout(self, spec: MegaMoESpec) -> tuple[Layout, Counts]:
-        """The dynamic graphs' layout of ``spec`` and the balanced counts that set their simulated sizes."""
-        return _layout(spec, self.rank)
-
     def dynamic_graph(self, spec: MegaMoESpec, direction: str, **kw: Any) -> TaskGraph:
         """The cached dynamic graph of ``spec`` (built and validated on the first call)."""
-        return self.graph(MEGAMOE, spec, direction, self.layout(spec)[1], dynamic=True, **kw)
+        return self.graph(MEGAMOE, spec, direction, _layout(spec, self.rank)[1], dynamic=True, **kw)
 
     def forward(self, spec: MegaMoESpec, routing: Routing, x: torch.Tensor, w: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, save: bool = True) -> RunResult:
         g = self.dynamic_graph(spec, "fwd", save=save)
-        plan, _ = step_inputs(self.layout(spec)[0], routing)
+        plan, _ = step_inputs(_layout(spec, self.rank)[0], routing)
         return self.run(g, {"x": x, **plan, "w": w, "gate_up": gate_up, "down": down}, "fwd", contiguous=False)
 
     def backward(self, spec: MegaMoESpec, routing: Routing, dout: torch.Tensor, w: torch.Tensor,
                  saved: Mapping[str, torch.Tensor], gate_up: torch.Tensor, down: torch.Tensor) -> RunResult:
         g = self.dynamic_graph(spec, "bwd")
-        lay = self.layout(spec)[0]
+        lay = _layout(spec, self.rank)[0]
         plan, rows = step_inputs(lay, routing)
         ws = place(rows, w.reshape(-1).index_select(0, routing.flat).unsqueeze(1), lay)
         return self.run(g, {"dout": dout, **plan, "ws": ws, **saved, "gate_up": gate_up, "down": down}, "bwd",
@@ -115,8 +112,7 @@ class MoEOps(GraphOps):
 
     def forward(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, topk_ids, w, gate_up, down = tensors
-        opts = json_options(options)
-        mx, save = opts["mx"], opts["save"]
+        mx, save = (json_options(options)[k] for k in ("mx", "save"))
         spec, routing = r.route(topk_ids, x.dtype, mx)
         res = r.forward(spec, routing, x.contiguous(), w.contiguous(), gate_up, down, save)
         if not save:
@@ -126,15 +122,13 @@ class MoEOps(GraphOps):
 
     def fake(self, r: GraphRunner, tensors: list[Tensor], options: str) -> list[Tensor]:
         x, topk_ids, _, _, down = tensors
-        opts = json_options(options)
-        mx, save = opts["mx"], opts["save"]
-        t, k, h = x.shape[0], topk_ids.shape[1], x.shape[1]
+        mx, save = (json_options(options)[k] for k in ("mx", "save"))
+        (t, h), k, i = x.shape, topk_ids.shape[1], down.shape[1]
         out = x.new_empty(t, h)
         if not save:
             return [out]
         spec = r.spec_for(1, x.dtype, mx)
         rows = capacity(spec, t)[1]  # the static capacity of the recv layout
-        i = down.shape[1]
         if mx:  # token-axis FP8 copies of xr and a (expert blocks start on multiples of 32)
             fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
             acts = [x.new_empty(rows, h, dtype=fp8), x.new_empty(rows // 32, h, dtype=e8m0), x.new_empty(rows, 2 * i),
@@ -176,12 +170,6 @@ MOE_OPS = MoEOps()
 _OPTIONS = {(mx, save): json.dumps({"mx": mx, "save": save}) for mx in ("", *SCALE_MODES) for save in (False, True)}
 
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The autocast dtype when autocast is on for ``x``'s device type, else ``x``'s dtype."""
-    dev = x.device.type
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
-
-
 def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, gate_up: Tensor,
             down: Tensor, mx: str | None = None) -> Tensor:
     """``out [T, H] = sum_j w[t, j] MLP_{ids[t, j]}(x[t])`` through the MegaMoE graphs of ``runner``.
@@ -192,14 +180,14 @@ def megamoe(runner: MegaMoERunner, x: Tensor, topk_ids: Tensor, topk_weights: Te
     parameters in float32); otherwise x and the weights must share a dtype. ``T`` may be 0. ``mx``:
     the expert GEMMs in MXFP8 with this scale rule (``"floor"`` or ``"rceil"``).
     """
-    dt = compute_dtype(x)
     if torch.is_autocast_enabled(x.device.type):
+        dt = torch.get_autocast_dtype(x.device.type)
         x, gate_up, down = x.to(dt), gate_up.to(dt), down.to(dt)
     if not x.dtype == gate_up.dtype == down.dtype:
         raise ConfigError(f"MegaMoE: hidden states are {x.dtype}, expert weights {gate_up.dtype} / {down.dtype} "
                           "(cast the module with .to(dtype), or run under torch.autocast)")
     ids = topk_ids.reshape(x.shape[0], runner.spec.top_k)
-    w = topk_weights.reshape(ids.shape).to(dt)
+    w = topk_weights.reshape(ids.shape).to(x.dtype)
     save = torch.is_grad_enabled() and any(t.requires_grad for t in (x, w, gate_up, down))
     options = _OPTIONS.get((mx or "", save))
     if options is None:

@@ -31,7 +31,9 @@ from megaloom.ops.basic import precision
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.dtypes import dtype_name, torch_dtype
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference
+from megaloom.runtime.registry import (
+    COMM, CUBE, VECTOR, Cost, GradOf, OpDef, TensorSpec, get_op, register, run_reference,
+)
 from megaloom.scheduler.cost import DURATION_ATTR
 
 
@@ -231,19 +233,19 @@ def _topk_grad_kernel(ins, outs) -> None:
     outs[0].copy_(moe_topk_grad(*ins))
 
 
-register(OpDef("moe_gather", ("vector", "comm"), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
+register(OpDef("moe_gather", (VECTOR, COMM), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
                doc="rows of src picked by idx (times scale): MoE permute / dispatch packing"))
-register(OpDef("moe_gmm", ("cube",), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
+register(OpDef("moe_gmm", (CUBE,), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
                doc="one grouped-GEMM tile: x @ w[e] (w[e]^T when trans_w)"))
-register(OpDef("moe_wgrad", ("cube",), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
+register(OpDef("moe_wgrad", (CUBE,), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
                doc="expert weight-gradient tile: a^T @ b into [1, k, n]"))
-register(OpDef("swiglu", ("vector",), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
+register(OpDef("swiglu", (VECTOR,), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
                _swiglu_kernel, doc="silu(gate) * up"))
-register(OpDef("swiglu_grad", ("vector",), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
+register(OpDef("swiglu_grad", (VECTOR,), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
                _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
-register(OpDef("moe_unpermute_sum", ("vector",), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
+register(OpDef("moe_unpermute_sum", (VECTOR,), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
                _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))
-register(OpDef("moe_topk_grad", ("vector",), moe_topk_grad, _topk_grad_shape,
+register(OpDef("moe_topk_grad", (VECTOR,), moe_topk_grad, _topk_grad_shape,
                lambda i, o, a: _topk_cost(i[1], i[2], i[0]),
                _topk_grad_kernel, doc="gradient of the top-k weights",
                grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
@@ -266,12 +268,6 @@ class Cut(str, Enum):
     EXPERT = "e"  # the live expert's slice of a per-expert stack
     WHOLE = "-"  # as is
     ZEROED = "z"  # as is, zeroed when there are no live rows
-
-
-def _codes(attrs: dict) -> tuple[str, str, str]:
-    kind, rest = attrs["codes"][0], attrs["codes"][1:]
-    cin, cout = rest.split("|")
-    return kind, cin, cout
 
 
 def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
@@ -301,8 +297,8 @@ def _narrow(x, code: str, s: int, n: int, e: int):
 
 def _split(attrs: dict) -> tuple[str, str, str, dict]:
     """(kind, input codes, output codes, the inner op's attrs) of a moe_dyn task."""
-    kind, cin, cout = _codes(attrs)
-    return kind, cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}
+    cin, cout = attrs["codes"][1:].split("|")
+    return attrs["codes"][0], cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}
 
 
 def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
@@ -358,19 +354,15 @@ def _dyn_bind(attrs: dict):
     return run
 
 
-def _dyn_kernel(ins, outs, **attrs) -> None:
-    _dyn_bind(attrs)(ins, outs)
-
-
 def _dyn_ref(*ins, **attrs):
     """The task's outputs: live rows by the inner op's reference, other rows as they were (``rmw``) or zeros."""
-    kind, cin, cout = _codes(attrs)
+    kind, cin, _, _ = split = _split(attrs)
     specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
     s, n, e = _live(ins[0], kind, attrs.get("base", 0))
     if n:
-        i, o, a = _dyn_parts(ins, full, _split(attrs), n, s, e)
+        i, o, a = _dyn_parts(ins, full, split, n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)
     return tuple(full)
@@ -416,19 +408,17 @@ def _exchange_into(src: torch.Tensor, dst: torch.Tensor, row: torch.Tensor, attr
     communicator(ctx).all_to_all(dst[c:d], src[a:b], send, recv)
 
 
-def _exchange_kernel(ins, outs, ctx=None, **attrs) -> None:
-    _exchange_into(ins[1], outs[0], ins[0], attrs, ctx)
-
-
 def _exchange_ref(row, src, old=None, ctx=None, **attrs):
     out = old.clone() if old is not None else src.new_zeros((attrs["rows"], *src.shape[1:]))
     _exchange_into(src, out, row, attrs, ctx)
     return out
 
 
-register(OpDef("moe_dyn", ("cube", "vector"), _dyn_ref, _dyn_shape, _dyn_cost, _dyn_kernel,
+register(OpDef("moe_dyn", (CUBE, VECTOR), _dyn_ref, _dyn_shape, _dyn_cost,
+               lambda ins, outs, **attrs: _dyn_bind(attrs)(ins, outs),
                extra={"in_place": True, "bind": _dyn_bind},
                doc="op attrs['op'] on the live rows of a tile or expert block, read from a plan row"))
-register(OpDef("moe_exchange", ("comm", "vector"), _exchange_ref, _exchange_shape, _exchange_cost,
-               _exchange_kernel, context=True, extra={"in_place": True},
+register(OpDef("moe_exchange", (COMM, VECTOR), _exchange_ref, _exchange_shape, _exchange_cost,
+               lambda ins, outs, ctx=None, **attrs: _exchange_into(ins[1], outs[0], ins[0], attrs, ctx),
+               context=True, extra={"in_place": True},
                doc="one all-to-all round (chunk) of an expert with run-time split sizes; own rows: a copy"))

@@ -17,11 +17,12 @@ graphs instead (:mod:`.layout`), which take the counts as run-time data too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from itertools import accumulate
 from typing import Any, Sequence
 
 import torch
 
-from megaloom.graphs.common.spec import GraphSpec, dtype_problems, positive, report
+from megaloom.graphs.common.spec import GraphSpec, bools, dtype_problems, positive, report
 from megaloom.ops.mxfp8.format import SCALE_MODES
 from megaloom.runtime.errors import ConfigError
 
@@ -81,14 +82,10 @@ class MegaMoESpec(GraphSpec):
                 problems.append(f"experts ({self.experts}) must be a multiple of ep ({self.ep})")
             if self.top_k > self.experts:
                 problems.append(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
-        problems += [f"{n} must be a bool, got {getattr(self, n)!r}" for n in ("ordered_comm", "fuse_vector")
-                     if not isinstance(getattr(self, n), bool)]
-        if self.schedule not in SCHEDULES:
-            problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.precision not in PRECISIONS:
-            problems.append(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.scale_mode not in SCALE_MODES:
-            problems.append(f"scale_mode must be one of {SCALE_MODES}, got {self.scale_mode!r}")
+        choices = {"schedule": SCHEDULES, "precision": PRECISIONS, "scale_mode": SCALE_MODES}
+        problems += bools(self, "ordered_comm", "fuse_vector") + [
+            f"{n} must be one of {known}, got {getattr(self, n)!r}" for n, known in choices.items()
+            if getattr(self, n) not in known]
         if not problems and self.quant_cols % 32:
             problems.append(f"quant_cols must be a multiple of 32, got {self.quant_cols}")
         if self.precision == "mxfp8" and not problems:
@@ -128,17 +125,10 @@ class Counts:
     recv_off: list[list[int]] = field(init=False)  # [E_l][W + 1]: recv-layout block starts
 
     def __post_init__(self) -> None:
-        mine = self.counts[self.rank]
-        self.send_off = [0]
-        for c in mine:
-            self.send_off.append(self.send_off[-1] + c)
-        self.recv_off, at = [], 0
-        for e in range(self.experts_local):
-            offs = [at]
-            for s in range(self.ep):
-                at += self.counts[s][self.rank * self.experts_local + e]
-                offs.append(at)
-            self.recv_off.append(offs)
+        self.send_off = list(accumulate(self.counts[self.rank], initial=0))
+        El, W = self.experts_local, self.ep
+        at = list(accumulate((self.counts[s][self.rank * El + e] for e in range(El) for s in range(W)), initial=0))
+        self.recv_off = [at[e * W:(e + 1) * W + 1] for e in range(El)]
 
     @property
     def send_rows(self) -> int:
@@ -164,6 +154,15 @@ class Counts:
     def pair(self, src: int, dest: int, e: int) -> int:
         """Rows ``src`` sends to local expert ``e`` of ``dest``."""
         return self.counts[src][dest * self.experts_local + e]
+
+    def round(self, e: int, j: int, combine: bool) -> tuple[list[int], tuple[int, int], tuple[int, int]]:
+        """All-to-all round ``j`` of local expert ``e`` (this rank sends to ``rank + j``, receives from
+        ``rank - j``): the rows each rank ``s`` sends in it, this rank's source and destination blocks."""
+        W, r = self.ep, self.rank
+        to, frm = (r + j) % W, (r - j) % W
+        if combine:  # owner r returns the rows of source `to`; gets its own rows back from `frm`
+            return [self.pair((s + j) % W, s, e) for s in range(W)], self.recv_block(e, to), self.send_block(frm, e)
+        return [self.pair(s, (s + j) % W, e) for s in range(W)], self.send_block(to, e), self.recv_block(e, frm)
 
     def __hash__(self) -> int:  # the offsets follow from rank and counts: counts-built graphs are cached by them
         return hash((self.rank, self.counts))
@@ -231,11 +230,9 @@ def synthetic_counts(spec: MegaMoESpec, routing: str = "balanced", *, rank: int 
         probs = torch.arange(1, E + 1, dtype=torch.float64).pow(-skew)[torch.randperm(E, generator=gen)]
     else:
         probs = torch.ones(E, dtype=torch.float64)
-    rows = []
-    for s in range(spec.ep):
-        if routing == "balanced":
-            rows.append(tuple(S // E + (1 if (g - s) % E < S % E else 0) for g in range(E)))
-        else:
-            pick = torch.multinomial(probs, S, replacement=True, generator=gen)
-            rows.append(tuple(torch.bincount(pick, minlength=E).tolist()))
+    if routing == "balanced":
+        rows = [tuple(S // E + (1 if (g - s) % E < S % E else 0) for g in range(E)) for s in range(spec.ep)]
+    else:
+        picks = [torch.multinomial(probs, S, replacement=True, generator=gen) for _ in range(spec.ep)]
+        rows = [tuple(torch.bincount(pick, minlength=E).tolist()) for pick in picks]
     return Counts(rank, spec.ep, spec.experts_local, tuple(rows))

@@ -15,8 +15,10 @@ from megaloom.graphs.moe.ops import Cut, swiglu_program
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec
 from megaloom.ops.mxfp8.format import BLOCK
 from megaloom.runtime.graph import Buffer, Region, Task, TaskGraph
+from megaloom.runtime.registry import VECTOR
 
 FP8, E8M0 = "float8_e4m3fn", "float8_e8m0fnu"
+MX = tuple[Buffer, Buffer]  # an MXFP8 operand: FP8 payload and E8M0 scales
 
 
 class TaskBuilder:
@@ -40,7 +42,7 @@ class TaskBuilder:
         """Start stage ``name``; under ``sequential`` it waits for every earlier task.
         A task's ``stage`` tag is the current stage unless it passes its own."""
         if self.sequential and self._stage_tasks:
-            self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine="vector",
+            self._barrier = self.g.task("noop", name=f"barrier.{self.direction}.{name}", engine=VECTOR,
                                         after=self._stage_tasks, tags=self.tags(name))
             self._stage_tasks = []
         self._stage = name
@@ -74,32 +76,34 @@ class TaskBuilder:
             a.precede(b)
 
     # -- stages ----------------------------------------------------------------------
-    def gemm_tiles(self, stage: str, op_in: Buffer, weight: Buffer, out: Buffer, n: int, trans: bool) -> None:
-        """Row tiles x column blocks of ``out[rows_e] = op_in[rows_e] @ weight[e]`` for every expert."""
+    def gemm_tiles(self, stage: str, x: Buffer | MX, w: Buffer | MX, out: Buffer, n: int, trans: bool) -> None:
+        """Row tiles x column blocks of ``out[rows_e] = x[rows_e] @ w[e]`` (``w[e]^T`` with ``trans``) for
+        every expert; on MXFP8 operands (payload, scales) an ``mx_grouped_matmul`` of layout NN (NT)."""
+        dt = self.spec.dtype
         for e, a, b, j in self.tiles():
-            x = self.experts(e)
             for c0, c1 in split(n, self.spec.cube_split):
-                # column block c of op_in @ W[e] is op_in @ W[e][:, c]; of op_in @ W[e]^T, op_in @ W[e][c, :]^T
-                w = weight[x, c0:c1, :] if trans else weight[x, :, c0:c1]
-                self.tile_task("moe_gmm", [op_in[a:b], w], [out[a:b, c0:c1]],
-                               ((Cut.ROWS, Cut.EXPERT), (Cut.ROWS,)), f"{stage}.e{e}.{a}.c{c0}", e, j,
-                               attrs={"trans_w": True} if trans else None)
-
-    def row_tiles(self, op: str, ins: list[Buffer], out: Buffer, stage: str) -> None:
-        """A vector op applied to each row tile of every expert."""
-        for e, a, b, j in self.tiles():
-            self.tile_task(op, [x[a:b] for x in ins], [out[a:b]], ((Cut.ROWS,) * len(ins), (Cut.ROWS,)),
-                           f"{stage}.e{e}.{a}", e, j)
+                # column block c of x @ W[e] is x @ W[e][:, c]; of x @ W[e]^T, x @ W[e][c, :]^T
+                cols = (self.experts(e), *((slice(c0, c1), slice(None)) if trans else (slice(None), slice(c0, c1))))
+                dst, name = [out[a:b, c0:c1]], f"{stage}.e{e}.{a}.c{c0}"
+                if isinstance(x, tuple):
+                    self.tile_task("mx_grouped_matmul", [x[0][a:b], x[1][a:b], w[0][cols], w[1][cols]], dst,
+                                   ((Cut.ROWS, Cut.ROWS, Cut.EXPERT, Cut.EXPERT), (Cut.ROWS,)), name, e, j,
+                                   attrs={"group_offsets": [b - a], "layout": "NT" if trans else "NN", "out_dtype": dt})
+                else:
+                    self.tile_task("moe_gmm", [x[a:b], w[cols]], dst, ((Cut.ROWS, Cut.EXPERT), (Cut.ROWS,)), name, e, j,
+                                   attrs={"trans_w": True} if trans else None)
 
     def swiglu_tiles(self, stage: str, gu: Buffer, out: Buffer, da: Buffer | None = None) -> None:
         """SwiGLU of ``gu = [gate | up]`` into ``out`` (with ``da``: its gradient ``[dgate | dup]``) on each
         row tile of every expert: ``dvm.fused`` tasks under ``fuse_vector``, else the unfused op. In a
         dynamic graph a fused tile runs on its whole tile (its program has the tile's shape; rows past
         the live ones hold values nothing reads) and an empty tile returns at once."""
-        if not self.spec.fuse_vector:
-            return self.row_tiles(stage, [gu] if da is None else [gu, da], out, stage)
         inter, made = gu.shape[1] // 2, {}
         for e, a, b, j in self.tiles():
+            if not self.spec.fuse_vector:  # the unfused op
+                ins = [gu[a:b]] if da is None else [gu[a:b], da[a:b]]
+                self.tile_task(stage, ins, [out[a:b]], ((Cut.ROWS,) * len(ins), (Cut.ROWS,)), f"{stage}.e{e}.{a}", e, j)
+                continue
             halves = [gu[a:b, :inter], gu[a:b, inter:]]
             if da is None:
                 ins, outs = halves, [out[a:b]]
@@ -110,99 +114,76 @@ class TaskBuilder:
             self.tile_task("dvm.fused", ins, outs, ((Cut.WHOLE,) * len(ins), (Cut.WHOLE,) * len(outs)),
                            f"{stage}.e{e}.{a}", e, j, attrs=made[b - a])
 
-    def wgrad(self, stage: str, a: Buffer, b: Buffer, out: Buffer) -> None:
+    def wgrad(self, stage: str, a: Buffer | MX, b: Buffer | MX, out: Buffer) -> None:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
-        blocks (zeros for an idle expert); the weight gradient stays on this rank."""
+        blocks (zeros for an idle expert); the weight gradient stays on this rank. On token-axis MXFP8
+        operands (payload, scales), an ``mx_grouped_matmul`` of layout TN over the padded blocks."""
         for e in range(self.El):
-            lo, hi = self.rows_of[e]
+            (lo, hi), (p0, p1) = self.rows_of[e], self.blocks[e]
+            rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
-                                   ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED,)), f"{stage}.e{e}.k{k0}.c{c0}", e, None,
-                                   block=e)
+                    dst, name = [out[e:e + 1, k0:k1, c0:c1]], f"{stage}.e{e}.k{k0}.c{c0}"
+                    if isinstance(a, tuple):
+                        self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
+                                                             b[1][srows, c0:c1]], dst,
+                                       ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.ZEROED,)), name, e, None,
+                                       block=e, attrs={"group_offsets": [self.group_rows[e]], "layout": "TN",
+                                                       "out_dtype": self.spec.dtype})
+                    else:
+                        self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], dst,
+                                       ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED,)), name, e, None, block=e)
 
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
         for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
             self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
 
-    # -- MXFP8 ------------------------------------------------------------------------
-    def mx_attrs(self, **attrs: Any) -> dict:
-        return {"scale_mode": self.spec.scale_mode, **attrs}
-
-    def chunks(self, n: int) -> list[tuple[int, int]]:
-        """Column ranges of one quantisation task each (``quant_cols`` wide)."""
-        return tile_ranges(n, self.spec.quant_cols)
-
+    # -- MXFP8: quantisation tasks of ``quant_cols`` columns each ------------------------
     def quant_rows(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
         """Row-wise (along the last dim) quantisation of every row tile of every expert, in column chunks."""
         for e, a, b, j in self.tiles():
-            for c0, c1 in self.chunks(src.shape[1]):
+            for c0, c1 in tile_ranges(src.shape[1], self.spec.quant_cols):
                 self.tile_task("mx_quantize", [src[a:b, c0:c1]], [q[0][a:b, c0:c1], q[1][a:b, c0 // BLOCK:c1 // BLOCK]],
                                ((Cut.ROWS,), (Cut.ROWS, Cut.ROWS)), f"{stage}.e{e}.{a}.c{c0}", e, j,
-                               attrs=self.mx_attrs(axis="rows"))
+                               attrs={"scale_mode": self.spec.scale_mode, "axis": "rows"})
 
     def quant_tokens(self, stage: str, src: Buffer, q: tuple[Buffer, Buffer]) -> None:
         """Token-axis quantisation of each expert's rows into its padded block of ``q``, in column chunks."""
         for e in range(self.El):
             (lo, hi), (p0, p1) = self.rows_of[e], self.blocks[e]
-            for c0, c1 in self.chunks(src.shape[1]) if hi > lo else ():
+            for c0, c1 in tile_ranges(src.shape[1], self.spec.quant_cols) if hi > lo else ():
                 self.tile_task("mx_quantize_grouped", [src[lo:hi, c0:c1]],
                                [q[0][p0:p1, c0:c1], q[1][p0 // BLOCK:p1 // BLOCK, c0:c1]],
                                ((Cut.ROWS,), (Cut.PADDED, Cut.SCALES)), f"{stage}.e{e}.c{c0}", e, None,
-                               attrs=self.mx_attrs(group_offsets=[hi - lo], axis="cols"), block=e)
+                               attrs={"scale_mode": self.spec.scale_mode, "group_offsets": [hi - lo], "axis": "cols"},
+                               block=e)
 
     def quant_weights(self, stage: str, w: Buffer, q: tuple[Buffer, Buffer], axis: str) -> None:
         """Each expert's weight ``[K, N]`` quantised along ``axis`` (``cols``: along K, chunks of the N
         columns; ``rows``: along N, chunks of the K rows); experts without rows are not needed."""
         for e in range(self.El):
             lo, hi = self.rows_of[e]
-            for c0, c1 in self.chunks(w.shape[2 if axis == "cols" else 1]) if hi > lo else ():
-                at = (slice(e, e + 1), slice(None), slice(c0, c1)) if axis == "cols" else (
-                    slice(e, e + 1), slice(c0, c1), slice(None))
+            for c0, c1 in tile_ranges(w.shape[2 if axis == "cols" else 1], self.spec.quant_cols) if hi > lo else ():
+                cols = (slice(None), slice(c0, c1)) if axis == "cols" else (slice(c0, c1), slice(None))
+                at = (slice(e, e + 1), *cols)
                 self.task("mx_quantize", [w[at]], [q[0][at], q[1][at]], f"{stage}.e{e}.c{c0}", expert=e,
-                          attrs=self.mx_attrs(axis=axis))
-
-    def mx_gemm_tiles(self, stage: str, a: tuple[Buffer, Buffer], w: tuple[Buffer, Buffer], out: Buffer, n: int,
-                      layout: str) -> None:
-        """:meth:`gemm_tiles` on MXFP8 operands: NN (``a @ W[e]``) or NT (``a @ W[e]^T``)."""
-        for e, r0, r1, j in self.tiles():
-            x = self.experts(e)
-            for c0, c1 in split(n, self.spec.cube_split):
-                cols = (x, slice(None), slice(c0, c1)) if layout == "NN" else (x, slice(c0, c1), slice(None))
-                self.tile_task("mx_grouped_matmul", [a[0][r0:r1], a[1][r0:r1], w[0][cols], w[1][cols]],
-                               [out[r0:r1, c0:c1]], ((Cut.ROWS, Cut.ROWS, Cut.EXPERT, Cut.EXPERT), (Cut.ROWS,)),
-                               f"{stage}.e{e}.{r0}.c{c0}", e, j,
-                               attrs={"group_offsets": [r1 - r0], "layout": layout, "out_dtype": self.spec.dtype})
-
-    def mx_wgrad(self, stage: str, a: tuple[Buffer, Buffer], b: tuple[Buffer, Buffer], out: Buffer) -> None:
-        """:meth:`wgrad` on token-axis MXFP8 operands (layout TN; zeros for an idle expert)."""
-        for e in range(self.El):
-            p0, p1 = self.blocks[e]
-            rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
-            for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
-                for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
-                                                         b[1][srows, c0:c1]], [out[e:e + 1, k0:k1, c0:c1]],
-                                   ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.ZEROED,)),
-                                   f"{stage}.e{e}.k{k0}.c{c0}", e, None, block=e,
-                                   attrs={"group_offsets": [self.group_rows[e]], "layout": "TN",
-                                          "out_dtype": self.spec.dtype})
+                          attrs={"scale_mode": self.spec.scale_mode, "axis": axis})
 
     def forward_gemm(self, stage: str, x: Buffer, w: Buffer, out: Buffer, save: bool) -> None:
         """``out[e] = x[e] @ w[e]`` per expert, in the spec's precision; under MXFP8 with ``save``, ``x`` is
         also kept as the token-axis FP8 output ``<x>_mx`` (what the weight gradient reads)."""
         n = out.shape[1]
         if not self.spec.mxfp8:
-            self.gemm_tiles(stage, x, w, out, n, trans=False)
-            return
-        wq, xq = mx_buffers(self.g, f"{w.name}_q", w.shape, "cols"), mx_buffers(self.g, f"{x.name}_q", x.shape, "rows")
+            return self.gemm_tiles(stage, x, w, out, n, trans=False)
+        wq = mx_buffers(self.g, f"{w.name}_q", w.shape, "cols")
+        xq = mx_buffers(self.g, f"{x.name}_q", x.shape, "rows")
         self.quant_weights(f"quant_{w.name}", w, wq, "cols")
         self.quant_rows(f"quant_{x.name}", x, xq)
         if save:
-            self.quant_tokens(f"quant_{x.name}_t", x, mx_buffers(self.g, f"{x.name}_mx", (self.padded_rows,
-                                                                                        x.shape[1]), "cols", out=True))
-        self.mx_gemm_tiles(stage, xq, wq, out, n, "NN")
+            xt = mx_buffers(self.g, f"{x.name}_mx", (self.padded_rows, x.shape[1]), "cols", self.g.output)
+            self.quant_tokens(f"quant_{x.name}_t", x, xt)
+        self.gemm_tiles(stage, xq, wq, out, n, trans=False)
 
     def backward_gemms(self, which: str, dy: Buffer, w: Buffer, dx: Buffer, act: Buffer | tuple[Buffer, Buffer],
                        dw: Buffer) -> None:
@@ -211,23 +192,21 @@ class TaskBuilder:
         n = dx.shape[1]
         if not self.spec.mxfp8:
             self.gemm_tiles(f"dgmm{which}", dy, w, dx, n, trans=True)
-            self.wgrad(f"wgrad{which}", act, dy, dw)
-            return
+            return self.wgrad(f"wgrad{which}", act, dy, dw)
         wq = mx_buffers(self.g, f"{w.name}_q", w.shape, "rows")
         dyq = mx_buffers(self.g, f"{dy.name}_q", dy.shape, "rows")
         dyt = mx_buffers(self.g, f"{dy.name}_mx", (self.padded_rows, dy.shape[1]), "cols")
         self.quant_weights(f"quant_{w.name}", w, wq, "rows")
         self.quant_rows(f"quant_{dy.name}", dy, dyq)
         self.quant_tokens(f"quant_{dy.name}_t", dy, dyt)
-        self.mx_gemm_tiles(f"dgmm{which}", dyq, wq, dx, n, "NT")
-        self.mx_wgrad(f"wgrad{which}", act, dyt, dw)
+        self.gemm_tiles(f"dgmm{which}", dyq, wq, dx, n, trans=True)
+        self.wgrad(f"wgrad{which}", act, dyt, dw)
 
 
-def mx_buffers(g: TaskGraph, name: str, shape: tuple[int, ...], axis: str, out: bool = False
-               ) -> tuple[Buffer, Buffer]:
+def mx_buffers(g: TaskGraph, name: str, shape: tuple[int, ...], axis: str, make: Any = None) -> MX:
     """FP8 payload and E8M0 scales of a tensor of ``shape`` blocked along ``axis`` (rows: last dim;
-    cols: dim -2), as graph buffers (outputs with ``out``)."""
-    make = g.output if out else g.buffer
+    cols: dim -2), as graph buffers (made by ``make``: ``g.buffer`` by default, or ``g.output``, ``g.input``)."""
+    make = make or g.buffer
     d = -1 if axis == "rows" else -2
     scales = list(shape)
     scales[d] //= BLOCK

@@ -32,10 +32,11 @@ from typing import Iterable
 import numpy as np
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.registry import MOVERS
 from megaloom.runtime.trace import Trace
 from megaloom.scheduler.contention import work
 from megaloom.scheduler.cost import OpCoeffs
-from megaloom.scheduler.profile import COMM, Contention, HardwareProfile, parse_profile
+from megaloom.scheduler.profile import Contention, HardwareProfile, parse_profile
 
 UNBOUNDED = 1e30  # a rate so high its term never wins the roofline max
 
@@ -121,7 +122,7 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
         seconds = work(t.events, contention) if contention else [e.end - e.start for e in t.events]
         for e, d in zip(t.events, seconds):
             if e.end > e.start:
-                rows.setdefault(e.op, []).append((e.comm_bytes if e.engine in COMM else e.flops, e.bytes, d))
+                rows.setdefault(e.op, []).append((e.comm_bytes if e.engine in MOVERS else e.flops, e.bytes, d))
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
@@ -146,7 +147,7 @@ def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[C
         fits = fit_traces(traces, contention=c, **options)
         return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
 
-    comm = any(e.engine in COMM for t in traces for e in t.events)
+    comm = any(e.engine in MOVERS for t in traces for e in t.events)
     best = min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))
     return best[1], best[2]  # the first of equal scores: base's figure
 

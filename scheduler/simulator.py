@@ -83,18 +83,10 @@ class Simulator:
     ``fast``: use the compiled loop when the policy allows it (see the module docstring).
     """
 
-    def __init__(
-        self,
-        profile: HardwareProfile | str,
-        units: Mapping[str, int] | None = None,
-        policy: Policy | str | None = None,
-        cost_model: CostModel | None = None,
-        *,
-        observers: Iterable[Observer] = (),
-        progress: Progress | None = None,
-        progress_every: int = 65536,
-        fast: bool = True,
-    ):
+    def __init__(self, profile: HardwareProfile | str, units: Mapping[str, int] | None = None,
+                 policy: Policy | str | None = None, cost_model: CostModel | None = None, *,
+                 observers: Iterable[Observer] = (), progress: Progress | None = None, progress_every: int = 65536,
+                 fast: bool = True):
         self.profile = load_profile(profile)
         self.units = dict(self.profile.units)
         for e, n in (units or {}).items():

@@ -41,12 +41,8 @@ if TYPE_CHECKING:
 
 def measured(graph: TaskGraph) -> list[bool]:
     """Per task, whether it carries a measured duration (which contention leaves as it is)."""
-    def make() -> list[bool]:
-        out = [False] * len(graph)
-        for tid, attrs in graph.task_attrs.items():
-            out[tid] = DURATION_ATTR in attrs
-        return out
-    return graph.cached("measured", make)
+    attrs = graph.task_attrs
+    return graph.cached("measured", lambda: [DURATION_ATTR in attrs.get(tid, ()) for tid in range(len(graph))])
 
 
 def applies(c: Contention | None, units: dict[str, int], graph: TaskGraph) -> bool:

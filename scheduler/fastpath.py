@@ -75,6 +75,7 @@ def _exact(keys: Sequence) -> np.ndarray | None:
     return k.astype(np.float64) if k.dtype.kind == "f" and not np.isnan(k).any() else None
 
 
-def upward_rank(succ: list[list[int]], order: list[int], durations: Sequence[float]) -> list[float]:
-    """The compiled :func:`megaloom.scheduler.policies.upward_rank` (needs :data:`AVAILABLE`)."""
-    return _fastsim.upward_rank(succ, order, durations)
+upward_rank: Callable[[list[list[int]], list[int], Sequence[float]], list[float]] | None = \
+    getattr(_fastsim, "upward_rank", None)
+"""The compiled :func:`megaloom.scheduler.policies.upward_rank` (``(succ, order, durations)``;
+None without the extension)."""

@@ -63,10 +63,6 @@ def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
     return (float(o), float(s)) if s > 0 else None
 
 
-def _errors(pred: np.ndarray, d: np.ndarray) -> np.ndarray:
-    return np.abs(pred - d) / np.maximum(d, 1e-12)
-
-
 def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray) -> OpFit:
     """Fit one op class from its samples (flops, bytes, measured seconds)."""
     candidates: list[OpCoeffs] = []
@@ -82,8 +78,7 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
         candidates.append(OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED))
     best = None
     for c in candidates:
-        pred = c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw)
-        err = _errors(pred, d)
+        err = np.abs(c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw) - d) / np.maximum(d, 1e-12)
         score = float(np.mean(err ** 2))
         if best is None or score < best[0] - 1e-12:  # ties go to the simpler, earlier candidate
             best = (score, c, err)

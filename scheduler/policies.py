@@ -180,16 +180,10 @@ class ExpertInterleavePolicy(Policy):
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._engine = [t.engine for t in graph.tasks]
-        self._group = [self._group_of(t.tags) for t in graph.tasks]
+        self._group = [int(t.tags["group"]) if "group" in t.tags else
+                       int(t.tags["expert"]) // self.group_size if "expert" in t.tags else -1 for t in graph.tasks]
         self._queues: dict[str, dict[int, deque[int]]] = {e: {} for e in units}  # group -> its ready tasks
         self._last: dict[str, int | None] = dict.fromkeys(units)  # the group served last
-
-    def _group_of(self, tags: dict[str, Any]) -> int:
-        if "group" in tags:
-            return int(tags["group"])
-        if "expert" in tags:
-            return int(tags["expert"]) // self.group_size
-        return -1
 
     def push(self, tid: int) -> None:
         self._queues[self._engine[tid]].setdefault(self._group[tid], deque()).append(tid)

@@ -107,6 +107,7 @@ class Simulator:
         start, unit, order, dur = self._simulate(graph, durations)
         return Schedule(*(x.tolist() if isinstance(x, np.ndarray) else x for x in (start, dur, unit, order)))
 
+    @gc_paused()
     def _simulate(self, graph: TaskGraph, durations: Sequence[float] | None) -> tuple:
         """``(start, unit, order, durations)``: NumPy arrays from the compiled loop, lists from
         the Python loop (durations an array either way)."""
@@ -118,19 +119,17 @@ class Simulator:
             self.policy.use_durations(dur)
         contended = contention.applies(self.cost_model.contention, self.units, graph)
         if self.fast and not contended:
-            with gc_paused():
-                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
+            out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
             if out is not None:
                 self.last_loop = "compiled"
                 return (*out, dur)
         self.last_loop = "python"
         core = Core(graph, self.units, self.policy)
-        with gc_paused():
-            if contended:  # tasks that share cores slow each other: a clock of its own
-                start, unit, order, took = contention.run(self, core, graph, dur.tolist())
-                dur = np.asarray(took, dtype=np.float64)
-            else:
-                start, unit, order = self._loop(core, graph, dur.tolist())
+        if contended:  # tasks that share cores slow each other: a clock of its own
+            start, unit, order, took = contention.run(self, core, graph, dur.tolist())
+            dur = np.asarray(took, dtype=np.float64)
+        else:
+            start, unit, order = self._loop(core, graph, dur.tolist())
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")

@@ -121,13 +121,9 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
-    fits = {}
-    for op, r in sorted(rows.items()):
-        if len(r) >= min_samples:
-            a = np.asarray(r, dtype=np.float64)
-            f = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
-            fits[op] = replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
-    return fits
+    fits = {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T)
+            for op, r in sorted(rows.items()) if len(r) >= min_samples}
+    return {op: replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency)) for op, f in fits.items()}
 
 
 def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:

@@ -23,6 +23,7 @@ from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.plugins import Registry
 from megaloom.scheduler import fastpath
+from megaloom.scheduler.cost import CostModel
 
 
 class _Keyed(Policy):
@@ -75,8 +76,6 @@ class DurationAware:
         if given is not None and len(given) == len(graph.tasks):
             return given
         if self.cost_model is None:
-            from megaloom.scheduler.cost import CostModel
-
             self.cost_model = CostModel("cpu")
         return self.cost_model.durations(graph)
 

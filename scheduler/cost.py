@@ -95,7 +95,8 @@ class CostModel:
         if compute is not None and o.throughput is None:
             compute /= width
         elif cost.flops:
-            compute = cost.flops / (p.unit_peak(engine, cost.precision) * width if o.throughput is None else o.throughput)
+            rate = p.unit_peak(engine, cost.precision) * width if o.throughput is None else o.throughput
+            compute = cost.flops / rate
         else:
             compute = 0.0
         memory = cost.bytes / (p.unit_mem_bw(engine) * width if o.mem_bw is None else o.mem_bw)

@@ -123,7 +123,8 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
         raise ConfigError("calibration needs traces with timed events; none were given")
     fits = {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T)
             for op, r in sorted(rows.items()) if len(r) >= min_samples}
-    return {op: replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency)) for op, f in fits.items()}
+    return {op: replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
+            for op, f in fits.items()}
 
 
 def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:

@@ -153,9 +153,7 @@ class StaticPolicy(DurationAware, Policy):
 
     def pop(self, engine: str, unit: int) -> int:
         q = self._queues[engine][unit]
-        if q and self._ready[q[0]]:
-            return q.popleft()
-        return -1
+        return q.popleft() if q and self._ready[q[0]] else -1
 
     def has_ready(self, engine: str) -> bool:
         ready = self._ready

@@ -220,8 +220,8 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where, ops=ops, device=_device(where, d.get("device")), contention=_contention(where, d.get("contention"), units),
-    )
+        path=where, ops=ops, device=_device(where, d.get("device")),
+        contention=_contention(where, d.get("contention"), units))
 
 
 def _contention(where: str, c: Any, units: dict[str, int]) -> Contention | None:

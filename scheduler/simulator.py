@@ -193,6 +193,7 @@ class Simulator:
             progress(n - core.remaining, n)
         return start, unit_of, order
 
+    @gc_paused()
     def run(self, graph: TaskGraph, *, validate: bool = True, durations: list[float] | None = None) -> RunResult:
         """Simulate ``graph``: empty outputs and a trace on a virtual clock in seconds.
 
@@ -206,10 +207,8 @@ class Simulator:
         start, unit, order, dur = self._simulate(graph, durations)
         order = np.asarray(order, dtype=np.int64)
         start = np.asarray(start, dtype=np.float64)[order]
-        with gc_paused():
-            cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, start + dur[order], 0)
-            trace = rec.finish(columns=cols, replay=True)
-        return RunResult({}, trace)
+        cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, start + dur[order], 0)
+        return RunResult({}, rec.finish(columns=cols, replay=True))
 
 
 def task_durations(model: CostModel, graph: TaskGraph) -> np.ndarray:

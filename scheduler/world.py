@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
+from itertools import accumulate
 from typing import Mapping, Sequence
 
 from megaloom.runtime.core import Policy
@@ -120,8 +121,8 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
                     raise ScheduleError(f"rank {r}: {task.op} {task.name!r} has peer {peer!r}, "
                                         f"not another rank of a world of {world}")
                 tag = task.attrs.get("tag", task.tags.get("tag", 0))
-                ends = sends.setdefault((r, peer, tag), []) if task.op == "send" else recvs.setdefault((peer, r, tag), [])
-                ends.append((r, t))
+                key = (r, peer, tag) if task.op == "send" else (peer, r, tag)
+                (sends if task.op == "send" else recvs).setdefault(key, []).append((r, t))
             elif task.op in COLLECTIVE_OPS and _group_key(task) is None:
                 mine.append(t)
             elif task.op in COLLECTIVE_OPS:
@@ -174,10 +175,9 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
                 durs[r][t] = longest
     w = TaskGraph(f"world[{len(graphs)}]")
     world_units: dict[str, int] = {}
-    owner: list[tuple[int, int] | None] = []
-    offset: list[int] = []
+    owner = [(r, t) for r, g in enumerate(graphs) for t in range(len(g))] + [None] * len(rdv)
+    offset = [0, *accumulate(map(len, graphs))]  # the world id of each rank's task 0
     for r, g in enumerate(graphs):
-        offset.append(len(w.tasks))
         for kind in g.engines():
             if units.get(kind, 0) <= 0:
                 raise ScheduleError(f"rank {r}: graph {g.name!r} uses engine kind {kind!r} with no units; given {dict(units)}")
@@ -186,7 +186,6 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
         for t, d in zip(g.tasks, durs[r]):
             w.task(t.op, name=f"r{r}/{t.name}", engine=rank_engine(t.engine, r), attrs={DURATION_ATTR: d},
                    priority=t.priority, tags=t.tags, cost=costs[t.id])
-            owner.append((r, t.id))
         base, wt = offset[r], w.tasks
         for t, preds in enumerate(g.pred):
             for p in preds:
@@ -194,7 +193,6 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
     for i, rv in enumerate(rdv):
         sync = w.task("rendezvous", name=f"sync/{i}.{rv.label}", engine=SYNC_ENGINE, attrs={DURATION_ATTR: 0.0},
                       cost=Cost(), tags={"collective": i})
-        owner.append(None)
         for r, t in rv.members:
             for p in graphs[r].pred[t]:
                 w.edge(w.tasks[offset[r] + p], sync)
@@ -211,7 +209,8 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
 
 def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, units: Mapping[str, int] | None = None,
                    policy: Policy | str | None = None, cost_model: CostModel | None = None, *,
-                   slowdown: Mapping[int, float] | None = None, sync_end: bool = True, validate: bool = True) -> RunResult:
+                   slowdown: Mapping[int, float] | None = None, sync_end: bool = True,
+                   validate: bool = True) -> RunResult:
     """Simulate rank r's graph ``graphs[r]`` for every r together, collectives synchronised.
 
     ``units`` override the profile's unit counts on every rank; ``slowdown[r]`` multiplies

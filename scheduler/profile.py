@@ -135,19 +135,13 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout of this profile (what :func:`parse_profile` reads)."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "units": dict(self.units),
-            "peak": {e: dict(r) for e, r in self.peaks.items()},
-            "mem_bw": self.mem_bw,
-            "links": {k: {"alpha": a, "beta": b} for k, (a, b) in self.links.items()},
-            "task_overhead": self.task_overhead,
-            "sources": dict(self.sources),
-            **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
-            **({"device": dict(self.device)} if self.device else {}),
-            **({"contention": self.contention.to_dict()} if self.contention else {}),
-        }
+        return {"name": self.name, "description": self.description, "units": dict(self.units),
+                "peak": {e: dict(r) for e, r in self.peaks.items()}, "mem_bw": self.mem_bw,
+                "links": {k: {"alpha": a, "beta": b} for k, (a, b) in self.links.items()},
+                "task_overhead": self.task_overhead, "sources": dict(self.sources),
+                **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
+                **({"device": dict(self.device)} if self.device else {}),
+                **({"contention": self.contention.to_dict()} if self.contention else {})}
 
 
 def _number(where: str, key: str, v: Any, *, positive: bool = True) -> float:

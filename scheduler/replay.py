@@ -75,12 +75,11 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Sca
     delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
                           attrs={DURATION_ATTR: delay_of(by_tid[tid])}) for tid in sorted(unfold) if tid in by_tid}
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
-        e = by_tid[tid]
-        first = delays.get(tid)
-        for d in e.deps:
+        first = delays.get(tid, made[tid])
+        for d in by_tid[tid].deps:
             if d in made and d != tid:  # dependencies on tasks not traced are dropped
-                g.edge(made[d], first if first is not None else made[tid])
-        if first is not None:
+                g.edge(made[d], first)
+        if tid in delays:
             g.edge(first, made[tid])
     g.topological_order()  # a cyclic trace raises GraphError naming the cycle
     return g

@@ -226,8 +226,8 @@ def task_durations(model: CostModel, graph: TaskGraph) -> np.ndarray:
         return model.task_duration(graph, Task(graph, i, a.op_names[a.op[i]], a.engine_names[a.engine[i]]))
 
     by_value: dict = {}  # distinct Cost objects of equal work: asked once
-    keys = [((a.op[i], a.engine[i], *astuple(table[codes[i]])) if i not in own else i, i) for i in first.tolist()]
-    values = [by_value[k] if k in by_value else by_value.setdefault(k, ask(i)) for k, i in keys]
+    work = [((a.op[i], a.engine[i], *astuple(table[codes[i]])) if i not in own else i, i) for i in first.tolist()]
+    values = [by_value[k] if k in by_value else by_value.setdefault(k, ask(i)) for k, i in work]
     dur = np.array(values or [0.0])[inverse]
     for i in own:  # tasks with a link tag or a measured duration
         dur[i] = ask(i)

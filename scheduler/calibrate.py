@@ -23,7 +23,10 @@ import torch
 import yaml
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.executors.threaded import ThreadExecutor
 from megaloom.runtime.files import atomic_write
+from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.registry import COMM, CUBE, ENGINE_KINDS, VECTOR, Cost
 from megaloom.scheduler.profile import HardwareProfile, parse_profile, user_profile_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -61,16 +64,13 @@ def shared_cores(units: int, n: int, seconds: float, tasks: int = 32) -> float:
     jobs take their share, and a worker that loses its core loses it for a scheduler slice, so a
     loaded machine gives fewer than its cores; the median, since a moment when they pause says
     little of a run."""
-    from megaloom.runtime.executors.threaded import ThreadExecutor
-    from megaloom.runtime.graph import TaskGraph
-
     g = TaskGraph("calibrate-cores")
     a, b = g.input("a", (n, n)), g.input("b", (n, n))
     for i in range(tasks):
         g.task("matmul", [a, b], [g.output(f"c{i}", (n, n))])
         g.task("silu", [a], [g.output(f"s{i}", (n, n))])
     inputs = {"a": torch.randn(n, n), "b": torch.randn(n, n)}
-    one, many = (ThreadExecutor({"cube": k, "vector": 1}, intra_op_threads=1) for k in (1, units))
+    one, many = (ThreadExecutor({CUBE: k, VECTOR: 1}, intra_op_threads=1) for k in (1, units))
     one.run(g, inputs), many.run(g, inputs)  # warm-up
     ratios, t_end = [], time.perf_counter() + seconds
     while len(ratios) < 5 or time.perf_counter() < t_end:
@@ -80,14 +80,10 @@ def shared_cores(units: int, n: int, seconds: float, tasks: int = 32) -> float:
 
 def dispatch_overhead(tasks: int) -> float:
     """Seconds per task of the ThreadExecutor on independent no-op tasks (null kernels)."""
-    from megaloom.runtime.executors.threaded import ThreadExecutor
-    from megaloom.runtime.graph import TaskGraph
-    from megaloom.runtime.registry import Cost
-
     g = TaskGraph("calibrate-dispatch")
     for _ in range(tasks):
-        g.task("noop", engine="vector", cost=Cost())
-    ex = ThreadExecutor({"vector": 1}, kernels="null")
+        g.task("noop", engine=VECTOR, cost=Cost())
+    ex = ThreadExecutor({VECTOR: 1}, kernels="null")
     return _best(lambda: ex.run(g), 0.0) / tasks
 
 
@@ -109,12 +105,12 @@ def calibrate(matmul_size: int = 512, copy_bytes: int = 64 << 20, seconds: float
     data = {
         "name": "cpu",
         "description": f"this machine ({machine}, {cores} cores), calibrated",
-        "units": {"cube": cores, "vector": cores, "comm": 1},
-        "peak": {e: {p: r * cores for p, r in unit.items()} for e in ("cube", "vector")},
+        "units": {CUBE: cores, VECTOR: cores, COMM: 1},
+        "peak": {e: {p: r * cores for p, r in unit.items()} for e in (CUBE, VECTOR)},
         "mem_bw": bw * cores,
         "links": {"intra": {"alpha": latency, "beta": bw / 2}, "inter": {"alpha": 5.0e-5, "beta": 1.25e9}},
         "task_overhead": overhead,
-        "contention": {"cores": shared, "engines": ["cube", "vector", "comm"], "overlap": 0.0},
+        "contention": {"cores": shared, "engines": list(ENGINE_KINDS), "overlap": 0.0},
         "sources": {
             "units": f"one cube and one vector unit per core ({cores} cores this process may use); one comm channel",
             "peak.cube": f"{how}: best {matmul_size}x{matmul_size} torch.matmul per dtype on one thread, times the units",

@@ -30,9 +30,10 @@ import numpy as np
 
 from megaloom.runtime.core import Core, task_engines
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.registry import MOVERS
 from megaloom.runtime.trace import TraceEvent
 from megaloom.scheduler.cost import DURATION_ATTR
-from megaloom.scheduler.profile import COMM, Contention
+from megaloom.scheduler.profile import Contention
 
 if TYPE_CHECKING:
     from megaloom.scheduler.simulator import Simulator
@@ -40,12 +41,8 @@ if TYPE_CHECKING:
 
 def measured(graph: TaskGraph) -> list[bool]:
     """Per task, whether it carries a measured duration (which contention leaves as it is)."""
-    def make() -> list[bool]:
-        out = [False] * len(graph)
-        for tid, attrs in graph.task_attrs.items():
-            out[tid] = DURATION_ATTR in attrs
-        return out
-    return graph.cached("measured", make)
+    attrs = graph.task_attrs
+    return graph.cached("measured", lambda: [DURATION_ATTR in attrs.get(tid, ()) for tid in range(len(graph))])
 
 
 def applies(c: Contention | None, units: dict[str, int], graph: TaskGraph) -> bool:
@@ -64,8 +61,8 @@ def run(sim: Simulator, core: Core, graph: TaskGraph,
     c: Contention = sim.cost_model.contention
     engine = task_engines(graph)
     shares = [e in c.engines and not m for e, m in zip(engine, measured(graph))]
-    moves = [e in COMM and not m for e, m in zip(engine, measured(graph))]
-    slowed = [e not in COMM and not m for e, m in zip(engine, measured(graph))]
+    moves = [e in MOVERS and not m for e, m in zip(engine, measured(graph))]
+    slowed = [e not in MOVERS and not m for e, m in zip(engine, measured(graph))]
     n = len(dur)
     start, unit_of, order, took = [0.0] * n, [0] * n, [], list(dur)
     end: dict[int, float] = {}    # by dispatch number, of each running task: when it ends at its speed now
@@ -120,7 +117,7 @@ def work(events: Sequence[TraceEvent], c: Contention) -> np.ndarray:
         idx = np.flatnonzero(rank == r)
         s, t = np.array([events[i].start for i in idx]), np.array([events[i].end for i in idx])
         shares = np.array([events[i].engine in c.engines for i in idx])
-        computes = np.array([events[i].engine not in COMM for i in idx])
+        computes = np.array([events[i].engine not in MOVERS for i in idx])
         times = np.unique(np.concatenate([s, t]))
         i0, i1 = np.searchsorted(times, s), np.searchsorted(times, t)
 

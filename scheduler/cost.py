@@ -29,7 +29,7 @@ from typing import Mapping
 
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import Task, TaskGraph
-from megaloom.runtime.registry import OPS, Cost
+from megaloom.runtime.registry import MOVERS, OPS, Cost
 from megaloom.scheduler.profile import HardwareProfile, load_profile
 
 DURATION_ATTR = "duration"
@@ -47,6 +47,9 @@ class OpCoeffs:
     throughput: float | None = None
     overhead: float | None = None
     mem_bw: float | None = None
+
+
+_NO_FIT = OpCoeffs()
 
 
 def _coeffs(op: str, v: OpCoeffs | tuple | Mapping) -> OpCoeffs:
@@ -82,28 +85,22 @@ class CostModel:
         overrides; ``link_override`` replaces the link's ``(alpha, beta)``; ``compute``: the
         arithmetic's seconds when known otherwise, as for a fused node)."""
         p = self.profile
-        o = self.overrides.get(op) if op is not None else None
-        if engine in ("comm", "copy"):
+        o = self.overrides.get(op, _NO_FIT)
+        if engine in MOVERS:
             alpha, beta = link_override if link_override is not None else p.link(link)
-            rate = beta / p.units.get(engine, 1) * width
-            fixed = alpha + p.task_overhead
-            if o is not None:
-                rate = rate if o.throughput is None else o.throughput
-                fixed = fixed if o.overhead is None else o.overhead
+            rate = beta / p.units.get(engine, 1) * width if o.throughput is None else o.throughput
             wire = cost.comm_bytes / rate if cost.comm_bytes else 0.0
             memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
-            return (wire if wire > memory else memory) + fixed
-        if compute is not None and (o is None or o.throughput is None):
+            return (wire if wire > memory else memory) + (alpha + p.task_overhead if o.overhead is None else o.overhead)
+        if compute is not None and o.throughput is None:
             compute /= width
         elif cost.flops:
-            rate = o.throughput if o is not None and o.throughput is not None else p.unit_peak(engine, cost.precision) * width
+            rate = p.unit_peak(engine, cost.precision) * width if o.throughput is None else o.throughput
             compute = cost.flops / rate
         else:
             compute = 0.0
-        bw = o.mem_bw if o is not None and o.mem_bw is not None else p.unit_mem_bw(engine) * width
-        memory = cost.bytes / bw
-        overhead = o.overhead if o is not None and o.overhead is not None else p.task_overhead
-        return (compute if compute > memory else memory) + overhead
+        memory = cost.bytes / (p.unit_mem_bw(engine) * width if o.mem_bw is None else o.mem_bw)
+        return (compute if compute > memory else memory) + (p.task_overhead if o.overhead is None else o.overhead)
 
     def task_duration(self, graph: TaskGraph, task: Task) -> float:
         """A task's duration: its measured ``attrs['duration']`` if it has one, else the model's."""
@@ -127,9 +124,8 @@ class CostModel:
             return None
 
         def rate(op: str, precision: str) -> float:
-            o = self.overrides.get(op)
-            return o.throughput if o is not None and o.throughput is not None else \
-                self.profile.unit_peak(task.engine, precision)
+            fitted = self.overrides.get(op, _NO_FIT).throughput
+            return self.profile.unit_peak(task.engine, precision) if fitted is None else fitted
         return fn(task.attrs, rate)
 
     def durations(self, graph: TaskGraph) -> list[float]:

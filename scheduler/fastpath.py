@@ -68,13 +68,11 @@ def run(graph: TaskGraph, units: dict[str, int], policy: Policy, dur: np.ndarray
 def _exact(keys: Sequence) -> np.ndarray | None:
     """``keys`` as float64 when each is an int or float a double holds exactly (not NaN), else None."""
     k = np.asarray(keys)
-    if k.ndim != 1:
-        return None
-    if k.dtype.kind in "iub" and (k.size == 0 or np.abs(k).max() <= 2**53):
-        return k.astype(np.float64)
-    return k.astype(np.float64) if k.dtype.kind == "f" and not np.isnan(k).any() else None
+    exact = k.ndim == 1 and (k.dtype.kind in "iub" and (k.size == 0 or np.abs(k).max() <= 2**53)
+                             or k.dtype.kind == "f" and not np.isnan(k).any())
+    return k.astype(np.float64) if exact else None
 
 
-def upward_rank(succ: list[list[int]], order: list[int], durations: Sequence[float]) -> list[float]:
-    """The compiled :func:`megaloom.scheduler.policies.upward_rank` (needs :data:`AVAILABLE`)."""
-    return _fastsim.upward_rank(succ, order, durations)
+upward_rank = getattr(_fastsim, "upward_rank", None)
+"""The compiled :func:`megaloom.scheduler.policies.upward_rank` (``(succ, order, durations)``;
+None without the extension)."""

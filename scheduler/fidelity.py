@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from megaloom.runtime.metrics import HOST_ENGINES, Metrics, metrics
 from megaloom.runtime.trace import Trace
@@ -111,10 +112,6 @@ def _us(x: float) -> str:
     return f"{x * 1e6:14.1f}"
 
 
-def _pct(x: float) -> str:
-    return f"{x * 100:+7.2f}%"
-
-
 def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-if") -> str:
     """Recorded figures, the identity replay with its error, and a what-if with its ratio to the recording."""
     a, b = identity.recorded, identity.replayed
@@ -122,22 +119,20 @@ def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-
     if whatif is not None:
         head += f"{label:>16}{'vs recorded':>13}"
 
-    def row(name: str, x: float, y: float, err: float, z: float | None) -> str:
-        line = f"  {name:<22}{_us(x)}{_us(y):>16}{_pct(err):>9}"
-        if whatif is not None and z is not None:
+    def row(name: str, figure: Callable[[Metrics], float], err: float | None = None) -> str:
+        x, y = figure(a), figure(b)
+        line = f"  {name:<22}{_us(x)}{_us(y):>16}{(_rel(x, y) if err is None else err) * 100:>+8.2f}%"
+        if whatif is not None:
+            z = figure(whatif)
             line += f"{_us(z):>16}{(f'{z / x:12.3f}x' if x > 0 else '           -')}"
         return line
 
-    w = whatif
-    lines = [head, row("makespan", a.makespan, b.makespan, _rel(a.makespan, b.makespan), w.makespan if w else None),
-             row("device span", a.device_span, b.device_span, identity.errors["span"], w.device_span if w else None)]
-    for k in sorted(set(a.busy) | set(b.busy)):
-        lines.append(row(f"busy {k}", a.busy.get(k, 0.0), b.busy.get(k, 0.0), identity.errors[f"busy {k}"],
-                         w.busy.get(k, 0.0) if w else None))
-    lines.append(row("exposed comm", a.exposed_comm, b.exposed_comm, identity.errors["exposed_comm"],
-                     w.exposed_comm if w else None))
-    lines.append(row("critical path", a.critical_path, b.critical_path, _rel(a.critical_path, b.critical_path),
-                     w.critical_path if w else None))
+    lines = [head, row("makespan", lambda m: m.makespan),
+             row("device span", lambda m: m.device_span, identity.errors["span"]),
+             *(row(f"busy {k}", lambda m: m.busy.get(k, 0.0), identity.errors[f"busy {k}"])
+               for k in sorted(set(a.busy) | set(b.busy))),
+             row("exposed comm", lambda m: m.exposed_comm, identity.errors["exposed_comm"]),
+             row("critical path", lambda m: m.critical_path)]
     lines.append(f"  device ops starting within {START_TOLERANCE:.0%} of the span of their recorded start: "
                  f"{identity.on_time * 100:.1f}% (largest difference {identity.worst_start * 1e6:.1f} us)")
     return "\n".join(lines)

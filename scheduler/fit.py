@@ -32,10 +32,11 @@ from typing import Iterable
 import numpy as np
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.registry import MOVERS
 from megaloom.runtime.trace import Trace
 from megaloom.scheduler.contention import work
 from megaloom.scheduler.cost import OpCoeffs
-from megaloom.scheduler.profile import COMM, Contention, HardwareProfile, parse_profile
+from megaloom.scheduler.profile import Contention, HardwareProfile, parse_profile
 
 UNBOUNDED = 1e30  # a rate so high its term never wins the roofline max
 
@@ -62,10 +63,6 @@ def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
     return (float(o), float(s)) if s > 0 else None
 
 
-def _errors(pred: np.ndarray, d: np.ndarray) -> np.ndarray:
-    return np.abs(pred - d) / np.maximum(d, 1e-12)
-
-
 def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray) -> OpFit:
     """Fit one op class from its samples (flops, bytes, measured seconds)."""
     candidates: list[OpCoeffs] = []
@@ -81,8 +78,7 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
         candidates.append(OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED))
     best = None
     for c in candidates:
-        pred = c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw)
-        err = _errors(pred, d)
+        err = np.abs(c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw) - d) / np.maximum(d, 1e-12)
         score = float(np.mean(err ** 2))
         if best is None or score < best[0] - 1e-12:  # ties go to the simpler, earlier candidate
             best = (score, c, err)
@@ -121,17 +117,14 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
         seconds = work(t.events, contention) if contention else [e.end - e.start for e in t.events]
         for e, d in zip(t.events, seconds):
             if e.end > e.start:
-                rows.setdefault(e.op, []).append((e.comm_bytes if e.engine in COMM else e.flops, e.bytes, d))
+                rows.setdefault(e.op, []).append((e.comm_bytes if e.engine in MOVERS else e.flops, e.bytes, d))
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
-    fits = {}
-    for op, r in sorted(rows.items()):
-        if len(r) >= min_samples:
-            a = np.asarray(r, dtype=np.float64)
-            f = fit_op(op, engine[op], a[:, 0], a[:, 1], a[:, 2])
-            fits[op] = replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
-    return fits
+    fits = {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T)
+            for op, r in sorted(rows.items()) if len(r) >= min_samples}
+    return {op: replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
+            for op, f in fits.items()}
 
 
 def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
@@ -146,7 +139,7 @@ def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[C
         fits = fit_traces(traces, contention=c, **options)
         return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
 
-    comm = any(e.engine in COMM for t in traces for e in t.events)
+    comm = any(e.engine in MOVERS for t in traces for e in t.events)
     best = min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))
     return best[1], best[2]  # the first of equal scores: base's figure
 

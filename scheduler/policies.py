@@ -23,6 +23,7 @@ from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.plugins import Registry
 from megaloom.scheduler import fastpath
+from megaloom.scheduler.cost import CostModel
 
 
 class _Keyed(Policy):
@@ -75,8 +76,6 @@ class DurationAware:
         if given is not None and len(given) == len(graph.tasks):
             return given
         if self.cost_model is None:
-            from megaloom.scheduler.cost import CostModel
-
             self.cost_model = CostModel("cpu")
         return self.cost_model.durations(graph)
 
@@ -154,9 +153,7 @@ class StaticPolicy(DurationAware, Policy):
 
     def pop(self, engine: str, unit: int) -> int:
         q = self._queues[engine][unit]
-        if q and self._ready[q[0]]:
-            return q.popleft()
-        return -1
+        return q.popleft() if q and self._ready[q[0]] else -1
 
     def has_ready(self, engine: str) -> bool:
         ready = self._ready
@@ -180,16 +177,10 @@ class ExpertInterleavePolicy(Policy):
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._engine = [t.engine for t in graph.tasks]
-        self._group = [self._group_of(t.tags) for t in graph.tasks]
+        self._group = [int(t.tags["group"]) if "group" in t.tags else
+                       int(t.tags["expert"]) // self.group_size if "expert" in t.tags else -1 for t in graph.tasks]
         self._queues: dict[str, dict[int, deque[int]]] = {e: {} for e in units}  # group -> its ready tasks
         self._last: dict[str, int | None] = dict.fromkeys(units)  # the group served last
-
-    def _group_of(self, tags: dict[str, Any]) -> int:
-        if "group" in tags:
-            return int(tags["group"])
-        if "expert" in tags:
-            return int(tags["expert"]) // self.group_size
-        return -1
 
     def push(self, tid: int) -> None:
         self._queues[self._engine[tid]].setdefault(self._group[tid], deque()).append(tid)

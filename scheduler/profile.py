@@ -64,8 +64,6 @@ OPTIONAL_LINKS = ("host",)  # host <-> device copies; replay keeps copy duration
 FINGERPRINT_KEYS = ("compute", "sms", "warp")
 OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
-COMM = ("comm", "copy")
-"""Engine kinds that move data; every other kind computes."""
 
 
 def user_profile_dir() -> Path:
@@ -137,19 +135,13 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout of this profile (what :func:`parse_profile` reads)."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "units": dict(self.units),
-            "peak": {e: dict(r) for e, r in self.peaks.items()},
-            "mem_bw": self.mem_bw,
-            "links": {k: {"alpha": a, "beta": b} for k, (a, b) in self.links.items()},
-            "task_overhead": self.task_overhead,
-            "sources": dict(self.sources),
-            **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
-            **({"device": dict(self.device)} if self.device else {}),
-            **({"contention": self.contention.to_dict()} if self.contention else {}),
-        }
+        return {"name": self.name, "description": self.description, "units": dict(self.units),
+                "peak": {e: dict(r) for e, r in self.peaks.items()}, "mem_bw": self.mem_bw,
+                "links": {k: {"alpha": a, "beta": b} for k, (a, b) in self.links.items()},
+                "task_overhead": self.task_overhead, "sources": dict(self.sources),
+                **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
+                **({"device": dict(self.device)} if self.device else {}),
+                **({"contention": self.contention.to_dict()} if self.contention else {})}
 
 
 def _number(where: str, key: str, v: Any, *, positive: bool = True) -> float:
@@ -167,6 +159,14 @@ def _number(where: str, key: str, v: Any, *, positive: bool = True) -> float:
 def _mapping(where: str, key: str, v: Any) -> dict[str, Any]:
     if not isinstance(v, dict) or not v:
         raise ConfigError(f"{where}: key {key!r} must be a non-empty mapping, got {v!r:.60}")
+    return v
+
+
+def _known(where: str, key: str, v: Any, known: tuple[str, ...]) -> dict[str, Any]:
+    """``v`` as a non-empty mapping with no fields but ``known``."""
+    unknown = sorted(set(_mapping(where, key, v)) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: key {key!r} has unknown fields {unknown}; known: {', '.join(known)}")
     return v
 
 
@@ -207,19 +207,15 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
     for key in needed:
         if not isinstance(sources.get(key), str) or not sources[key].strip():
             raise ConfigError(f"{where}: missing source text 'sources.{key}' (cite where the figure comes from)")
-    ops = {}
-    for op, fit in (_mapping(where, "ops", d["ops"]) if "ops" in d else {}).items():
-        fit = _mapping(where, f"ops.{op}", fit)
-        unknown = sorted(set(fit) - set(OP_FIT_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: key 'ops.{op}' has unknown fields {unknown}; known: {', '.join(OP_FIT_KEYS)}")
-        ops[str(op)] = {k: _number(where, f"ops.{op}.{k}", v, positive=k in ("throughput", "mem_bw")) for k, v in fit.items()}
+    ops = {str(op): {k: _number(where, f"ops.{op}.{k}", v, positive=k in ("throughput", "mem_bw"))
+                     for k, v in _known(where, f"ops.{op}", fit, OP_FIT_KEYS).items()}
+           for op, fit in (_mapping(where, "ops", d["ops"]) if "ops" in d else {}).items()}
     return HardwareProfile(
         name=d["name"], units=units, peaks=peaks, mem_bw=_number(where, "mem_bw", d["mem_bw"]), links=links,
         task_overhead=_number(where, "task_overhead", d["task_overhead"], positive=False),
         sources={str(k): str(v) for k, v in sources.items()}, description=str(d.get("description", "")),
-        path=where, ops=ops, device=_device(where, d.get("device")), contention=_contention(where, d.get("contention"), units),
-    )
+        path=where, ops=ops, device=_device(where, d.get("device")),
+        contention=_contention(where, d.get("contention"), units))
 
 
 def _contention(where: str, c: Any, units: dict[str, int]) -> Contention | None:
@@ -239,17 +235,11 @@ def _device(where: str, v: Any) -> dict[str, Any]:
     """The optional ``device`` block: ``names`` (substrings) and a ``fingerprint``."""
     if v is None:
         return {}
-    d = _mapping(where, "device", v)
-    unknown = sorted(set(d) - {"names", "fingerprint"})
-    if unknown:
-        raise ConfigError(f"{where}: key 'device' has unknown fields {unknown}; known: names, fingerprint")
+    d = _known(where, "device", v, ("names", "fingerprint"))
     names = d.get("names", [])
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         raise ConfigError(f"{where}: key 'device.names' must be a list of non-empty strings, got {names!r:.60}")
-    fp = _mapping(where, "device.fingerprint", d["fingerprint"]) if "fingerprint" in d else {}
-    bad = sorted(set(fp) - set(FINGERPRINT_KEYS))
-    if bad:
-        raise ConfigError(f"{where}: key 'device.fingerprint' has unknown fields {bad}; known: {', '.join(FINGERPRINT_KEYS)}")
+    fp = _known(where, "device.fingerprint", d["fingerprint"], FINGERPRINT_KEYS) if "fingerprint" in d else {}
     return {"names": list(names), **({"fingerprint": {k: str(x) for k, x in fp.items()}} if fp else {})}
 
 
@@ -294,8 +284,7 @@ def match_device(props: dict[str, Any]) -> HardwareProfile | None:
 def read_profile(path: str | os.PathLike) -> HardwareProfile:
     """Load one profile file; unreadable, non-YAML or incomplete files raise ConfigError."""
     where = os.fspath(path)
-    data = load_yaml(where, "profile")
-    return parse_profile(data, where)
+    return parse_profile(load_yaml(where, "profile"), where)
 
 
 def profile_files() -> Registry[Path]:

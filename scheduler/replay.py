@@ -75,12 +75,11 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Sca
     delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
                           attrs={DURATION_ATTR: delay_of(by_tid[tid])}) for tid in sorted(unfold) if tid in by_tid}
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
-        e = by_tid[tid]
-        first = delays.get(tid)
-        for d in e.deps:
+        first = delays.get(tid, made[tid])
+        for d in by_tid[tid].deps:
             if d in made and d != tid:  # dependencies on tasks not traced are dropped
-                g.edge(made[d], first if first is not None else made[tid])
-        if first is not None:
+                g.edge(made[d], first)
+        if tid in delays:
             g.edge(first, made[tid])
     g.topological_order()  # a cyclic trace raises GraphError naming the cycle
     return g
@@ -120,14 +119,10 @@ def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
             e.start = min(e.start + d, e.end)
 
 
-def replay(
-    trace: Trace,
-    profile: HardwareProfile | str | None = None,
-    units: Mapping[str, int] | None = None,
-    policy: Policy | str | None = None,
-    recorded_profile: HardwareProfile | str | None = None,
-    whatif: WhatIf | None = None,
-) -> RunResult:
+@gc_paused()  # tens of thousands of tasks: collections would dominate
+def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Mapping[str, int] | None = None,
+           policy: Policy | str | None = None, recorded_profile: HardwareProfile | str | None = None,
+           whatif: WhatIf | None = None) -> RunResult:
     """Re-simulate ``trace`` with its measured durations.
 
     ``recorded_profile`` is the device the trace was recorded on (default: the trace's
@@ -138,22 +133,14 @@ def replay(
     change what its dependencies serialise). ``policy`` defaults to the recorded policy name,
     else FIFO. ``whatif`` applies :class:`WhatIf` knobs.
     """
-    with gc_paused():  # tens of thousands of tasks: collections would dominate
-        return _replay(trace, profile, units, policy, recorded_profile, whatif)
-
-
-def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[str, int] | None,
-            policy: Policy | str | None, recorded_profile: HardwareProfile | str | None,
-            whatif: WhatIf | None) -> RunResult:
     meta = trace.meta
     recorded = load_profile(recorded_profile if recorded_profile is not None else meta.get("profile") or "cpu")
     prof = load_profile(profile) if profile is not None else recorded
     whole = imported(trace)
     scale = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
+    recording = trace
     if whatif is not None and not whatif.empty():
-        trace, recording = whatif.apply(trace, recorded, whole), trace
-    else:
-        recording = trace
+        trace = whatif.apply(trace, recorded, whole)
     rec_units = recorded_units(trace)
     chosen = {**prof.units, **rec_units, **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
@@ -172,7 +159,7 @@ def _replay(trace: Trace, profile: HardwareProfile | str | None, units: Mapping[
                 ev.rank = rank
             results.append(res.trace)
         out = merge(results) if len(results) > 1 else results[0]
-        out.meta["units"] = {k: n for k, n in chosen.items() if any(e.engine == k for e in trace.events)}
+    out.meta["units"] = {k: n for k, n in chosen.items() if any(e.engine == k for e in out.events)}
     out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(ranks)})
     if whole:
         out.meta["source"] = meta.get("source")
@@ -197,20 +184,15 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
                 e = recorded[r, t]
                 durs[r][t] = max(e.end - last, 0.0) * (durs[r][t] / (e.end - e.start) if e.end > e.start else 1.0)
     graphs = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
-    world_units = dict(units)
-    world_units[DELAY_ENGINE] = max(1, max(len(c) for c in colls.values()))
+    world_units = {**units, DELAY_ENGINE: max(1, max(len(c) for c in colls.values()))}
     res = simulate_world(graphs, prof, world_units, policy, validate=False, sync_end=False)
     out: list[TraceEvent] = []
     for i, r in enumerate(ranks):
         by_tid = {e.task_id: e for e in per_rank[r]}
         mine = {e.task_id: e for e in res.trace.events if e.rank == i}
-        arrive = {}
-        for e in mine.values():
-            if e.engine == DELAY_ENGINE:
-                continue
-            if e.task_id in colls[r]:  # a collective's copy runs from this rank's arrival
-                arrive[e.task_id] = max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
         kept = [e for e in mine.values() if e.engine != DELAY_ENGINE]
+        arrive = {e.task_id: max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
+                  for e in kept if e.task_id in colls[r]}  # a collective's copy runs from this rank's arrival
         _shift([e for e in kept if e.task_id not in colls[r]], by_tid)
         for e in kept:
             if e.task_id in arrive:
@@ -219,6 +201,4 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
             e.deps = list(by_tid[e.task_id].deps)
         out.extend(kept)
     out.sort(key=lambda e: (e.start, e.rank, e.task_id))
-    meta = dict(res.trace.meta)
-    meta["units"] = {k: n for k, n in units.items() if any(e.engine == k for e in out)}
-    return Trace(out, meta)
+    return Trace(out, dict(res.trace.meta))

@@ -83,18 +83,10 @@ class Simulator:
     ``fast``: use the compiled loop when the policy allows it (see the module docstring).
     """
 
-    def __init__(
-        self,
-        profile: HardwareProfile | str,
-        units: Mapping[str, int] | None = None,
-        policy: Policy | str | None = None,
-        cost_model: CostModel | None = None,
-        *,
-        observers: Iterable[Observer] = (),
-        progress: Progress | None = None,
-        progress_every: int = 65536,
-        fast: bool = True,
-    ):
+    def __init__(self, profile: HardwareProfile | str, units: Mapping[str, int] | None = None,
+                 policy: Policy | str | None = None, cost_model: CostModel | None = None, *,
+                 observers: Iterable[Observer] = (), progress: Progress | None = None, progress_every: int = 65536,
+                 fast: bool = True):
         self.profile = load_profile(profile)
         self.units = dict(self.profile.units)
         for e, n in (units or {}).items():
@@ -115,6 +107,7 @@ class Simulator:
         start, unit, order, dur = self._simulate(graph, durations)
         return Schedule(*(x.tolist() if isinstance(x, np.ndarray) else x for x in (start, dur, unit, order)))
 
+    @gc_paused()
     def _simulate(self, graph: TaskGraph, durations: Sequence[float] | None) -> tuple:
         """``(start, unit, order, durations)``: NumPy arrays from the compiled loop, lists from
         the Python loop (durations an array either way)."""
@@ -126,19 +119,17 @@ class Simulator:
             self.policy.use_durations(dur)
         contended = contention.applies(self.cost_model.contention, self.units, graph)
         if self.fast and not contended:
-            with gc_paused():
-                out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
+            out = fastpath.run(graph, self.units, self.policy, dur, self.progress, self.progress_every)
             if out is not None:
                 self.last_loop = "compiled"
                 return (*out, dur)
         self.last_loop = "python"
         core = Core(graph, self.units, self.policy)
-        with gc_paused():
-            if contended:  # tasks that share cores slow each other: a clock of its own
-                start, unit, order, took = contention.run(self, core, graph, dur.tolist())
-                dur = np.asarray(took, dtype=np.float64)
-            else:
-                start, unit, order = self._loop(core, graph, dur.tolist())
+        if contended:  # tasks that share cores slow each other: a clock of its own
+            start, unit, order, took = contention.run(self, core, graph, dur.tolist())
+            dur = np.asarray(took, dtype=np.float64)
+        else:
+            start, unit, order = self._loop(core, graph, dur.tolist())
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")
@@ -202,6 +193,7 @@ class Simulator:
             progress(n - core.remaining, n)
         return start, unit_of, order
 
+    @gc_paused()
     def run(self, graph: TaskGraph, *, validate: bool = True, durations: list[float] | None = None) -> RunResult:
         """Simulate ``graph``: empty outputs and a trace on a virtual clock in seconds.
 
@@ -215,10 +207,8 @@ class Simulator:
         start, unit, order, dur = self._simulate(graph, durations)
         order = np.asarray(order, dtype=np.int64)
         start = np.asarray(start, dtype=np.float64)[order]
-        with gc_paused():
-            cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, start + dur[order], 0)
-            trace = rec.finish(columns=cols, replay=True)
-        return RunResult({}, trace)
+        cols = columns_of(graph, order, np.asarray(unit, dtype=np.int64)[order], start, start + dur[order], 0)
+        return RunResult({}, rec.finish(columns=cols, replay=True))
 
 
 def task_durations(model: CostModel, graph: TaskGraph) -> np.ndarray:
@@ -236,10 +226,8 @@ def task_durations(model: CostModel, graph: TaskGraph) -> np.ndarray:
         return model.task_duration(graph, Task(graph, i, a.op_names[a.op[i]], a.engine_names[a.engine[i]]))
 
     by_value: dict = {}  # distinct Cost objects of equal work: asked once
-    values = []
-    for i in first.tolist():
-        k = (a.op[i], a.engine[i], *astuple(table[codes[i]])) if i not in own else i
-        values.append(by_value[k] if k in by_value else by_value.setdefault(k, ask(i)))
+    work = [((a.op[i], a.engine[i], *astuple(table[codes[i]])) if i not in own else i, i) for i in first.tolist()]
+    values = [by_value[k] if k in by_value else by_value.setdefault(k, ask(i)) for k, i in work]
     dur = np.array(values or [0.0])[inverse]
     for i in own:  # tasks with a link tag or a measured duration
         dur[i] = ask(i)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from fnmatch import fnmatchcase
 
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.registry import Cost
+from megaloom.runtime.registry import COMM, HOST, Cost
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.cost import CostModel
 from megaloom.scheduler.importers import labels, reshaped
@@ -43,7 +43,7 @@ def event_width(e: TraceEvent, profile: HardwareProfile, whole_chip: bool) -> fl
     engine for an imported op without a grid, else one unit (a megaloom tile)."""
     n = profile.units.get(e.engine, 1)
     blocks = e.tags.get("blocks")
-    if e.engine != "comm" and isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0:
+    if e.engine != COMM and isinstance(blocks, int) and not isinstance(blocks, bool) and blocks > 0:
         return min(blocks, n)
     return n if whole_chip else 1
 
@@ -171,14 +171,14 @@ class WhatIf:
                 if any(fnmatchcase(n, p.lower()) for n in names):
                     matched[p] += 1
                     f, g = (0.0, 0.0) if p in self.remove else (f / self.speedup[p], g)
-            if self.cuda_graphs and e.engine == "host":
+            if self.cuda_graphs and e.engine == HOST:
                 f = g = 0.0
             ratio = reshaped(source, e.tags["sources"], dims) if dims and e.tags.get("sources") else None
             if ratio is not None:
                 f *= recost(model, e, whole, *ratio)
             if self.ep and e.op != "all_to_all" and self.scope:  # the experts of one rank: more ranks, fewer each
                 f *= recost(model, e, whole, world / self.ep, world / self.ep)
-        if e.engine == "comm":
+        if e.engine == COMM:
             f /= self.comm_speedup
             if self.link_bandwidth is not None and e.comm_bytes > 0:
                 f *= recost(model, e, whole, link=(model.profile.link(str(e.tags.get("link", "intra")))[0],
@@ -244,7 +244,7 @@ def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) ->
                           "profile with record_shapes=True to add data-parallel all-reduces")
     out: list[TraceEvent] = []
     next_id = max(e.task_id for e in events) + 1
-    unit = 1 + max((e.unit for e in events if e.engine == "comm"), default=-1)
+    unit = 1 + max((e.unit for e in events if e.engine == COMM), default=-1)
     threads: dict[tuple, list[int]] = {}
     for i, e in enumerate(events):
         threads.setdefault((e.rank, e.engine, e.unit, e.tags.get("thread")), []).append(i)
@@ -261,8 +261,8 @@ def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) ->
             if size:  # a full bucket, or the last one of the pass
                 wire = size * _wire("all_reduce", n)
                 start = max(last.end, prev.end if prev else 0.0)
-                prev = TraceEvent(next_id + len(out), f"gradient all_reduce #{len(out)}", "all_reduce", "comm", unit,
-                                  last.rank, start, start + model.duration(Cost(0.0, 0.0, wire), "comm", "intra"),
+                prev = TraceEvent(next_id + len(out), f"gradient all_reduce #{len(out)}", "all_reduce", COMM, unit,
+                                  last.rank, start, start + model.duration(Cost(0.0, 0.0, wire), COMM, "intra"),
                                   0.0, 0.0, wire, [last.task_id, *([prev.task_id] if prev else [])],
                                   {"class": "added", "link": "intra"})
                 out.append(prev)

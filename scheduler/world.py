@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
+from itertools import accumulate
 from typing import Mapping, Sequence
 
 from megaloom.runtime.core import Policy
@@ -71,20 +72,6 @@ class Rendezvous:
 
     label: str
     members: list[tuple[int, int]]
-
-
-@dataclass(slots=True)
-class World:
-    """A world graph and how it maps back: ``owner[world id]`` is ``(rank, task id)``, or
-    None for a rendezvous; ``offset[r]`` is the world id of rank r's task 0; ``slowdown``
-    the checked factors."""
-
-    graph: TaskGraph
-    units: dict[str, int]
-    owner: list[tuple[int, int] | None]
-    offset: list[int]
-    rendezvous: list[Rendezvous]
-    slowdown: dict[int, float]
 
 
 def issue_order(graph: TaskGraph) -> list[int]:
@@ -122,17 +109,24 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     orders = [issue_order(g) for g in graphs]
     keyed: dict[tuple[str, int], list[tuple[int, int]]] = {}
     colls: list[list[int]] = []
+    sends: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
+    recvs: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
     for r, (g, order) in enumerate(zip(graphs, orders)):
         mine = []
         for t in order:
             task = g.tasks[t]
-            if task.op not in COLLECTIVE_OPS:
-                continue
-            key = _group_key(task)
-            if key is None:
+            if task.op in P2P_OPS:
+                peer = task.attrs.get("peer", task.tags.get("peer"))  # imported traces: a tag
+                if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world or peer == r:
+                    raise ScheduleError(f"rank {r}: {task.op} {task.name!r} has peer {peer!r}, "
+                                        f"not another rank of a world of {world}")
+                tag = task.attrs.get("tag", task.tags.get("tag", 0))
+                key = (r, peer, tag) if task.op == "send" else (peer, r, tag)
+                (sends if task.op == "send" else recvs).setdefault(key, []).append((r, t))
+            elif task.op in COLLECTIVE_OPS and _group_key(task) is None:
                 mine.append(t)
-            else:
-                keyed.setdefault(key, []).append((r, t))
+            elif task.op in COLLECTIVE_OPS:
+                keyed.setdefault(_group_key(task), []).append((r, t))
         colls.append(mine)
     out: list[Rendezvous] = [Rendezvous(f"{graphs[m[0][0]].tasks[m[0][1]].op} {k[0]}#{k[1]}", m)
                              for k, m in sorted(keyed.items()) if len(m) > 1]
@@ -144,22 +138,6 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
                 raise ScheduleError(f"collective #{k} does not match across ranks: "
                                     f"{_issues(0, ref, colls[0])}, {_issues(r, mine, colls[r])}")
         out.append(Rendezvous(f"{ref.op}#{k}", [(r, colls[r][k]) for r in range(world)]))
-    sends: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
-    recvs: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
-    for r, (g, order) in enumerate(zip(graphs, orders)):
-        for t in order:
-            task = g.tasks[t]
-            if task.op not in P2P_OPS:
-                continue
-            peer = task.attrs.get("peer", task.tags.get("peer"))  # imported traces: a tag
-            if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world or peer == r:
-                raise ScheduleError(f"rank {r}: {task.op} {task.name!r} has peer {peer!r}, "
-                                    f"not another rank of a world of {world}")
-            tag = task.attrs.get("tag", task.tags.get("tag", 0))
-            if task.op == "send":
-                sends.setdefault((r, peer, tag), []).append((r, t))
-            else:
-                recvs.setdefault((peer, r, tag), []).append((r, t))
     for key in sorted(set(sends) | set(recvs), key=repr):
         s, v = sends.get(key, []), recvs.get(key, [])
         if len(s) != len(v):
@@ -183,12 +161,11 @@ def _check_slowdown(slowdown: Mapping[int, float] | None, world: int) -> dict[in
     return out
 
 
-def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_model: CostModel,
-                slowdown: Mapping[int, float] | None = None, *, sync_end: bool = True) -> World:
-    """The world graph of ``graphs`` (see the module docstring); ``units`` per rank."""
-    if not graphs:
-        raise ConfigError("simulate_world needs at least one rank's graph")
-    slow = _check_slowdown(slowdown, len(graphs))
+def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_model: CostModel, slow: dict[int, float],
+                sync_end: bool) -> tuple[TaskGraph, dict[str, int], list[tuple[int, int] | None], int]:
+    """The world graph of ``graphs`` (see the module docstring; ``units`` per rank, ``slow``: the
+    checked slowdown), its units, the owner of each world task (``(rank, task id)``, None for a
+    rendezvous) and the number of rendezvous."""
     rdv = match_collectives(graphs)
     durs = [[d * slow.get(r, 1.0) for d in cost_model.durations(g)] for r, g in enumerate(graphs)]
     if sync_end:
@@ -198,10 +175,9 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
                 durs[r][t] = longest
     w = TaskGraph(f"world[{len(graphs)}]")
     world_units: dict[str, int] = {}
-    owner: list[tuple[int, int] | None] = []
-    offset: list[int] = []
+    owner = [(r, t) for r, g in enumerate(graphs) for t in range(len(g))] + [None] * len(rdv)
+    offset = [0, *accumulate(map(len, graphs))]  # the world id of each rank's task 0
     for r, g in enumerate(graphs):
-        offset.append(len(w.tasks))
         for kind in g.engines():
             if units.get(kind, 0) <= 0:
                 raise ScheduleError(f"rank {r}: graph {g.name!r} uses engine kind {kind!r} with no units; given {dict(units)}")
@@ -210,7 +186,6 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
         for t, d in zip(g.tasks, durs[r]):
             w.task(t.op, name=f"r{r}/{t.name}", engine=rank_engine(t.engine, r), attrs={DURATION_ATTR: d},
                    priority=t.priority, tags=t.tags, cost=costs[t.id])
-            owner.append((r, t.id))
         base, wt = offset[r], w.tasks
         for t, preds in enumerate(g.pred):
             for p in preds:
@@ -218,7 +193,6 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
     for i, rv in enumerate(rdv):
         sync = w.task("rendezvous", name=f"sync/{i}.{rv.label}", engine=SYNC_ENGINE, attrs={DURATION_ATTR: 0.0},
                       cost=Cost(), tags={"collective": i})
-        owner.append(None)
         for r, t in rv.members:
             for p in graphs[r].pred[t]:
                 w.edge(w.tasks[offset[r] + p], sync)
@@ -230,20 +204,13 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
     except GraphError as e:
         raise ScheduleError(f"the ranks' collectives deadlock (a cycle through rendezvous; check that every rank "
                             f"issues its collectives and send/recv in a matching order): {e}") from None
-    return World(w, world_units, owner, offset, rdv, slow)
+    return w, world_units, owner, len(rdv)
 
 
-def simulate_world(
-    graphs: Sequence[TaskGraph],
-    profile: HardwareProfile | str,
-    units: Mapping[str, int] | None = None,
-    policy: Policy | str | None = None,
-    cost_model: CostModel | None = None,
-    *,
-    slowdown: Mapping[int, float] | None = None,
-    sync_end: bool = True,
-    validate: bool = True,
-) -> RunResult:
+def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, units: Mapping[str, int] | None = None,
+                   policy: Policy | str | None = None, cost_model: CostModel | None = None, *,
+                   slowdown: Mapping[int, float] | None = None, sync_end: bool = True,
+                   validate: bool = True) -> RunResult:
     """Simulate rank r's graph ``graphs[r]`` for every r together, collectives synchronised.
 
     ``units`` override the profile's unit counts on every rank; ``slowdown[r]`` multiplies
@@ -251,27 +218,29 @@ def simulate_world(
     participant on every rank. Returns one trace of every rank's events (``rank`` set;
     ``meta['world_size']``, ``meta['slowdown']``, ``meta['collectives']``).
     """
+    if not graphs:
+        raise ConfigError("simulate_world needs at least one rank's graph")
     base = Simulator(profile, units, policy, cost_model)
     if validate:
         for g in graphs:
             g.validate()
-    world = world_graph(graphs, base.units, base.cost_model, slowdown, sync_end=sync_end)
-    sim = Simulator(base.profile, world.units, base.policy, base.cost_model)
-    sched = sim.schedule(world.graph)
+    slow = _check_slowdown(slowdown, len(graphs))
+    graph, world_units, owner, collectives = world_graph(graphs, base.units, base.cost_model, slow, sync_end)
+    sim = Simulator(base.profile, world_units, base.policy, base.cost_model)
+    sched = sim.schedule(graph)
     records: list[list[tuple[int, int, float, float]]] = [[] for _ in graphs]
     for wid in sched.order:
-        own = world.owner[wid]
+        own = owner[wid]
         if own is not None:
             s = sched.start[wid]
             records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
     events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]
     events.sort(key=lambda e: (e.start, e.rank, e.task_id))
     used = {k: n for k, n in base.units.items() if any(k in g.engines() for g in graphs)}
-    meta = {"graph": graphs[0].name if len({g.name for g in graphs}) == 1 else world.graph.name,
+    meta = {"graph": graphs[0].name if len({g.name for g in graphs}) == 1 else graph.name,
             "graphs": [g.name for g in graphs], "mode": "simulate", "clock": "virtual", "profile": base.profile.name,
             "units": used, "policy": base.policy.name, "world_size": len(graphs), "loop": sim.last_loop,
-            "slowdown": {str(r): f for r, f in world.slowdown.items()},
-            "collectives": len(world.rendezvous)}
+            "slowdown": {str(r): f for r, f in slow.items()}, "collectives": collectives}
     return RunResult({}, Trace(events, meta))
 
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from megaloom.models.hf_moe import ROUTER_NAMES, is_moe_block
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.registry import CUBE
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -56,5 +57,5 @@ def peak_flops(hardware: str | None, dtype: str) -> tuple[float | None, str]:
     except ConfigError as e:
         raise ConfigError(f"run.hardware: {e}") from None
     precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
-    return profile.peak("cube", precision), (f"hardware profile {hardware!r}, peak.cube {precision} "
+    return profile.peak(CUBE, precision), (f"hardware profile {hardware!r}, peak.cube {precision} "
                                              f"({profile.sources.get('peak.cube', 'no source given')})")

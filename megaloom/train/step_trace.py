@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from megaloom.runtime.registry import HOST
 from megaloom.runtime.trace import Trace, TraceEvent
 
 # children of decoder layers, plus the embedding / final norm / head of a causal LM
@@ -72,7 +73,7 @@ class StepTracer:
                                          "world_size": self.world_size, "step": step})
 
     def _event(self, task: str, op: str, unit: int, start: float, end: float, tags: dict[str, Any], *,
-               engine: str = "host", flops: float = 0.0, bytes_: float = 0.0, comm_bytes: float = 0.0) -> None:
+               engine: str = HOST, flops: float = 0.0, bytes_: float = 0.0, comm_bytes: float = 0.0) -> None:
         self.events.append(TraceEvent(len(self.events), task, op, engine, unit, self.rank, start, end,
                                       flops, bytes_, comm_bytes, [], tags))
 

@@ -175,12 +175,18 @@ def _own_tensors(module: nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
 
 
+def _unknown_parts(module: nn.Module, where: str, known: tuple[str, ...]) -> list[str]:
+    """Problems of an expert module: a child holding parameters or a tensor of its own that is not ``known``
+    (nor ``act_fn``), no ``act_fn``."""
+    parts = [f"{where}: part {n!r} ({type(c).__name__}) is not one megaloom understands"
+             for n, c in module.named_children() if n not in known and n != "act_fn" and any(True for _ in c.parameters())]
+    tensors = [f"{where}: parameter or buffer {n!r} is not one megaloom understands (expected {', '.join(known)})"
+               for n in _own_tensors(module) if n not in known]
+    return parts + tensors + ([] if callable(getattr(module, "act_fn", None)) else [f"{where}: no act_fn"])
+
+
 def _fused_problems(experts: nn.Module) -> list[str]:
-    problems = [f"experts: parameter or buffer {n!r} is not one megaloom understands (expected gate_up_proj, "
-                "down_proj)" for n in _own_tensors(experts) if n not in ("gate_up_proj", "down_proj")]
-    for name, child in experts.named_children():
-        if name != "act_fn" and any(True for _ in child.parameters()):
-            problems.append(f"experts: part {name!r} ({type(child).__name__}) is not one megaloom understands")
+    problems = _unknown_parts(experts, "experts", ("gate_up_proj", "down_proj"))
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
         return problems + [f"experts ({type(experts).__name__}): expected 3-D gate_up_proj and down_proj "
@@ -189,8 +195,6 @@ def _fused_problems(experts: nn.Module) -> list[str]:
             or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
         problems.append(f"experts: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
                         "[E, 2I, H] and [E, H, I]")
-    if not callable(getattr(experts, "act_fn", None)):
-        problems.append("experts: no act_fn")
     return problems
 
 
@@ -208,13 +212,7 @@ def _list_problems(experts: nn.ModuleList) -> list[str]:
         linears = [getattr(mlp, n) for n in names]
         problems += [f"experts.{i}.{n}: has a bias, which MegaMoE's experts do not take"
                      for n, lin in zip(names, linears) if lin.bias is not None]
-        problems += [f"experts.{i}: part {n!r} ({type(c).__name__}) is not one megaloom understands"
-                     for n, c in mlp.named_children() if n not in names and n != "act_fn"
-                     and any(True for _ in c.parameters())]
-        problems += [f"experts.{i}: parameter or buffer {n!r} is not one megaloom understands"
-                     for n in _own_tensors(mlp)]
-        if not callable(getattr(mlp, "act_fn", None)):
-            problems.append(f"experts.{i}: no act_fn")
+        problems += _unknown_parts(mlp, f"experts.{i}", names)
         shapes.add(tuple(tuple(lin.weight.shape) for lin in linears))
     if len(shapes) > 1:
         problems.append(f"experts: the MLPs differ in shape ({sorted(shapes)})")

@@ -191,11 +191,9 @@ FORMATS.register("mxfp8", [
 
 def register_module_type(fmt: str, kind: ModuleType) -> None:
     """Let ``low_precision`` swap another module type (e.g. a model's own expert block) for format ``fmt``."""
-    kinds = FORMATS.items().get(fmt)
-    if kinds is None:
-        FORMATS.register(fmt, [kind])
-    else:
-        kinds.append(kind)
+    if fmt not in FORMATS:
+        FORMATS.register(fmt, [])
+    FORMATS.get(fmt).append(kind)
 
 
 def _kind_of(fmt: str, module: nn.Module) -> ModuleType:

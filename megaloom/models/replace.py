@@ -37,7 +37,6 @@ class Rule:
     not errors: e.g. dims a format cannot take); ``skip`` types (or a predicate) are left alone
     (typically the target type, so a plan applies once); modules inside an ``inside`` type are
     never selected (e.g. expert MLPs whose weights another module reads);
-    ``require_match``: every include glob must match at least one module of the type;
     ``preview(module)``: what the replacement will make of the module's descendants, by id (stand-ins
     another plan is checked against before this one is applied).
     """
@@ -49,7 +48,6 @@ class Rule:
     exclude: tuple[str, ...] = ()
     check: Check | None = None
     skip: tuple[type, ...] | Callable[[nn.Module], bool] = ()
-    require_match: bool = True
     unfit: Check | None = None
     inside: tuple[type, ...] = ()
     preview: Callable[[nn.Module], dict[int, nn.Module]] | None = None
@@ -152,7 +150,7 @@ class ReplacementPlan:
         for rule in self.rules:
             hidden = {p for i, ps in paths.items() if isinstance(modules[i], rule.inside) for p in ps}
             typed = [(p, modules[i]) for i, ps in paths.items() for p in ps if isinstance(modules[i], rule.source)]
-            for glob in rule.include if rule.require_match else ():
+            for glob in rule.include:  # each must match a module of the type
                 if not any(fnmatchcase(p, glob) for p, _ in typed):
                     kinds = "/".join(t.__name__ for t in rule.source)
                     problems.append(f"rule {rule.name!r}: include glob {glob!r} matches no {kinds} module")

@@ -92,6 +92,14 @@ class RoutedExperts(nn.Module):
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return expert_weights(self)
 
+    @property
+    def hidden(self) -> int:
+        return self.weights()[1].shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.weights()[1].shape[1]
+
     def with_mx(self, scale_mode: str) -> RoutedExperts:
         """The same experts (same Parameters and modules) with their GEMMs in MXFP8."""
         new = type(self).__new__(type(self))
@@ -112,28 +120,12 @@ class FusedExperts(RoutedExperts):
         super().__init__()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
 
-    @property
-    def hidden(self) -> int:
-        return self.gate_up_proj.shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.down_proj.shape[2]
-
 
 class ListExperts(RoutedExperts, nn.ModuleList):
     """Experts as the block's own ModuleList of gated MLPs (same modules, same state_dict keys)."""
 
     def __init__(self, experts: nn.ModuleList):
         nn.ModuleList.__init__(self, list(experts))
-
-    @property
-    def hidden(self) -> int:
-        return self.weights()[1].shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.weights()[1].shape[1]
 
 
 def routed_experts(experts: nn.Module) -> RoutedExperts:

@@ -115,7 +115,4 @@ class StepTracer:
 
 
 def _first_grad_tensor(values: list[Any]) -> torch.Tensor | None:
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
-            return v
-    return None
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()), None)

@@ -255,12 +255,8 @@ class Trainer:
     def _graph_traces(self, start: bool = False) -> list[tuple[str, str, Any]]:
         """(module, direction, trace) of every graph run of the modules on a graph runner (MegaMoE blocks,
         MegaGate routers, ...) since the last start, every micro-batch's; ``start``: record from now on."""
-        out = []
-        for name, m in self.base_model.named_modules():
-            runner = getattr(m, "runner", None)
-            if isinstance(runner, GraphRunner):
-                out += [(name, d, t) for d, t in runner.record(start)]
-        return out
+        return [(name, d, t) for name, m in self.base_model.named_modules()
+                if isinstance(getattr(m, "runner", None), GraphRunner) for d, t in m.runner.record(start)]
 
     def _phase(self, tracing: bool, name: str):
         return self.tracer.phase(name) if tracing else nullcontext()
@@ -357,9 +353,8 @@ def _claim_out_dir(run: dict, ckpt_dir: str, resuming: bool, owner: bool) -> Non
     """Refuse an out_dir holding a previous run's metrics, events or checkpoints unless resuming; with
     ``run.overwrite``, ``owner`` (rank 0) deletes them instead."""
     out = run["out_dir"]
-    found = [f for pattern in (os.path.join(out, "metrics.jsonl"), os.path.join(out, "events.out.tfevents.*"),
-                               os.path.join(ckpt_dir, ckpt.LATEST), os.path.join(ckpt_dir, "step_*"))
-             for f in glob.glob(glob.escape(os.path.dirname(pattern)) + "/" + os.path.basename(pattern))]
+    found = [f for folder, pattern in ((out, "metrics.jsonl"), (out, "events.out.tfevents.*"), (ckpt_dir, ckpt.LATEST),
+                                       (ckpt_dir, "step_*")) for f in glob.glob(os.path.join(glob.escape(folder), pattern))]
     if not found or resuming:
         return
     if not run["overwrite"]:

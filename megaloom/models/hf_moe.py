@@ -55,11 +55,10 @@ def _transformers():
 
 def model_classes(kind: str) -> tuple[type, type]:
     """(config class, causal-LM class) of a transformers model type such as ``qwen2_moe``."""
-    _transformers()
+    tf = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    import transformers as tf
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
     if kind not in CONFIG_MAPPING or name is None:
         moe = sorted(k for k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if "moe" in k or k in ("mixtral", "deepseek_v3"))
@@ -122,28 +121,19 @@ class MoEBlockParts:
     shared_gate: nn.Module | None = None
     bias_name: str | None = None   # the block's own correction bias, passed to the router
 
-    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logits, weights, indices)`` of ``block``'s router (``block``: the block or its swap) for ``x [T, H]``."""
-        return self.router(x, getattr(block, self.bias_name)) if self.bias_name else self.router(x)
-
     @property
     def fused(self) -> bool:
         return not isinstance(self.experts, nn.ModuleList)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gate_up [E, H, 2I], down [E, I, H])`` in MegaMoE's layout: transposed views of fused
-        weights (no copy), or the ModuleList's Linear weights stacked (a copy each call; gradients
-        flow back to the Linears)."""
+        """The experts' weights in MegaMoE's layout (see :func:`expert_weights`)."""
         return expert_weights(self.experts)
-
-    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output, scaled by the sigmoid of its gate when it has one."""
-        s = self.shared(hidden)
-        return s if self.shared_gate is None else torch.sigmoid(self.shared_gate(hidden)) * s
 
 
 def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """MegaMoE-layout weights of a fused or ModuleList experts module (see :meth:`MoEBlockParts.weights`)."""
+    """``(gate_up [E, H, 2I], down [E, I, H])`` in MegaMoE's layout of a fused or ModuleList experts module:
+    transposed views of fused weights (no copy), or the ModuleList's Linear weights stacked (a copy each call;
+    gradients flow back to the Linears)."""
     if not isinstance(experts, nn.ModuleList):
         return experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     names = _mlp_names(experts[0])
@@ -179,7 +169,7 @@ def _unknown_parts(module: nn.Module, where: str, known: tuple[str, ...]) -> lis
     """Problems of an expert module: a child holding parameters or a tensor of its own that is not ``known``
     (nor ``act_fn``), no ``act_fn``."""
     parts = [f"{where}: part {n!r} ({type(c).__name__}) is not one megaloom understands"
-             for n, c in module.named_children() if n not in known and n != "act_fn" and any(True for _ in c.parameters())]
+             for n, c in module.named_children() if n not in (*known, "act_fn") and any(True for _ in c.parameters())]
     tensors = [f"{where}: parameter or buffer {n!r} is not one megaloom understands (expected {', '.join(known)})"
                for n in _own_tensors(module) if n not in known]
     return parts + tensors + ([] if callable(getattr(module, "act_fn", None)) else [f"{where}: no act_fn"])
@@ -286,6 +276,12 @@ def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         return False
 
 
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference over the largest magnitude of ``want`` (the parity metric)."""
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
 def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module | None = None,
                   experts: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The block's forward rebuilt from its parts: route, run the experts, add the (gated) shared expert.
@@ -293,19 +289,19 @@ def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module |
     ``experts(x, indices, weights)`` defaults to the golden eager MoE
     (:func:`megaloom.graphs.moe.reference.moe_reference`) on the block's own weights.
     """
-    shape = hidden.shape
-    x = hidden.reshape(-1, shape[-1])
-    _, weights, indices = parts.route(block, x)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    bias = (getattr(block, parts.bias_name),) if parts.bias_name else ()  # ``block``: the block or its swap
+    _, weights, indices = parts.router(x, *bias)
     if experts is None:
         from megaloom.graphs.moe.reference import moe_reference
 
-        gate_up, down = parts.weights()
-        y = moe_reference(x, indices, weights, gate_up, down, parts.act)
+        y = moe_reference(x, indices, weights, *parts.weights(), parts.act)
     else:
         y = experts(x, indices, weights)
-    y = y.reshape(shape)
-    if parts.shared is not None:
-        y = y + parts.shared_output(hidden)
+    y = y.reshape(hidden.shape)
+    if parts.shared is not None:  # scaled by the sigmoid of its gate when it has one
+        s = parts.shared(hidden)
+        y = y + (s if parts.shared_gate is None else torch.sigmoid(parts.shared_gate(hidden)) * s)
     return y
 
 
@@ -331,7 +327,7 @@ def behaviour_problems(block: nn.Module, parts: MoEBlockParts) -> list[str]:
             return [f"its forward could not be checked on a [1, {PROBE_TOKENS}, {parts.hidden}] probe: "
                     f"{type(e).__name__}: {e}"]
     want = want[0] if isinstance(want, tuple) else want
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+    err = max_rel_err(got.float(), want.float())
     tol = PROBE_RTOL.get(p.dtype, 1e-5)
     if not err <= tol:
         return [f"its forward differs from router -> experts -> shared expert rebuilt from its parts by {err:.2e} "

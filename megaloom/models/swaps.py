@@ -172,10 +172,10 @@ class MegaMoEBlock(nn.Module):
 
     def keep_local_experts(self) -> None:
         """Under EP: re-register the expert weights as this rank's experts only (copied, the full tensors dropped)."""
-        spec, rank = self.runner.spec, self.runner.rank
         if self.local_experts:
             return
-        lo, n = rank * spec.experts_local, spec.experts_local
+        n = self.runner.spec.experts_local
+        lo = self.runner.rank * n
         for name in ("gate_up_proj", "down_proj"):
             local = nn.Parameter(getattr(self.experts, name).detach()[lo:lo + n].clone())
             local.megaloom_ep_sharded = True

@@ -306,10 +306,7 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """Deep-merge ``over`` into a copy of ``base`` (mappings merge, anything else replaces)."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
 
 

@@ -45,11 +45,8 @@ def peak_flops(hardware: str | None, dtype: str) -> tuple[float | None, str]:
     from megaloom.scheduler.profile import list_profiles, load_profile
 
     if hardware == "auto":
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name().lower()
-            hardware = next((p for p in list_profiles() if p != "cpu" and p in gpu), None)
-        else:
-            hardware = "cpu"
+        gpu = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else None
+        hardware = next((p for p in list_profiles() if p != "cpu" and p in gpu), None) if gpu else "cpu"
     if hardware is None:
         return None, "no hardware profile"
     try:

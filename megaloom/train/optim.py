@@ -82,23 +82,25 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - mu)  # element-wise: shards need nothing from other ranks
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
                 ortho = self._orthogonalise(update, group)
-                local = p.to_local() if _is_dtensor(p) else p
+                local = p.to_local() if is_dtensor(p) else p
                 local.mul_(1 - lr * group["weight_decay"])
                 local.add_(ortho, alpha=-self._adjust(lr, group["adjust_lr_fn"], p.shape[-2:]))
 
     def _orthogonalise(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         """This rank's part of the orthogonalised ``update`` (in the layout of its parameter)."""
-        ns = lambda m: self._ns(m, group["ns_coefficients"], group["ns_steps"], group["eps"])  # noqa: E731
-        if not _is_dtensor(update):
-            return ns(update) if update.ndim == 2 else torch.stack([ns(m) for m in update])
+        def ns(t: torch.Tensor) -> torch.Tensor:  # a matrix, or a stack of them matrix by matrix
+            if t.ndim == 3:
+                return torch.stack([ns(m) for m in t])
+            return self._ns(t, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if not is_dtensor(update):
+            return ns(update)
         if update.ndim == 3 and all(not pl.is_shard() or pl.dim == 0 for pl in update.placements):
-            return torch.stack([ns(m) for m in update.to_local()])  # whole expert matrices on this rank
-        full = update.full_tensor()
-        ortho = ns(full) if full.ndim == 2 else torch.stack([ns(m) for m in full])
-        return _local_part(ortho, update)
+            return ns(update.to_local())  # whole expert matrices on this rank
+        return _local_part(ns(update.full_tensor()), update)
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """True for a torch DTensor (FSDP2 and tensor-parallel parameters and their gradients)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

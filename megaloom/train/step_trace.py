@@ -79,10 +79,7 @@ class StepTracer:
 
     def _tags(self, name: str, direction: str) -> dict[str, Any]:
         m = _LAYER.search("." + name + ".")
-        tags: dict[str, Any] = {"direction": direction, "stage": name.rsplit(".", 1)[-1]}
-        if m:
-            tags["layer"] = int(m.group(1))
-        return tags
+        return {"direction": direction, "stage": name.rsplit(".", 1)[-1], **({"layer": int(m.group(1))} if m else {})}
 
     def _pre(self, name: str):
         def hook(mod, args, kwargs):

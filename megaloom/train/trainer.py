@@ -295,11 +295,9 @@ class Trainer:
                 if (ck["interval"] and rec.step % ck["interval"] == 0) or rec.step == stop:
                     self.save()
         finally:
-            bar.close()
-            if self.tracer is not None:
-                self.tracer.close()
-            if self.metrics is not None:
-                self.metrics.close()
+            for closing in (bar, self.tracer, self.metrics):
+                if closing is not None:
+                    closing.close()
         return records
 
     # -- checkpoints and traces ---------------------------------------------------
@@ -353,8 +351,9 @@ def _claim_out_dir(run: dict, ckpt_dir: str, resuming: bool, owner: bool) -> Non
     """Refuse an out_dir holding a previous run's metrics, events or checkpoints unless resuming; with
     ``run.overwrite``, ``owner`` (rank 0) deletes them instead."""
     out = run["out_dir"]
-    found = [f for folder, pattern in ((out, "metrics.jsonl"), (out, "events.out.tfevents.*"), (ckpt_dir, ckpt.LATEST),
-                                       (ckpt_dir, "step_*")) for f in glob.glob(os.path.join(glob.escape(folder), pattern))]
+    found = [f for folder, pattern in ((out, "metrics.jsonl"), (out, "events.out.tfevents.*"),
+                                       (ckpt_dir, ckpt.LATEST), (ckpt_dir, "step_*"))
+             for f in glob.glob(os.path.join(glob.escape(folder), pattern))]
     if not found or resuming:
         return
     if not run["overwrite"]:

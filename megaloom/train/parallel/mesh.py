@@ -40,15 +40,13 @@ class MeshDims:
     @staticmethod
     def of(par: dict, world: int) -> MeshDims:
         tp, cp, ep = par["tp_size"], par["cp_size"], par["ep_size"]
-        problems = []
         if world % (tp * cp):
-            problems.append(f"parallel.tp_size={tp} x parallel.cp_size={cp} = {tp * cp} ranks per data-parallel "
-                            f"replica does not divide the world size {world}")
-        elif (world // tp) % ep:
-            problems.append(f"parallel.ep_size={ep} does not divide the {world // tp} data x context ranks "
-                            f"(world size {world} / parallel.tp_size={tp}); experts are split over those")
-        if problems:
-            raise ConfigError("invalid parallel layout:\n  " + "\n  ".join(problems))
+            raise ConfigError(f"invalid parallel layout:\n  parallel.tp_size={tp} x parallel.cp_size={cp} = "
+                              f"{tp * cp} ranks per data-parallel replica does not divide the world size {world}")
+        if (world // tp) % ep:
+            raise ConfigError(f"invalid parallel layout:\n  parallel.ep_size={ep} does not divide the {world // tp} "
+                              f"data x context ranks (world size {world} / parallel.tp_size={tp}); experts are split "
+                              "over those")
         return MeshDims(world, world // (tp * cp), cp, tp, ep)
 
     def coords(self, rank: int) -> dict[str, int]:

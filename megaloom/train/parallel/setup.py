@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.train.optim import is_dtensor
 from megaloom.train.parallel import context, recompute, tensor
 from megaloom.train.parallel.clock import CommClock
 from megaloom.train.parallel.mesh import Mesh
@@ -66,7 +67,7 @@ class Parallel:
         ep_ids = {id(p) for p in self.ep_params}
         params = [p for p in self.model.parameters() if p.grad is not None]
         for p in params:  # a replicated DTensor weight fed by sharded inputs may hold partial sums
-            if _is_dtensor(p.grad) and p.grad.placements != p.placements:
+            if is_dtensor(p.grad) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)
         dims = self.mesh.dims
         if self.mesh.dp_cp is not None and not self.fsdp_units:
@@ -84,7 +85,7 @@ class Parallel:
         total = torch.zeros(1, dtype=torch.float64)
         for p in params:
             g = p.grad
-            if _is_dtensor(g):
+            if is_dtensor(g):
                 pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
             else:
                 pieces = self.mesh.dims.ep if id(p) in ep_ids else 1
@@ -112,14 +113,8 @@ class Parallel:
                 for name, t in self.model.state_dict(keep_vars=True).items()}
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
@@ -130,10 +125,8 @@ def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
     comm.all_reduce(flat, "sum")
     if divide != 1:
         flat.div_(divide)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
 def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock,

@@ -122,8 +122,7 @@ def run(args: argparse.Namespace) -> int:
     policy, units = policy_and_units(args)
     check_units(units, graph.engines())
     show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(graph) >= 100_000)
-    sim = Simulator(args.profile, units, policy, progress=progress_bar() if show else None)
-    result = sim.run(graph)
+    result = Simulator(args.profile, units, policy, progress=progress_bar() if show else None).run(graph)
     print(summary(result.trace))
     write_outputs(result.trace, args)
     return 0

@@ -104,10 +104,10 @@ def _param_problems(old: nn.Module, new: nn.Module) -> list[str]:
     return problems
 
 
-def _under(path: str, parents: set[str]) -> bool:
-    """True when a proper ancestor of ``path`` is in ``parents``."""
+def _ancestor(path: str, names: set[str]) -> str | None:
+    """The outermost proper ancestor of ``path`` in ``names``, or None."""
     parts = path.split(".")
-    return any(".".join(parts[:k]) in parents for k in range(1, len(parts)))
+    return next((q for q in (".".join(parts[:k]) for k in range(1, len(parts))) if q in names), None)
 
 
 class ReplacementPlan:
@@ -156,7 +156,7 @@ class ReplacementPlan:
                     problems.append(f"rule {rule.name!r}: include glob {glob!r} matches no {kinds} module")
             for i, ps in paths.items():
                 mod = modules[i]
-                if not any(rule.selects(p, mod) and not _under(p, hidden) for p in ps):
+                if not any(rule.selects(p, mod) and _ancestor(p, hidden) is None for p in ps):
                     continue
                 reasons = rule.unfit(mod) if rule.unfit else []
                 if reasons:
@@ -173,10 +173,9 @@ class ReplacementPlan:
             for p in ps:
                 if p == "":
                     problems.append(f"rule {rule.name!r} matches the root module, which cannot be replaced in place")
-                parts = p.split(".")
-                parents = [q for q in (".".join(parts[:k]) for k in range(1, len(parts))) if q in names]
-                if parents:
-                    problems.append(f"module {p!r} lies inside {parents[0]!r}, which is replaced too")
+                outer = _ancestor(p, names)
+                if outer is not None:
+                    problems.append(f"module {p!r} lies inside {outer!r}, which is replaced too")
         if problems:
             raise ConfigError("module replacement plan is invalid:\n  " + "\n  ".join(problems))
         return selected

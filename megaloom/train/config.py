@@ -312,11 +312,9 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
     """Read a YAML file (or nothing: all defaults), apply overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = load_yaml(path, "config") or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: config must be a mapping of sections, got {type(raw).__name__}")
+    raw = (load_yaml(path, "config") or {}) if path is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: config must be a mapping of sections, got {type(raw).__name__}")
     if overrides:
         over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         if isinstance(raw.get("replace"), list) and "replace" in over:

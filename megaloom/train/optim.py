@@ -63,10 +63,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                       ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                                       adjust_lr_fn=adjust_lr_fn))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim not in (2, 3):
-                    raise ValueError(f"Muon takes matrices or stacks of them, got a parameter of shape {tuple(p.shape)}")
+        bad = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.ndim not in (2, 3)]
+        if bad:
+            raise ValueError(f"Muon takes matrices or stacks of them, got a parameter of shape {bad[0]}")
 
     @torch.no_grad()
     def step(self, closure=None):

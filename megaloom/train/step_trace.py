@@ -31,11 +31,9 @@ class StepTracer:
 
     def __init__(self, model: nn.Module, rank: int = 0, world_size: int = 1):
         self.rank, self.world_size, self.events, self.on = rank, world_size, [], False
-        self._handles = []
-        for name, mod in model.named_modules():
-            if name and _WATCH.search(name):
-                self._handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-                self._handles.append(mod.register_forward_hook(self._post(name), with_kwargs=True))
+        self._handles = [h for name, mod in model.named_modules() if name and _WATCH.search(name)
+                         for h in (mod.register_forward_pre_hook(self._pre(name), with_kwargs=True),
+                                   mod.register_forward_hook(self._post(name), with_kwargs=True))]
 
     def close(self) -> None:
         for h in self._handles:

@@ -129,8 +129,8 @@ def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
         g.copy_(part.view_as(g))
 
 
-def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock,
-          log: Callable[[str], None] = lambda m: None, probe: Callable[[], Any] | None = None) -> Parallel:
+def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock, log: Callable[[str], None],
+          probe: Callable[[], Any]) -> Parallel:
     """Apply ``parallel`` (TP, CP, recomputation, FSDP) to ``model`` in place. ``probe()`` runs one forward
     of this rank's first micro-batch: with recomputation, what it keeps for backward is measured with it."""
     dims = mesh.dims
@@ -157,12 +157,9 @@ def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock,
     return Parallel(model, comm, mesh, clock, units, experts, rc)
 
 
-def _log_recompute(model: nn.Module, rc: recompute.Recompute, probe: Callable[[], Any] | None,
+def _log_recompute(model: nn.Module, rc: recompute.Recompute, probe: Callable[[], Any],
                    log: Callable[[str], None]) -> None:
     what = f"recompute {len(rc.names)} module(s) ({rc.names[0]}{', ...' if len(rc.names) > 1 else ''})"
-    if probe is None:
-        log(what)
-        return
     with torch.random.fork_rng():
         rc.enabled = False
         kept = recompute.saved_bytes(model, probe)

@@ -67,12 +67,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def policy_and_units(args: argparse.Namespace):
     from megaloom.scheduler import make_policy, parse_units
 
-    policy = None
-    if args.policy:
-        name, opts = parse_spec(args.policy)
-        policy = make_policy(name, **opts)
-    units = parse_units(args.units) if args.units else None
-    return policy, units
+    name, opts = parse_spec(args.policy) if args.policy else (None, {})
+    return (make_policy(name, **opts) if name else None), (parse_units(args.units) if args.units else None)
 
 
 def check_units(units: dict[str, int] | None, engines) -> None:

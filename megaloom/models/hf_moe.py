@@ -218,14 +218,13 @@ def read_block(block: nn.Module) -> tuple[MoEBlockParts | None, list[str]]:
     name = type(block).__name__
     if not is_moe_block(block):
         return None, [f"{name} is not an MoE block (no 'experts' child next to a 'gate' or 'router')"]
-    problems: list[str] = []
     children = dict(block.named_children())
     router_name = next(n for n in ROUTER_NAMES if n in children)
     shared_name = next((n for n in SHARED_NAMES if n in children), None)
     known = {router_name, "experts", shared_name, SHARED_GATE_NAME}
-    problems += [f"part {n!r} ({type(c).__name__}) is not one megaloom understands; an MoE block holds a router "
-                 f"({'/'.join(ROUTER_NAMES)}), experts, and optionally {'/'.join(SHARED_NAMES)} and "
-                 f"{SHARED_GATE_NAME}" for n, c in children.items() if n not in known]
+    problems = [f"part {n!r} ({type(c).__name__}) is not one megaloom understands; an MoE block holds a router "
+                f"({'/'.join(ROUTER_NAMES)}), experts, and optionally {'/'.join(SHARED_NAMES)} and "
+                f"{SHARED_GATE_NAME}" for n, c in children.items() if n not in known]
     own = _own_tensors(block)
     bias_name = own[0] if len(own) == 1 and own[0] in BIAS_NAMES and own[0] in dict(block.named_buffers()) else None
     problems += [f"parameter or buffer {n!r} of the block itself is not one megaloom understands"

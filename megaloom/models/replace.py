@@ -121,11 +121,7 @@ class ReplacementPlan:
     def stand_ins(selected: list[tuple[tuple[str, ...], Rule, nn.Module]]) -> dict[int, nn.Module]:
         """What applying the ``selected`` matches will put in place of existing modules (by id), from
         the rules' previews."""
-        out: dict[int, nn.Module] = {}
-        for _, rule, mod in selected:
-            if rule.preview is not None:
-                out |= rule.preview(mod)
-        return out
+        return {i: new for _, rule, mod in selected if rule.preview is not None for i, new in rule.preview(mod).items()}
 
     def match(self, model: nn.Module, stand_ins: dict[int, nn.Module] | None = None
               ) -> list[tuple[tuple[str, ...], Rule, nn.Module]]:

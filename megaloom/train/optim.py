@@ -118,9 +118,8 @@ def _local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
 def muon_params(model: nn.Module) -> set[int]:
     """ids of the parameters Muon takes: matrices and expert stacks, not embeddings or the output head."""
     skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        skip |= {id(p) for p in head.parameters()}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    skip |= {id(p) for p in head.parameters()} if head is not None else set()
     return {id(p) for p in model.parameters() if p.ndim in (2, 3) and id(p) not in skip}
 
 

@@ -41,6 +41,7 @@ from megaloom.train.data import make_stream
 from megaloom.train.flops import flops_per_token, peak_flops
 from megaloom.train.optim import make_optimizer
 from megaloom.train.parallel import mesh as meshes
+from megaloom.train.parallel import setup
 from megaloom.train.parallel.clock import CommClock, TimedCommunicator
 from megaloom.train.parallel.context import split
 from megaloom.train.parallel.recompute import decoder_layers
@@ -142,7 +143,6 @@ class Trainer:
         self.balance = Balance(cfg["moe"], self.base_model.config)
         self.swaps = self._apply_plan()
         self.balance.attach(self.base_model)
-        from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
         self.parallel = setup(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
                               self.mesh, self.clock, self.log, self._probe)
         self.model = self.parallel.model  # the base model (FSDP2 and TP convert its modules in place)

@@ -84,11 +84,9 @@ class Parallel:
         ep_ids = {id(p) for p in self.ep_params}
         total = torch.zeros(1, dtype=torch.float64)
         for p in params:
-            g = p.grad
-            if is_dtensor(g):
-                pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-            else:
-                pieces = self.mesh.dims.ep if id(p) in ep_ids else 1
+            g = p.grad  # each piece is held by world / pieces ranks
+            pieces = (math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+                      if is_dtensor(g) else self.mesh.dims.ep if id(p) in ep_ids else 1)
             total += _local(g).detach().double().pow(2).sum() * pieces / self.world
         if self.world > 1:
             self.comm.all_reduce(total, "sum")

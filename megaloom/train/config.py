@@ -43,11 +43,7 @@ def _finite_numbers(v: Any, where: str = "") -> str | None:
     if isinstance(v, float) and not math.isfinite(v):
         return f"{where or 'the value'} is {v!r}, numbers must be finite"
     items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-    for k, x in items:
-        why = _finite_numbers(x, f"{where}.{k}" if where else str(k))
-        if why:
-            return why
-    return None
+    return next(filter(None, (_finite_numbers(x, f"{where}.{k}" if where else str(k)) for k, x in items)), None)
 
 
 def _model_config(v: dict) -> str | None:

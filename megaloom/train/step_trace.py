@@ -82,7 +82,7 @@ class StepTracer:
     def _pre(self, name: str):
         def hook(mod, args, kwargs):
             if not self.on:
-                return None
+                return
             mod._megaloom_t0 = time.perf_counter()
             x = _first_grad_tensor(list(args) + list(kwargs.values()))
             if x is not None:  # gradient w.r.t. the input leaves: the module's backward ends
@@ -92,20 +92,16 @@ class StepTracer:
                     if self.on:
                         self._event(f"{name}.bwd", type(mod).__name__, 2, start, t1, self._tags(name, "bwd"))
                 x.register_hook(done)
-            return None
         return hook
 
     def _post(self, name: str):
         def hook(mod, args, kwargs, out):
             if not self.on:
-                return None
+                return
             self._event(name, type(mod).__name__, 1, mod._megaloom_t0, time.perf_counter(), self._tags(name, "fwd"))
             y = _first_grad_tensor(out if isinstance(out, (tuple, list)) else [getattr(out, "logits", out)])
             if y is not None:  # gradient w.r.t. the output arrives: the module's backward starts
-                def start(_g):
-                    mod._megaloom_bwd_t0 = time.perf_counter()
-                y.register_hook(start)
-            return None
+                y.register_hook(lambda _g: setattr(mod, "_megaloom_bwd_t0", time.perf_counter()))
         return hook
 
 

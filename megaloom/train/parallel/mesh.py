@@ -88,18 +88,15 @@ def build(dims: MeshDims, comm: Any, backend: str, wrap=lambda c: c) -> Mesh:
 
     device = "cuda" if backend == "nccl" else "cpu"
 
-    def sub(m, name):
-        if m.size() == 1:
-            return None
-        return wrap(TorchCommunicator(group=m.get_group(name) if name else m.get_group(),
-                                      timeout=comm.timeout, check=False))
+    def sub(m):  # None for a dimension of one rank
+        return wrap(TorchCommunicator(group=m.get_group(), timeout=comm.timeout, check=False)) if m.size() > 1 else None
 
     mesh.world = wrap(TorchCommunicator(group=getattr(comm, "group", None), timeout=comm.timeout, check=False))
     root = init_device_mesh(device, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
     mesh.fsdp_mesh = root["dp", "cp"]._flatten("dp_cp")
     mesh.tp_mesh = root["tp"]
-    mesh.dp_cp, mesh.cp = sub(mesh.fsdp_mesh, None), sub(root["cp"], None)
+    mesh.dp_cp, mesh.cp = sub(mesh.fsdp_mesh), sub(root["cp"])
     if dims.ep > 1:
         experts = init_device_mesh(device, (dims.edp, dims.ep, dims.tp), mesh_dim_names=("edp", "ep", "tp"))
-        mesh.ep, mesh.edp = sub(experts["ep"], None), sub(experts["edp"], None)
+        mesh.ep, mesh.edp = sub(experts["ep"]), sub(experts["edp"])
     return mesh

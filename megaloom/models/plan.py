@@ -35,7 +35,8 @@ from torch import nn
 
 from megaloom.models.hf_moe import ROUTER_NAMES, block_parts, is_moe_block, is_router, max_rel_err
 from megaloom.models.replace import Check, Factory, Replacement, ReplacementPlan, Rule, glob_problem
-from megaloom.models.swaps import MegaMoEBlock, RoutedExperts, gate_problems, make_gate, moe_problems, routed_experts
+from megaloom.models.routers import gate_settings
+from megaloom.models.swaps import MegaMoEBlock, RoutedExperts, make_gate, moe_problems, routed_experts
 from megaloom.ops.mxfp8 import SCALE_MODES, GroupedExperts, MXFP8GroupedExperts, MXFP8Linear, dim_problems
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.plugins import Registry
@@ -140,7 +141,7 @@ def _rule(i: int, raw: dict, modules: dict[str, nn.Module], comm: Any, problems:
 
 
 def _mega_gate(options: dict, comm: Any, where: str, problems: list[str]) -> tuple[Factory, Check]:
-    return (lambda m: make_gate(m, **options)), gate_problems
+    return (lambda m: make_gate(m, **options)), (lambda m: gate_settings(m)[1])  # check: why it cannot
 
 
 def _mega_moe(options: dict, comm: Any, where: str, problems: list[str]) -> tuple[Factory, Check]:
@@ -154,7 +155,7 @@ def _mega_moe(options: dict, comm: Any, where: str, problems: list[str]) -> tupl
         if problems or gate != "mega_gate":
             return problems
         parts = block_parts(block)
-        return gate_problems(parts.router, bool(parts.bias_name))
+        return gate_settings(parts.router, bool(parts.bias_name))[1]
 
     def build(block: nn.Module) -> nn.Module:
         parts = block_parts(block)

@@ -46,11 +46,6 @@ def moe_problems(block: nn.Module, ep: int) -> list[str]:
     return problems + behaviour_problems(block, parts)
 
 
-def gate_problems(router: nn.Module, block_bias: bool = False) -> list[str]:
-    """Why ``router`` cannot become a :class:`MegaGateRouter` (empty: it can)."""
-    return gate_settings(router, block_bias)[1]
-
-
 @functools.cache
 def _megagate_cls() -> type:
     """MegaGateRouter, defined on first use (importing the graphs layer only then)."""

@@ -7,6 +7,7 @@ import argparse
 
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import check_outputs
+from megaloom.runtime.registry import CUBE
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,8 +35,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--matmul-size and --copy-mib must be positive, --seconds non-negative")
     profile = calibrate(args.matmul_size, args.copy_mib << 20, args.seconds)
     path = write_profile(profile, args.out)
-    print("matmul per unit (one thread): " + ", ".join(f"{k} {profile.unit_peak('cube', k) / 1e9:.2f}" for k in profile.peaks["cube"]) + " GFLOP/s")
-    print(f"memory bandwidth {profile.unit_mem_bw('cube') / 1e9:.2f} GB/s per unit, task overhead "
+    print("matmul per unit (one thread): " + ", ".join(f"{k} {profile.unit_peak(CUBE, k) / 1e9:.2f}" for k in profile.peaks[CUBE]) + " GFLOP/s")
+    print(f"memory bandwidth {profile.unit_mem_bw(CUBE) / 1e9:.2f} GB/s per unit, task overhead "
           f"{profile.task_overhead * 1e6:.2f} us, {profile.contention.cores:.2f} cores shared")
     print(f"wrote profile {profile.name!r}: {path}")
     return 0

@@ -27,6 +27,7 @@ from megaloom.commands import require_positive, write_file
 from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.metrics import metrics
 from megaloom.runtime.perfetto import write_chrome
+from megaloom.runtime.registry import CUBE
 from megaloom.runtime.trace import Trace, merge
 
 SHAPE = {"hidden": 1024, "intermediate": 512, "top_k": 2}
@@ -95,7 +96,7 @@ def report_simulation(traces: dict[str, Trace], profile) -> None:
     print(f"  {'schedule':<13}{'makespan':>11}{'cube util':>11}{'comm time':>11}   comm hidden under compute")
     m = {s: metrics(t) for s, t in traces.items()}
     for s in SCHEDULES:
-        print(f"  {s:<13}{m[s].makespan * 1e6:>8.1f} us{m[s].utilisation.get('cube', 0) * 100:>10.1f}%"
+        print(f"  {s:<13}{m[s].makespan * 1e6:>8.1f} us{m[s].utilisation.get(CUBE, 0) * 100:>10.1f}%"
               f"{m[s].comm_time * 1e6:>8.1f} us   {m[s].comm_hidden * 100:.1f}%")
     seq, inter = m["sequential"], m["interleaved"]
     print(f"  interleaved is {seq.makespan / inter.makespan:.2f}x as fast as sequential "

@@ -16,6 +16,7 @@ process group, so killing it also stops processes it started, and dies with the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -106,10 +107,8 @@ def _supervise(procs: list[subprocess.Popen], grace: float, stopped_by: list[int
 
 def _signal(p: subprocess.Popen, signum: int) -> None:
     """Send ``signum`` to a rank's process group (the rank and what it started)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _exit_code(returncode: int) -> int:
@@ -118,9 +117,7 @@ def _exit_code(returncode: int) -> int:
 
 
 def _how(returncode: int) -> str:
-    if returncode < 0:
-        try:
+    with contextlib.suppress(ValueError):  # a negative code that is no signal's
+        if returncode < 0:
             return f"was killed by {signal.Signals(-returncode).name} (exit code {_exit_code(returncode)})"
-        except ValueError:
-            pass
     return f"exited with code {_exit_code(returncode)}"

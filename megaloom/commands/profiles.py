@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from megaloom.runtime.registry import COMM, CUBE, VECTOR
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profiles", help="list hardware profiles, or show one with its sources")
@@ -38,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
     for name in list_profiles():
         p = load_profile(name)
         u = p.units
-        print(f"{name:<13}{u.get('cube', 0):>6}{u.get('vector', 0):>8}{u.get('comm', 0):>6}"
-              f"{_rate(p, 'cube', 'bf16'):>11}{_rate(p, 'cube', 'mxfp8'):>12}{p.mem_bw / 1e9:>10.0f}"
+        print(f"{name:<13}{u.get(CUBE, 0):>6}{u.get(VECTOR, 0):>8}{u.get(COMM, 0):>6}"
+              f"{_rate(p, CUBE, 'bf16'):>11}{_rate(p, CUBE, 'mxfp8'):>12}{p.mem_bw / 1e9:>10.0f}"
               f"{p.link('intra')[1] / 1e9:>12.0f}{p.link('inter')[1] / 1e9:>12.1f}")
     print("(peaks in TFLOP/s, chip-wide; mxfp8 falls back to fp8/bf16 where the chip lacks it;"
           " `megaloom profiles NAME` shows sources)")

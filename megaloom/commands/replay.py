@@ -10,6 +10,7 @@ import importlib
 from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import check_outputs
+from megaloom.runtime.registry import COMM, HOST
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -87,8 +88,7 @@ def run(args: argparse.Namespace) -> int:
     importlib.import_module("megaloom.scheduler.importers.kineto.read").MAX_JSON_BYTES = args.max_json_mib << 20
     recorded, reports = load_traces(args.trace_files)
     for rep in reports:
-        print(rep.text())
-        print()
+        print(rep.text(), end="\n\n")
     if len(reports) == 1 and reports[0].world_size > 1:
         print(f"notice: rank {reports[0].rank} of {reports[0].world_size} alone: its comm kernels' recorded "
               "durations include waiting for the other ranks; give every rank's file to split wait and transfer\n")
@@ -98,21 +98,19 @@ def run(args: argparse.Namespace) -> int:
               "thread and stream, and its dependencies decide every start\n")
     identity = replay(recorded, None, None, None, args.recorded_profile).trace
     check = fidelity(recorded, identity)
-    changed = args.profile is not None or not whatif.empty() or (units is not None and not imported(recorded)) \
-        or (policy is not None and not imported(recorded))
-    result = identity
-    label = "what-if"
+    changed = args.profile is not None or not whatif.empty() or (
+        (units is not None or policy is not None) and not imported(recorded))
+    result, label = identity, "what-if"
     if changed:
         result = replay(recorded, args.profile, units, policy, args.recorded_profile, whatif).trace
         label = f"{args.profile} + what-if" if args.profile and not whatif.empty() else args.profile or "what-if"
-        skipped = [e for e in recorded.events if e.engine != "host" and not (e.flops or e.bytes or e.comm_bytes)]
+        skipped = [e for e in recorded.events if e.engine != HOST and not (e.flops or e.bytes or e.comm_bytes)]
         if args.profile is not None and skipped:
             print(f"notice: {len(skipped)} device ops have no work figures and keep their recorded duration on "
                   f"{args.profile}\n")
-        if args.link_bandwidth is not None and not any(e.comm_bytes for e in recorded.events if e.engine == "comm"):
+        if args.link_bandwidth is not None and not any(e.comm_bytes for e in recorded.events if e.engine == COMM):
             print("notice: no comm op records its message size: --link-bandwidth changes nothing\n")
-    print(summary(result))
-    print()
+    print(summary(result), end="\n\n")
     print(table(check, metrics(result) if changed else None, label))
     for line in (frozen_line(recorded) if imported(recorded) else "",
                  error_bars(whatif.kinds() + (["device"] if args.profile else [])) if changed else ""):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from megaloom.commands import write_file
 from megaloom.runtime.errors import ConfigError
@@ -35,10 +35,7 @@ def resolve_graph(spec: str) -> TaskGraph:
     if name not in builders:
         known = ", ".join(builders.names()) or "none registered"
         raise ConfigError(f"graph {spec!r} is neither a file nor a known graph builder (builders: {known})")
-    try:
-        return builders.get(name)(**opts)
-    except TypeError as e:
-        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
+    return _build(name, builders.get(name), opts)
 
 
 def progress_bar(stream=None, width: int = 30) -> Callable[[int, int], None]:
@@ -67,12 +64,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def policy_and_units(args: argparse.Namespace):
     from megaloom.scheduler import make_policy, parse_units
 
-    policy = None
-    if args.policy:
-        name, opts = parse_spec(args.policy)
-        policy = make_policy(name, **opts)
-    units = parse_units(args.units) if args.units else None
-    return policy, units
+    name, opts = parse_spec(args.policy) if args.policy else (None, {})
+    return (make_policy(name, **opts) if name else None), (parse_units(args.units) if args.units else None)
 
 
 def check_units(units: dict[str, int] | None, engines) -> None:
@@ -122,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
     policy, units = policy_and_units(args)
     check_units(units, graph.engines())
     show = args.progress if args.progress is not None else (sys.stderr.isatty() and len(graph) >= 100_000)
-    sim = Simulator(args.profile, units, policy, progress=progress_bar() if show else None)
-    result = sim.run(graph)
+    result = Simulator(args.profile, units, policy, progress=progress_bar() if show else None).run(graph)
     print(summary(result.trace))
     write_outputs(result.trace, args)
     return 0
@@ -137,8 +129,13 @@ def resolve_world(spec: str) -> list[TaskGraph]:
     hook = getattr(GRAPH_BUILDERS.items().get(name), "world", None)
     if hook is None:
         raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
+    return _build(name, hook, opts)
+
+
+def _build(name: str, builder: Callable[..., Any], opts: dict) -> Any:
+    """``builder(**opts)``; options it does not take are a ConfigError naming the builder."""
     try:
-        return hook(**opts)
+        return builder(**opts)
     except TypeError as e:
         raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
 

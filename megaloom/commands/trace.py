@@ -52,10 +52,14 @@ def _load(path: str) -> Trace:
         raise
 
 
-def _out(args: argparse.Namespace, suffix: str) -> str:
+def _write(args: argparse.Namespace, suffix: str, write, note: str = "", **kw) -> int:
+    """``write(trace, out, **kw)`` to ``--out`` (default: the trace path with ``suffix``)."""
     out = args.out or os.path.splitext(args.trace)[0] + suffix
     check_outputs([out], [args.trace], args.force)
-    return out
+    trace = _load(args.trace)
+    write_file(write, trace, out, **kw)
+    print(f"wrote {out} ({len(trace.events)} tasks{note})")
+    return 0
 
 
 def run_summary(args: argparse.Namespace) -> int:
@@ -64,18 +68,10 @@ def run_summary(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    out = _out(args, ".json")
-    trace = _load(args.trace)
-    write_file(write_chrome, trace, out)
-    print(f"wrote {out} ({len(trace.events)} tasks; open it in https://ui.perfetto.dev)")
-    return 0
+    return _write(args, ".json", write_chrome, "; open it in https://ui.perfetto.dev")
 
 
 def run_plot(args: argparse.Namespace) -> int:
     from megaloom.runtime.plot import plot_gantt
 
-    out = _out(args, ".png")
-    trace = _load(args.trace)
-    write_file(plot_gantt, trace, out, title=args.title)
-    print(f"wrote {out} ({len(trace.events)} tasks)")
-    return 0
+    return _write(args, ".png", plot_gantt, title=args.title)

@@ -25,12 +25,12 @@ def run(args: argparse.Namespace) -> int:
     from megaloom.train.config import load_config
 
     flags = {"--print-config", "--plot"}  # REMAINDER also takes flags written after the config
-    overrides = [o for o in args.overrides if o not in flags]
-    cfg = load_config(args.config, overrides)
+    cfg = load_config(args.config, [o for o in args.overrides if o not in flags])
     if args.print_config or "--print-config" in args.overrides:
         print(cfg.to_yaml(), end="")
         return 0
-    if args.plot or "--plot" in args.overrides:
+    plot = args.plot or "--plot" in args.overrides
+    if plot:
         from megaloom.runtime.plot import _pyplot
         _pyplot()  # no matplotlib: say so before training, not after
     from megaloom.train.trainer import Trainer
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         metrics = os.path.join(cfg["run"]["out_dir"], "metrics.jsonl")
         print(f"trained steps {first.step}..{last.step}: loss {first.loss:.4f} -> {last.loss:.4f}; "
               f"metrics in {metrics}")
-        if args.plot or "--plot" in args.overrides:
+        if plot:
             from megaloom.train.plot import plot_metrics
             png = os.path.join(cfg["run"]["out_dir"], "metrics.png")
             plot_metrics(metrics, png)

@@ -55,11 +55,10 @@ def _transformers():
 
 def model_classes(kind: str) -> tuple[type, type]:
     """(config class, causal-LM class) of a transformers model type such as ``qwen2_moe``."""
-    _transformers()
+    tf = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    import transformers as tf
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(kind)
     if kind not in CONFIG_MAPPING or name is None:
         moe = sorted(k for k in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if "moe" in k or k in ("mixtral", "deepseek_v3"))
@@ -122,28 +121,19 @@ class MoEBlockParts:
     shared_gate: nn.Module | None = None
     bias_name: str | None = None   # the block's own correction bias, passed to the router
 
-    def route(self, block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(logits, weights, indices)`` of ``block``'s router (``block``: the block or its swap) for ``x [T, H]``."""
-        return self.router(x, getattr(block, self.bias_name)) if self.bias_name else self.router(x)
-
     @property
     def fused(self) -> bool:
         return not isinstance(self.experts, nn.ModuleList)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(gate_up [E, H, 2I], down [E, I, H])`` in MegaMoE's layout: transposed views of fused
-        weights (no copy), or the ModuleList's Linear weights stacked (a copy each call; gradients
-        flow back to the Linears)."""
+        """The experts' weights in MegaMoE's layout (see :func:`expert_weights`)."""
         return expert_weights(self.experts)
-
-    def shared_output(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The shared expert's output, scaled by the sigmoid of its gate when it has one."""
-        s = self.shared(hidden)
-        return s if self.shared_gate is None else torch.sigmoid(self.shared_gate(hidden)) * s
 
 
 def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """MegaMoE-layout weights of a fused or ModuleList experts module (see :meth:`MoEBlockParts.weights`)."""
+    """``(gate_up [E, H, 2I], down [E, I, H])`` in MegaMoE's layout of a fused or ModuleList experts module:
+    transposed views of fused weights (no copy), or the ModuleList's Linear weights stacked (a copy each call;
+    gradients flow back to the Linears)."""
     if not isinstance(experts, nn.ModuleList):
         return experts.gate_up_proj.transpose(1, 2), experts.down_proj.transpose(1, 2)
     names = _mlp_names(experts[0])
@@ -175,12 +165,18 @@ def _own_tensors(module: nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False)] + [n for n, _ in module.named_buffers(recurse=False)]
 
 
+def _unknown_parts(module: nn.Module, where: str, known: tuple[str, ...]) -> list[str]:
+    """Problems of an expert module: a child holding parameters or a tensor of its own that is not ``known``
+    (nor ``act_fn``), no ``act_fn``."""
+    parts = [f"{where}: part {n!r} ({type(c).__name__}) is not one megaloom understands"
+             for n, c in module.named_children() if n not in (*known, "act_fn") and any(True for _ in c.parameters())]
+    tensors = [f"{where}: parameter or buffer {n!r} is not one megaloom understands (expected {', '.join(known)})"
+               for n in _own_tensors(module) if n not in known]
+    return parts + tensors + ([] if callable(getattr(module, "act_fn", None)) else [f"{where}: no act_fn"])
+
+
 def _fused_problems(experts: nn.Module) -> list[str]:
-    problems = [f"experts: parameter or buffer {n!r} is not one megaloom understands (expected gate_up_proj, "
-                "down_proj)" for n in _own_tensors(experts) if n not in ("gate_up_proj", "down_proj")]
-    for name, child in experts.named_children():
-        if name != "act_fn" and any(True for _ in child.parameters()):
-            problems.append(f"experts: part {name!r} ({type(child).__name__}) is not one megaloom understands")
+    problems = _unknown_parts(experts, "experts", ("gate_up_proj", "down_proj"))
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, nn.Parameter) or not isinstance(down, nn.Parameter):
         return problems + [f"experts ({type(experts).__name__}): expected 3-D gate_up_proj and down_proj "
@@ -189,8 +185,6 @@ def _fused_problems(experts: nn.Module) -> list[str]:
             or tuple(down.shape) != (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2):
         problems.append(f"experts: gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} are not "
                         "[E, 2I, H] and [E, H, I]")
-    if not callable(getattr(experts, "act_fn", None)):
-        problems.append("experts: no act_fn")
     return problems
 
 
@@ -208,13 +202,7 @@ def _list_problems(experts: nn.ModuleList) -> list[str]:
         linears = [getattr(mlp, n) for n in names]
         problems += [f"experts.{i}.{n}: has a bias, which MegaMoE's experts do not take"
                      for n, lin in zip(names, linears) if lin.bias is not None]
-        problems += [f"experts.{i}: part {n!r} ({type(c).__name__}) is not one megaloom understands"
-                     for n, c in mlp.named_children() if n not in names and n != "act_fn"
-                     and any(True for _ in c.parameters())]
-        problems += [f"experts.{i}: parameter or buffer {n!r} is not one megaloom understands"
-                     for n in _own_tensors(mlp)]
-        if not callable(getattr(mlp, "act_fn", None)):
-            problems.append(f"experts.{i}: no act_fn")
+        problems += _unknown_parts(mlp, f"experts.{i}", names)
         shapes.add(tuple(tuple(lin.weight.shape) for lin in linears))
     if len(shapes) > 1:
         problems.append(f"experts: the MLPs differ in shape ({sorted(shapes)})")
@@ -230,14 +218,13 @@ def read_block(block: nn.Module) -> tuple[MoEBlockParts | None, list[str]]:
     name = type(block).__name__
     if not is_moe_block(block):
         return None, [f"{name} is not an MoE block (no 'experts' child next to a 'gate' or 'router')"]
-    problems: list[str] = []
     children = dict(block.named_children())
     router_name = next(n for n in ROUTER_NAMES if n in children)
     shared_name = next((n for n in SHARED_NAMES if n in children), None)
     known = {router_name, "experts", shared_name, SHARED_GATE_NAME}
-    problems += [f"part {n!r} ({type(c).__name__}) is not one megaloom understands; an MoE block holds a router "
-                 f"({'/'.join(ROUTER_NAMES)}), experts, and optionally {'/'.join(SHARED_NAMES)} and "
-                 f"{SHARED_GATE_NAME}" for n, c in children.items() if n not in known]
+    problems = [f"part {n!r} ({type(c).__name__}) is not one megaloom understands; an MoE block holds a router "
+                f"({'/'.join(ROUTER_NAMES)}), experts, and optionally {'/'.join(SHARED_NAMES)} and "
+                f"{SHARED_GATE_NAME}" for n, c in children.items() if n not in known]
     own = _own_tensors(block)
     bias_name = own[0] if len(own) == 1 and own[0] in BIAS_NAMES and own[0] in dict(block.named_buffers()) else None
     problems += [f"parameter or buffer {n!r} of the block itself is not one megaloom understands"
@@ -288,6 +275,12 @@ def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
         return False
 
 
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest absolute difference over the largest magnitude of ``want`` (the parity metric)."""
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
 def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module | None = None,
                   experts: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """The block's forward rebuilt from its parts: route, run the experts, add the (gated) shared expert.
@@ -295,19 +288,19 @@ def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module |
     ``experts(x, indices, weights)`` defaults to the golden eager MoE
     (:func:`megaloom.graphs.moe.reference.moe_reference`) on the block's own weights.
     """
-    shape = hidden.shape
-    x = hidden.reshape(-1, shape[-1])
-    _, weights, indices = parts.route(block, x)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    bias = (getattr(block, parts.bias_name),) if parts.bias_name else ()  # ``block``: the block or its swap
+    _, weights, indices = parts.router(x, *bias)
     if experts is None:
         from megaloom.graphs.moe.reference import moe_reference
 
-        gate_up, down = parts.weights()
-        y = moe_reference(x, indices, weights, gate_up, down, parts.act)
+        y = moe_reference(x, indices, weights, *parts.weights(), parts.act)
     else:
         y = experts(x, indices, weights)
-    y = y.reshape(shape)
-    if parts.shared is not None:
-        y = y + parts.shared_output(hidden)
+    y = y.reshape(hidden.shape)
+    if parts.shared is not None:  # scaled by the sigmoid of its gate when it has one
+        s = parts.shared(hidden)
+        y = y + (s if parts.shared_gate is None else torch.sigmoid(parts.shared_gate(hidden)) * s)
     return y
 
 
@@ -333,7 +326,7 @@ def behaviour_problems(block: nn.Module, parts: MoEBlockParts) -> list[str]:
             return [f"its forward could not be checked on a [1, {PROBE_TOKENS}, {parts.hidden}] probe: "
                     f"{type(e).__name__}: {e}"]
     want = want[0] if isinstance(want, tuple) else want
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+    err = max_rel_err(got.float(), want.float())
     tol = PROBE_RTOL.get(p.dtype, 1e-5)
     if not err <= tol:
         return [f"its forward differs from router -> experts -> shared expert rebuilt from its parts by {err:.2e} "

@@ -37,7 +37,6 @@ class Rule:
     not errors: e.g. dims a format cannot take); ``skip`` types (or a predicate) are left alone
     (typically the target type, so a plan applies once); modules inside an ``inside`` type are
     never selected (e.g. expert MLPs whose weights another module reads);
-    ``require_match``: every include glob must match at least one module of the type;
     ``preview(module)``: what the replacement will make of the module's descendants, by id (stand-ins
     another plan is checked against before this one is applied).
     """
@@ -49,7 +48,6 @@ class Rule:
     exclude: tuple[str, ...] = ()
     check: Check | None = None
     skip: tuple[type, ...] | Callable[[nn.Module], bool] = ()
-    require_match: bool = True
     unfit: Check | None = None
     inside: tuple[type, ...] = ()
     preview: Callable[[nn.Module], dict[int, nn.Module]] | None = None
@@ -106,10 +104,10 @@ def _param_problems(old: nn.Module, new: nn.Module) -> list[str]:
     return problems
 
 
-def _under(path: str, parents: set[str]) -> bool:
-    """True when a proper ancestor of ``path`` is in ``parents``."""
+def _ancestor(path: str, names: set[str]) -> str | None:
+    """The outermost proper ancestor of ``path`` in ``names``, or None."""
     parts = path.split(".")
-    return any(".".join(parts[:k]) in parents for k in range(1, len(parts)))
+    return next((q for q in (".".join(parts[:k]) for k in range(1, len(parts))) if q in names), None)
 
 
 class ReplacementPlan:
@@ -123,11 +121,7 @@ class ReplacementPlan:
     def stand_ins(selected: list[tuple[tuple[str, ...], Rule, nn.Module]]) -> dict[int, nn.Module]:
         """What applying the ``selected`` matches will put in place of existing modules (by id), from
         the rules' previews."""
-        out: dict[int, nn.Module] = {}
-        for _, rule, mod in selected:
-            if rule.preview is not None:
-                out |= rule.preview(mod)
-        return out
+        return {i: new for _, rule, mod in selected if rule.preview is not None for i, new in rule.preview(mod).items()}
 
     def match(self, model: nn.Module, stand_ins: dict[int, nn.Module] | None = None
               ) -> list[tuple[tuple[str, ...], Rule, nn.Module]]:
@@ -152,13 +146,13 @@ class ReplacementPlan:
         for rule in self.rules:
             hidden = {p for i, ps in paths.items() if isinstance(modules[i], rule.inside) for p in ps}
             typed = [(p, modules[i]) for i, ps in paths.items() for p in ps if isinstance(modules[i], rule.source)]
-            for glob in rule.include if rule.require_match else ():
+            for glob in rule.include:  # each must match a module of the type
                 if not any(fnmatchcase(p, glob) for p, _ in typed):
                     kinds = "/".join(t.__name__ for t in rule.source)
                     problems.append(f"rule {rule.name!r}: include glob {glob!r} matches no {kinds} module")
             for i, ps in paths.items():
                 mod = modules[i]
-                if not any(rule.selects(p, mod) and not _under(p, hidden) for p in ps):
+                if not any(rule.selects(p, mod) and _ancestor(p, hidden) is None for p in ps):
                     continue
                 reasons = rule.unfit(mod) if rule.unfit else []
                 if reasons:
@@ -175,10 +169,9 @@ class ReplacementPlan:
             for p in ps:
                 if p == "":
                     problems.append(f"rule {rule.name!r} matches the root module, which cannot be replaced in place")
-                parts = p.split(".")
-                parents = [q for q in (".".join(parts[:k]) for k in range(1, len(parts))) if q in names]
-                if parents:
-                    problems.append(f"module {p!r} lies inside {parents[0]!r}, which is replaced too")
+                outer = _ancestor(p, names)
+                if outer is not None:
+                    problems.append(f"module {p!r} lies inside {outer!r}, which is replaced too")
         if problems:
             raise ConfigError("module replacement plan is invalid:\n  " + "\n  ".join(problems))
         return selected

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import is_router
+from megaloom.models.hf_moe import is_router, max_rel_err
 
 PROBE_TOKENS = 64
 RTOL = 1e-5
@@ -77,8 +77,7 @@ def gate_settings(router: nn.Module, block_bias: bool = False) -> tuple[dict[str
         want = _dense(w, idx, experts)
         for c in cands:
             _, mw, mi = megagate_reference(x, weight, bias, top_k=int(router.top_k), **c)
-            err = float((_dense(mw, mi, experts) - want).abs().max() / want.abs().max().clamp_min(1e-30))
-            if err <= RTOL:
+            if max_rel_err(_dense(mw, mi, experts), want) <= RTOL:
                 return c, []
     tried = ", ".join(f"{c['score']}{' renormalised' if c['renorm'] else ''}" for c in cands)
     return None, [f"{name}: its routing matches no MegaGate setting (tried {tried} top-k with scale "

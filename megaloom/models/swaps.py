@@ -46,11 +46,6 @@ def moe_problems(block: nn.Module, ep: int) -> list[str]:
     return problems + behaviour_problems(block, parts)
 
 
-def gate_problems(router: nn.Module, block_bias: bool = False) -> list[str]:
-    """Why ``router`` cannot become a :class:`MegaGateRouter` (empty: it can)."""
-    return gate_settings(router, block_bias)[1]
-
-
 @functools.cache
 def _megagate_cls() -> type:
     """MegaGateRouter, defined on first use (importing the graphs layer only then)."""
@@ -92,6 +87,14 @@ class RoutedExperts(nn.Module):
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return expert_weights(self)
 
+    @property
+    def hidden(self) -> int:
+        return self.weights()[1].shape[2]
+
+    @property
+    def intermediate(self) -> int:
+        return self.weights()[1].shape[1]
+
     def with_mx(self, scale_mode: str) -> RoutedExperts:
         """The same experts (same Parameters and modules) with their GEMMs in MXFP8."""
         new = type(self).__new__(type(self))
@@ -112,28 +115,12 @@ class FusedExperts(RoutedExperts):
         super().__init__()
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
 
-    @property
-    def hidden(self) -> int:
-        return self.gate_up_proj.shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.down_proj.shape[2]
-
 
 class ListExperts(RoutedExperts, nn.ModuleList):
     """Experts as the block's own ModuleList of gated MLPs (same modules, same state_dict keys)."""
 
     def __init__(self, experts: nn.ModuleList):
         nn.ModuleList.__init__(self, list(experts))
-
-    @property
-    def hidden(self) -> int:
-        return self.weights()[1].shape[2]
-
-    @property
-    def intermediate(self) -> int:
-        return self.weights()[1].shape[1]
 
 
 def routed_experts(experts: nn.Module) -> RoutedExperts:
@@ -180,10 +167,10 @@ class MegaMoEBlock(nn.Module):
 
     def keep_local_experts(self) -> None:
         """Under EP: re-register the expert weights as this rank's experts only (copied, the full tensors dropped)."""
-        spec, rank = self.runner.spec, self.runner.rank
         if self.local_experts:
             return
-        lo, n = rank * spec.experts_local, spec.experts_local
+        n = self.runner.spec.experts_local
+        lo = self.runner.rank * n
         for name in ("gate_up_proj", "down_proj"):
             local = nn.Parameter(getattr(self.experts, name).detach()[lo:lo + n].clone())
             local.megaloom_ep_sharded = True

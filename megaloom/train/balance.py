@@ -23,10 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megaloom.models.hf_moe import ROUTER_NAMES, is_moe_block
+from megaloom.models.hf_moe import BIAS_NAMES, ROUTER_NAMES, is_moe_block
 from megaloom.runtime.errors import ConfigError
-
-BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 
 
 class Balance:

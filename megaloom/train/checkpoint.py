@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.errors import CheckpointError, ConfigError
 from megaloom.runtime.files import atomic_write
 
 LATEST = "latest.json"
@@ -50,7 +50,7 @@ def load(path: str, parallel: Any, optimizer: torch.optim.Optimizer) -> tuple[in
     Restores this rank's RNG state (rank ``r`` of a run resumed at another world size
     takes saved rank ``r mod W_saved``'s) and returns the saved step and trainer state.
     """
-    from megaloom.comm.checkpoint import CheckpointError, load_params
+    from megaloom.comm.checkpoint import load_params
 
     man = load_params(path, parallel.comm, parallel.checkpoint_params(), optimizer)
     extras = man["extra"]

@@ -38,20 +38,12 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
                list: "a list", dict: "a mapping", type(None): "null"}
 
 
-def _seed(v: Any) -> str | None:
-    return None if 0 <= v < 1 << 63 else "must be within [0, 2**63)"
-
-
 def _finite_numbers(v: Any, where: str = "") -> str | None:
     """The first non-finite number inside a (nested) value, as a problem, or None."""
     if isinstance(v, float) and not math.isfinite(v):
         return f"{where or 'the value'} is {v!r}, numbers must be finite"
     items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
-    for k, x in items:
-        why = _finite_numbers(x, f"{where}.{k}" if where else str(k))
-        if why:
-            return why
-    return None
+    return next(filter(None, (_finite_numbers(x, f"{where}.{k}" if where else str(k)) for k, x in items)), None)
 
 
 def _model_config(v: dict) -> str | None:
@@ -63,33 +55,9 @@ def _model_config(v: dict) -> str | None:
     return _finite_numbers(v) or (bad[0] if bad else None)
 
 
-def _positive(v: Any) -> str | None:
-    return None if v > 0 else "must be > 0"
-
-
-def _count(v: Any) -> str | None:
-    return None if 0 < v <= 1 << 20 else "must be within [1, 2**20]"
-
-
-def _non_negative(v: Any) -> str | None:
-    return None if v >= 0 else "must be >= 0"
-
-
-def _fraction(v: Any) -> str | None:
-    return None if 0 <= v <= 1 else "must be within [0, 1]"
-
-
-def _betas(v: Any) -> str | None:
-    ok = len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v)
-    return None if ok else "must be two numbers in [0, 1)"
-
-
-def _int_list(v: Any) -> str | None:
-    return None if all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in v) else "must be a list of step numbers >= 0"
-
-
-def _str_list(v: Any) -> str | None:
-    return None if all(isinstance(s, str) for s in v) else "must be a list of strings"
+def _check(ok: Callable[[Any], bool], problem: str) -> Callable[[Any], str | None]:
+    """A :attr:`Key.check` that reports ``problem`` for a value ``ok`` rejects."""
+    return lambda v: None if ok(v) else problem
 
 
 def _recompute(v: Any) -> str | None:
@@ -98,9 +66,17 @@ def _recompute(v: Any) -> str | None:
     return None if v and all(isinstance(s, str) and s for s in v) else "must be a non-empty list of module-name globs"
 
 
-def _rules(v: Any) -> str | None:
-    return None if all(isinstance(r, dict) for r in v) else "must be a list of mappings (one per rule)"
-
+_seed = _check(lambda v: 0 <= v < 1 << 63, "must be within [0, 2**63)")
+_positive = _check(lambda v: v > 0, "must be > 0")
+_count = _check(lambda v: 0 < v <= 1 << 20, "must be within [1, 2**20]")
+_non_negative = _check(lambda v: v >= 0, "must be >= 0")
+_fraction = _check(lambda v: 0 <= v <= 1, "must be within [0, 1]")
+_betas = _check(lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
+                "must be two numbers in [0, 1)")
+_int_list = _check(lambda v: all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in v),
+                   "must be a list of step numbers >= 0")
+_str_list = _check(lambda v: all(isinstance(s, str) for s in v), "must be a list of strings")
+_rules = _check(lambda v: all(isinstance(r, dict) for r in v), "must be a list of mappings (one per rule)")
 
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
@@ -243,20 +219,14 @@ class Config(dict):
 
 def _check_value(section: str, name: str, key: Key, value: Any) -> str | None:
     where = f"{section}.{name}"
-    bad_type = not isinstance(value, key.types) or (isinstance(value, bool) and bool not in key.types)
-    if isinstance(value, int) and not isinstance(value, bool) and float in key.types:
-        bad_type = False
-    if bad_type:
-        return f"{where}: got {value!r}, expected {key.allowed()}"
-    if key.choices is not None and value not in key.choices:
+    number = isinstance(value, int) and not isinstance(value, bool) and float in key.types  # an int is a number
+    typed = number or (isinstance(value, key.types) and (bool in key.types or not isinstance(value, bool)))
+    if not typed or (key.choices is not None and value not in key.choices):
         return f"{where}: got {value!r}, expected {key.allowed()}"
     if isinstance(value, float) and not math.isfinite(value):
         return f"{where}: got {value!r}, numbers must be finite"
-    if key.check is not None and value is not None:
-        problem = key.check(value)
-        if problem:
-            return f"{where}: got {value!r}, {problem}"
-    return None
+    problem = key.check(value) if key.check is not None and value is not None else None
+    return f"{where}: got {value!r}, {problem}" if problem else None
 
 
 def validate(raw: dict[str, Any] | None) -> Config:
@@ -264,11 +234,8 @@ def validate(raw: dict[str, Any] | None) -> Config:
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ConfigError(f"config must be a mapping of sections, got {type(raw).__name__}")
-    problems: list[str] = []
+    problems = [f"unknown section {name!r}; allowed: {', '.join(SCHEMA)}" for name in raw if name not in SCHEMA]
     out = Config()
-    for section in raw:
-        if section not in SCHEMA:
-            problems.append(f"unknown section {section!r}; allowed: {', '.join(SCHEMA)}")
     for section, keys in SCHEMA.items():
         given = raw.get(section) or {}
         if section == "replace" and isinstance(given, list):  # shorthand: the section is the rule list
@@ -276,17 +243,9 @@ def validate(raw: dict[str, Any] | None) -> Config:
         if not isinstance(given, dict):
             problems.append(f"{section}: expected a mapping of keys, got {type(given).__name__}")
             given = {}
-        for name in given:
-            if name not in keys:
-                problems.append(f"unknown key {section}.{name}; allowed: {', '.join(keys)}")
-        values: dict[str, Any] = {}
-        for name, key in keys.items():
-            value = copy.deepcopy(given.get(name, key.default))
-            problem = _check_value(section, name, key, value)
-            if problem:
-                problems.append(problem)
-            values[name] = value
-        out[section] = values
+        problems += [f"unknown key {section}.{name}; allowed: {', '.join(keys)}" for name in given if name not in keys]
+        values = out[section] = {name: copy.deepcopy(given.get(name, key.default)) for name, key in keys.items()}
+        problems += filter(None, (_check_value(section, name, key, values[name]) for name, key in keys.items()))
     problems += _cross_checks(out)
     if problems:
         raise ConfigError("invalid config:\n  " + "\n  ".join(problems))
@@ -343,20 +302,15 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     """Deep-merge ``over`` into a copy of ``base`` (mappings merge, anything else replaces)."""
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
     return out
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | dict[str, Any] | None = None) -> Config:
     """Read a YAML file (or nothing: all defaults), apply overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = load_yaml(path, "config") or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: config must be a mapping of sections, got {type(raw).__name__}")
+    raw = (load_yaml(path, "config") or {}) if path is not None else {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: config must be a mapping of sections, got {type(raw).__name__}")
     if overrides:
         over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         if isinstance(raw.get("replace"), list) and "replace" in over:

@@ -96,19 +96,16 @@ class DocumentStream:
         self.epoch, self.doc, self.offset = (int(state[k]) for k in ("epoch", "doc", "offset"))
         self._docs = self._current = None
 
-    def _documents(self):
-        ds = self.dataset
-        if self.shuffle:
-            ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle)
-            ds.set_epoch(self.epoch)
-        return iter(ds.skip(self.doc))
-
     def _next_document(self) -> torch.Tensor:
         """Tokens of the next non-empty document (the next epoch's first after the last)."""
         restarted = False
         while True:
-            if self._docs is None:
-                self._docs = self._documents()
+            if self._docs is None:  # this epoch's documents from the current one on
+                ds = self.dataset
+                if self.shuffle:
+                    ds = ds.shuffle(seed=self.seed, buffer_size=self.shuffle)
+                    ds.set_epoch(self.epoch)
+                self._docs = iter(ds.skip(self.doc))
             record = next(self._docs, None)
             if record is None:
                 if restarted:

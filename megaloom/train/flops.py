@@ -17,6 +17,7 @@ from torch import nn
 
 from megaloom.models.hf_moe import ROUTER_NAMES, is_moe_block
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.registry import CUBE
 
 
 def flops_per_token(model: nn.Module, seq_len: int) -> float:
@@ -44,11 +45,8 @@ def peak_flops(hardware: str | None, dtype: str) -> tuple[float | None, str]:
     from megaloom.scheduler.profile import list_profiles, load_profile
 
     if hardware == "auto":
-        if torch.cuda.is_available():
-            gpu = torch.cuda.get_device_name().lower()
-            hardware = next((p for p in list_profiles() if p != "cpu" and p in gpu), None)
-        else:
-            hardware = "cpu"
+        gpu = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else None
+        hardware = next((p for p in list_profiles() if p != "cpu" and p in gpu), None) if gpu else "cpu"
     if hardware is None:
         return None, "no hardware profile"
     try:
@@ -56,5 +54,5 @@ def peak_flops(hardware: str | None, dtype: str) -> tuple[float | None, str]:
     except ConfigError as e:
         raise ConfigError(f"run.hardware: {e}") from None
     precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[dtype]
-    return profile.peak("cube", precision), (f"hardware profile {hardware!r}, peak.cube {precision} "
+    return profile.peak(CUBE, precision), (f"hardware profile {hardware!r}, peak.cube {precision} "
                                              f"({profile.sources.get('peak.cube', 'no source given')})")

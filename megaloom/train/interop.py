@@ -31,13 +31,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import filesystem, metadata
+from torch.distributed.checkpoint import metadata
 
+from megaloom.comm.checkpoint import (MANIFEST, _dcp_call, _LoadPlanner, _make_optimizer_state, _single_process_ok,
+                                      load_params, state_of)
+from megaloom.comm.communicator import LocalCommunicator
+from megaloom.comm.dcp_meta import ManifestReader, confine
+from megaloom.models.hf_moe import build_model
 from megaloom.runtime.dtypes import dtype_name
-from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.errors import CheckpointError, ConfigError
 from megaloom.runtime.files import umask
 
-MANIFEST, METADATA = "megaloom.manifest", ".metadata"
+METADATA = ".metadata"
 # what the restricted unpickler may build: DCP's metadata records, torch sizes, dtypes and layouts, paths
 ALLOWED = {
     ("torch.distributed.checkpoint.metadata", n) for n in (
@@ -46,12 +51,6 @@ ALLOWED = {
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
      ("collections", "OrderedDict")}
-
-
-def _error(msg: str) -> Exception:
-    from megaloom.comm.checkpoint import CheckpointError
-
-    return CheckpointError(msg)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -77,21 +76,10 @@ def read_metadata(path: str) -> metadata.Metadata:
         with open(f, "rb") as fh:
             md = _MetadataUnpickler(fh).load()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
-        raise _error(f"{f}: not DCP metadata megaloom can read: {e}") from None
+        raise CheckpointError(f"{f}: not DCP metadata megaloom can read: {e}") from None
     if not isinstance(md, metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise _error(f"{f}: not DCP metadata (got {type(md).__name__})")
+        raise CheckpointError(f"{f}: not DCP metadata (got {type(md).__name__})")
     return md
-
-
-class _Reader(filesystem.FileSystemReader):
-    """A FileSystemReader whose metadata comes from :func:`read_metadata` (no plain unpickling)."""
-
-    def __init__(self, path: str, md: metadata.Metadata):
-        super().__init__(path)
-        self._md = md
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> metadata.Metadata:
-        return self._md
 
 
 def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimizer | None) -> int | None:
@@ -100,9 +88,6 @@ def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimi
     collective; any world size and layout, as megaloom's own). Returns the step to resume after:
     the optimizer's saved ``step`` (Adam/AdamW), else the ``step_<k>`` folder name (None without an
     optimizer)."""
-    from megaloom.comm.checkpoint import _dcp_call, _LoadPlanner, _make_optimizer_state, _single_process_ok, state_of
-    from megaloom.comm.dcp_meta import confine
-
     md = confine(read_metadata(path), path)
     tensors = {k: {"shape": list(m.size), "dtype": dtype_name(m.properties.dtype)}
                for k, m in md.state_dict_metadata.items() if isinstance(m, metadata.TensorStorageMetadata)}
@@ -111,18 +96,18 @@ def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimi
     state, layouts = state_of(params, optimizer)
     missing = sorted(k for k in state if k not in tensors)
     if missing:
-        raise _error(f"{path}: torch checkpoint has no entry for {', '.join(missing[:5])} (expected the "
+        raise CheckpointError(f"{path}: torch checkpoint has no entry for {', '.join(missing[:5])} (expected the "
                      "get_state_dict layout saved as {'model': ..., 'optim': ...})")
     with _single_process_ok():
         _dcp_call(f"{path}: reading the torch checkpoint", lambda: dcp.load(
-            state, storage_reader=_Reader(path, md), planner=_LoadPlanner(layouts),
+            state, storage_reader=ManifestReader(path, md), planner=_LoadPlanner(layouts),
             process_group=getattr(comm, "group", None) if dist.is_initialized() else None))
     if optimizer is None:
         return None
     steps = {v.item() for k, v in state.items() if k.startswith("optim.state.") and k.endswith(".step")}
     bad = [s for s in steps if not (math.isfinite(s) and s >= 0 and s == int(s))]
     if bad:
-        raise _error(f"{path}: the optimizer's step is {bad[0]}, not a whole number >= 0")
+        raise CheckpointError(f"{path}: the optimizer's step is {bad[0]}, not a whole number >= 0")
     if len(steps) == 1:
         return int(steps.pop())
     m = re.fullmatch(r"step_0*(\d+)", os.path.basename(os.path.normpath(path)))
@@ -135,9 +120,6 @@ def load_torch(path: str, comm: Any, params: dict, optimizer: torch.optim.Optimi
 def load_model(cfg: dict, path: str | None) -> torch.nn.Module:
     """The plain transformers model of ``cfg`` with the weights of training checkpoint ``path`` (megaloom's
     or torch's; None: the latest in the config's checkpoint folder)."""
-    from megaloom.comm.checkpoint import load_params
-    from megaloom.comm.communicator import LocalCommunicator
-    from megaloom.models.hf_moe import build_model
     from megaloom.train import checkpoint as ckpt
 
     root = cfg["checkpoint"]["dir"] or os.path.join(cfg["run"]["out_dir"], "checkpoints")

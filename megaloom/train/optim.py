@@ -63,10 +63,9 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                       ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                                       adjust_lr_fn=adjust_lr_fn))
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim not in (2, 3):
-                    raise ValueError(f"Muon takes matrices or stacks of them, got a parameter of shape {tuple(p.shape)}")
+        bad = [tuple(p.shape) for group in self.param_groups for p in group["params"] if p.ndim not in (2, 3)]
+        if bad:
+            raise ValueError(f"Muon takes matrices or stacks of them, got a parameter of shape {bad[0]}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -82,23 +81,25 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - mu)  # element-wise: shards need nothing from other ranks
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
                 ortho = self._orthogonalise(update, group)
-                local = p.to_local() if _is_dtensor(p) else p
+                local = p.to_local() if is_dtensor(p) else p
                 local.mul_(1 - lr * group["weight_decay"])
                 local.add_(ortho, alpha=-self._adjust(lr, group["adjust_lr_fn"], p.shape[-2:]))
 
     def _orthogonalise(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         """This rank's part of the orthogonalised ``update`` (in the layout of its parameter)."""
-        ns = lambda m: self._ns(m, group["ns_coefficients"], group["ns_steps"], group["eps"])  # noqa: E731
-        if not _is_dtensor(update):
-            return ns(update) if update.ndim == 2 else torch.stack([ns(m) for m in update])
+        def ns(t: torch.Tensor) -> torch.Tensor:  # a matrix, or a stack of them matrix by matrix
+            if t.ndim == 3:
+                return torch.stack([ns(m) for m in t])
+            return self._ns(t, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        if not is_dtensor(update):
+            return ns(update)
         if update.ndim == 3 and all(not pl.is_shard() or pl.dim == 0 for pl in update.placements):
-            return torch.stack([ns(m) for m in update.to_local()])  # whole expert matrices on this rank
-        full = update.full_tensor()
-        ortho = ns(full) if full.ndim == 2 else torch.stack([ns(m) for m in full])
-        return _local_part(ortho, update)
+            return ns(update.to_local())  # whole expert matrices on this rank
+        return _local_part(ns(update.full_tensor()), update)
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_dtensor(t: Any) -> bool:
+    """True for a torch DTensor (FSDP2 and tensor-parallel parameters and their gradients)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
@@ -117,9 +118,8 @@ def _local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
 def muon_params(model: nn.Module) -> set[int]:
     """ids of the parameters Muon takes: matrices and expert stacks, not embeddings or the output head."""
     skip = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None:
-        skip |= {id(p) for p in head.parameters()}
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    skip |= {id(p) for p in head.parameters()} if head is not None else set()
     return {id(p) for p in model.parameters() if p.ndim in (2, 3) and id(p) not in skip}
 
 

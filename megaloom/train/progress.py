@@ -1,6 +1,7 @@
 """Progress bar and metrics for training: one line per logged step on stderr, JSONL and TensorBoard events on disk."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,11 +19,8 @@ def reset_peak_memory() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.reset_peak_memory_stats()
         return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (Linux >= 4.0)
-            f.write("5")
-    except OSError:
-        pass  # then the peak is the process's lifetime peak
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # no such file: the lifetime peak
+        f.write("5")  # resets VmHWM (Linux >= 4.0)
 
 
 def peak_memory_mib() -> float:

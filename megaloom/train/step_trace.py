@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from megaloom.runtime.registry import HOST
 from megaloom.runtime.trace import Trace, TraceEvent
 
 # children of decoder layers, plus the embedding / final norm / head of a causal LM
@@ -30,11 +31,9 @@ class StepTracer:
 
     def __init__(self, model: nn.Module, rank: int = 0, world_size: int = 1):
         self.rank, self.world_size, self.events, self.on = rank, world_size, [], False
-        self._handles = []
-        for name, mod in model.named_modules():
-            if name and _WATCH.search(name):
-                self._handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-                self._handles.append(mod.register_forward_hook(self._post(name), with_kwargs=True))
+        self._handles = [h for name, mod in model.named_modules() if name and _WATCH.search(name)
+                         for h in (mod.register_forward_pre_hook(self._pre(name), with_kwargs=True),
+                                   mod.register_forward_hook(self._post(name), with_kwargs=True))]
 
     def close(self) -> None:
         for h in self._handles:
@@ -72,21 +71,18 @@ class StepTracer:
                                          "world_size": self.world_size, "step": step})
 
     def _event(self, task: str, op: str, unit: int, start: float, end: float, tags: dict[str, Any], *,
-               engine: str = "host", flops: float = 0.0, bytes_: float = 0.0, comm_bytes: float = 0.0) -> None:
+               engine: str = HOST, flops: float = 0.0, bytes_: float = 0.0, comm_bytes: float = 0.0) -> None:
         self.events.append(TraceEvent(len(self.events), task, op, engine, unit, self.rank, start, end,
                                       flops, bytes_, comm_bytes, [], tags))
 
     def _tags(self, name: str, direction: str) -> dict[str, Any]:
         m = _LAYER.search("." + name + ".")
-        tags: dict[str, Any] = {"direction": direction, "stage": name.rsplit(".", 1)[-1]}
-        if m:
-            tags["layer"] = int(m.group(1))
-        return tags
+        return {"direction": direction, "stage": name.rsplit(".", 1)[-1], **({"layer": int(m.group(1))} if m else {})}
 
     def _pre(self, name: str):
         def hook(mod, args, kwargs):
             if not self.on:
-                return None
+                return
             mod._megaloom_t0 = time.perf_counter()
             x = _first_grad_tensor(list(args) + list(kwargs.values()))
             if x is not None:  # gradient w.r.t. the input leaves: the module's backward ends
@@ -96,25 +92,18 @@ class StepTracer:
                     if self.on:
                         self._event(f"{name}.bwd", type(mod).__name__, 2, start, t1, self._tags(name, "bwd"))
                 x.register_hook(done)
-            return None
         return hook
 
     def _post(self, name: str):
         def hook(mod, args, kwargs, out):
             if not self.on:
-                return None
+                return
             self._event(name, type(mod).__name__, 1, mod._megaloom_t0, time.perf_counter(), self._tags(name, "fwd"))
             y = _first_grad_tensor(out if isinstance(out, (tuple, list)) else [getattr(out, "logits", out)])
             if y is not None:  # gradient w.r.t. the output arrives: the module's backward starts
-                def start(_g):
-                    mod._megaloom_bwd_t0 = time.perf_counter()
-                y.register_hook(start)
-            return None
+                y.register_hook(lambda _g: setattr(mod, "_megaloom_bwd_t0", time.perf_counter()))
         return hook
 
 
 def _first_grad_tensor(values: list[Any]) -> torch.Tensor | None:
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
-            return v
-    return None
+    return next((v for v in values if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point()), None)

@@ -41,6 +41,7 @@ from megaloom.train.data import make_stream
 from megaloom.train.flops import flops_per_token, peak_flops
 from megaloom.train.optim import make_optimizer
 from megaloom.train.parallel import mesh as meshes
+from megaloom.train.parallel import setup
 from megaloom.train.parallel.clock import CommClock, TimedCommunicator
 from megaloom.train.parallel.context import split
 from megaloom.train.parallel.recompute import decoder_layers
@@ -144,7 +145,6 @@ class Trainer:
         self.balance = Balance(cfg["moe"], self.base_model.config)
         self.swaps = self._apply_plan()
         self.balance.attach(self.base_model)
-        from megaloom.train.parallel import setup  # imports megaloom.comm only when needed
         self.parallel = setup(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
                               self.mesh, self.clock, self.log, self._probe)
         self.model = self.parallel.model  # the base model (FSDP2 and TP convert its modules in place)
@@ -257,12 +257,8 @@ class Trainer:
     def _graph_traces(self, start: bool = False) -> list[tuple[str, str, Any]]:
         """(module, direction, trace) of every graph run of the modules on a graph runner (MegaMoE blocks,
         MegaGate routers, ...) since the last start, every micro-batch's; ``start``: record from now on."""
-        out = []
-        for name, m in self.base_model.named_modules():
-            runner = getattr(m, "runner", None)
-            if isinstance(runner, GraphRunner):
-                out += [(name, d, t) for d, t in runner.record(start)]
-        return out
+        return [(name, d, t) for name, m in self.base_model.named_modules()
+                if isinstance(getattr(m, "runner", None), GraphRunner) for d, t in m.runner.record(start)]
 
     def _phase(self, tracing: bool, name: str):
         return self.tracer.phase(name) if tracing else nullcontext()
@@ -301,11 +297,9 @@ class Trainer:
                 if (ck["interval"] and rec.step % ck["interval"] == 0) or rec.step == stop:
                     self.save()
         finally:
-            bar.close()
-            if self.tracer is not None:
-                self.tracer.close()
-            if self.metrics is not None:
-                self.metrics.close()
+            for closing in (bar, self.tracer, self.metrics):
+                if closing is not None:
+                    closing.close()
         return records
 
     # -- checkpoints and traces ---------------------------------------------------
@@ -359,9 +353,9 @@ def _claim_out_dir(run: dict, ckpt_dir: str, resuming: bool, owner: bool) -> Non
     """Refuse an out_dir holding a previous run's metrics, events or checkpoints unless resuming; with
     ``run.overwrite``, ``owner`` (rank 0) deletes them instead."""
     out = run["out_dir"]
-    found = [f for pattern in (os.path.join(out, "metrics.jsonl"), os.path.join(out, "events.out.tfevents.*"),
-                               os.path.join(ckpt_dir, ckpt.LATEST), os.path.join(ckpt_dir, "step_*"))
-             for f in glob.glob(glob.escape(os.path.dirname(pattern)) + "/" + os.path.basename(pattern))]
+    found = [f for folder, pattern in ((out, "metrics.jsonl"), (out, "events.out.tfevents.*"),
+                                       (ckpt_dir, ckpt.LATEST), (ckpt_dir, "step_*"))
+             for f in glob.glob(os.path.join(glob.escape(folder), pattern))]
     if not found or resuming:
         return
     if not run["overwrite"]:

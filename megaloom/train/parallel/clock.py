@@ -59,49 +59,38 @@ class _TimedHandle(Handle):
         return self.inner.is_completed()
 
 
+def _timed(name: str):
+    """Communicator method ``name`` of the inner communicator, its span (to its wait, when async) reported."""
+    def call(self, *args, async_op: bool = False, **kwargs) -> Handle:
+        t0 = time.perf_counter()
+        h = _TimedHandle(getattr(self.inner, name)(*args, async_op=True, **kwargs), self.clock, t0)
+        if not async_op:
+            h.wait()
+        return h
+    return call
+
+
+def _spanned(name: str):
+    """Blocking method ``name`` of the inner communicator, its span reported."""
+    def call(self, *args, **kwargs) -> Any:
+        t0 = time.perf_counter()
+        out = getattr(self.inner, name)(*args, **kwargs)
+        self.clock.add(t0, time.perf_counter())
+        return out
+    return call
+
+
 class TimedCommunicator(Communicator):
     """A Communicator reporting the span of each collective (to its wait, when async) to ``clock``."""
+
+    all_to_all, all_gather, reduce_scatter = _timed("all_to_all"), _timed("all_gather"), _timed("reduce_scatter")
+    all_reduce, send, recv = _timed("all_reduce"), _timed("send"), _timed("recv")
+    barrier, exchange = _spanned("barrier"), _spanned("exchange")
 
     def __init__(self, inner: Communicator, clock: CommClock):
         self.inner, self.clock = inner, clock
         self.rank, self.world_size, self.timeout, self.check = inner.rank, inner.world_size, inner.timeout, inner.check
         self.group = getattr(inner, "group", None)
-
-    def _timed(self, call, *args, async_op: bool = False, **kwargs) -> Handle:
-        t0 = time.perf_counter()
-        h = _TimedHandle(call(*args, async_op=True, **kwargs), self.clock, t0)
-        if not async_op:
-            h.wait()
-        return h
-
-    def all_to_all(self, out, inp, send_splits, recv_splits, *, async_op=False, check=True) -> Handle:
-        return self._timed(self.inner.all_to_all, out, inp, send_splits, recv_splits, async_op=async_op, check=check)
-
-    def all_gather(self, out, inp, *, async_op=False) -> Handle:
-        return self._timed(self.inner.all_gather, out, inp, async_op=async_op)
-
-    def reduce_scatter(self, out, inp, op="sum", *, async_op=False) -> Handle:
-        return self._timed(self.inner.reduce_scatter, out, inp, op, async_op=async_op)
-
-    def all_reduce(self, tensor, op="sum", *, async_op=False) -> Handle:
-        return self._timed(self.inner.all_reduce, tensor, op, async_op=async_op)
-
-    def send(self, tensor, peer, *, tag=0, async_op=False) -> Handle:
-        return self._timed(self.inner.send, tensor, peer, tag=tag, async_op=async_op)
-
-    def recv(self, tensor, peer, *, tag=0, async_op=False) -> Handle:
-        return self._timed(self.inner.recv, tensor, peer, tag=tag, async_op=async_op)
-
-    def barrier(self) -> None:
-        t0 = time.perf_counter()
-        self.inner.barrier()
-        self.clock.add(t0, time.perf_counter())
-
-    def exchange(self, value: Any, what: str = "exchange") -> list[Any]:
-        t0 = time.perf_counter()
-        out = self.inner.exchange(value, what)
-        self.clock.add(t0, time.perf_counter())
-        return out
 
     def close(self) -> None:
         self.inner.close()
@@ -118,22 +107,15 @@ def fsdp_collectives(clock: CommClock) -> tuple[Any, Any] | None:
     def empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    class TimedAllGather(AllGather):
-        allocate = staticmethod(empty)
+    def timed(base: type, collective: Any) -> Any:
+        class Timed(base):  # FSDP2 passes everything but the tensors by keyword
+            allocate = staticmethod(empty)
 
-        def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            t0 = time.perf_counter()
-            work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-            clock.work(work, t0)
-            return work
+            def __call__(self, output_tensor, input_tensor, **kwargs):
+                t0 = time.perf_counter()
+                work = collective(output_tensor, input_tensor, **kwargs)
+                clock.work(work, t0)
+                return work
+        return Timed()
 
-    class TimedReduceScatter(ReduceScatter):
-        allocate = staticmethod(empty)
-
-        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            t0 = time.perf_counter()
-            work = dist.reduce_scatter_single(output_tensor, input_tensor, group=group, op=op, async_op=async_op)
-            clock.work(work, t0)
-            return work
-
-    return TimedAllGather(), TimedReduceScatter()
+    return timed(AllGather, dist.all_gather_single), timed(ReduceScatter, dist.reduce_scatter_single)

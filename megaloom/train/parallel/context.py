@@ -57,11 +57,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         raise ConfigError(f"parallel.cp_size: {type(module).__name__} passes no position_ids to its attention, or "
                           "attention sinks, which context parallelism does not take")
     key, value = _GatherSequence.apply(key, comm), _GatherSequence.apply(value, comm)
-    local = position_ids.expand(query.shape[0], -1).contiguous()
-    full = local.new_empty((comm.world_size * local.shape[0], local.shape[1]))
-    comm.all_gather(full, local)
-    # [B, S]: the document index of every position (a document starts where its positions restart at 0)
-    docs = (full.view(comm.world_size, *local.shape).movedim(0, 1).flatten(1) == 0).cumsum(1)
+    positions = _GatherSequence.apply(position_ids.expand(query.shape[0], -1)[:, None, :, None], comm)[:, 0, :, 0]
+    docs = (positions == 0).cumsum(1)  # [B, S]: the document of every position (its positions restart at 0)
     s = query.shape[2]
     q_idx = torch.arange(s, device=query.device) + comm.rank * s
     k_idx = torch.arange(key.shape[2], device=query.device)

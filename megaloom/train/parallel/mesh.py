@@ -40,15 +40,13 @@ class MeshDims:
     @staticmethod
     def of(par: dict, world: int) -> MeshDims:
         tp, cp, ep = par["tp_size"], par["cp_size"], par["ep_size"]
-        problems = []
         if world % (tp * cp):
-            problems.append(f"parallel.tp_size={tp} x parallel.cp_size={cp} = {tp * cp} ranks per data-parallel "
-                            f"replica does not divide the world size {world}")
-        elif (world // tp) % ep:
-            problems.append(f"parallel.ep_size={ep} does not divide the {world // tp} data x context ranks "
-                            f"(world size {world} / parallel.tp_size={tp}); experts are split over those")
-        if problems:
-            raise ConfigError("invalid parallel layout:\n  " + "\n  ".join(problems))
+            raise ConfigError(f"invalid parallel layout:\n  parallel.tp_size={tp} x parallel.cp_size={cp} = "
+                              f"{tp * cp} ranks per data-parallel replica does not divide the world size {world}")
+        if (world // tp) % ep:
+            raise ConfigError(f"invalid parallel layout:\n  parallel.ep_size={ep} does not divide the {world // tp} "
+                              f"data x context ranks (world size {world} / parallel.tp_size={tp}); experts are split "
+                              "over those")
         return MeshDims(world, world // (tp * cp), cp, tp, ep)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -90,18 +88,15 @@ def build(dims: MeshDims, comm: Any, backend: str, wrap=lambda c: c) -> Mesh:
 
     device = "cuda" if backend == "nccl" else "cpu"
 
-    def sub(m, name):
-        if m.size() == 1:
-            return None
-        return wrap(TorchCommunicator(group=m.get_group(name) if name else m.get_group(),
-                                      timeout=comm.timeout, check=False))
+    def sub(m):  # None for a dimension of one rank
+        return wrap(TorchCommunicator(group=m.get_group(), timeout=comm.timeout, check=False)) if m.size() > 1 else None
 
     mesh.world = wrap(TorchCommunicator(group=getattr(comm, "group", None), timeout=comm.timeout, check=False))
     root = init_device_mesh(device, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
     mesh.fsdp_mesh = root["dp", "cp"]._flatten("dp_cp")
     mesh.tp_mesh = root["tp"]
-    mesh.dp_cp, mesh.cp = sub(mesh.fsdp_mesh, None), sub(root["cp"], None)
+    mesh.dp_cp, mesh.cp = sub(mesh.fsdp_mesh), sub(root["cp"])
     if dims.ep > 1:
         experts = init_device_mesh(device, (dims.edp, dims.ep, dims.tp), mesh_dim_names=("edp", "ep", "tp"))
-        mesh.ep, mesh.edp = sub(experts["ep"], None), sub(experts["edp"], None)
+        mesh.ep, mesh.edp = sub(experts["ep"]), sub(experts["edp"])
     return mesh

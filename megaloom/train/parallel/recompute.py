@@ -84,16 +84,11 @@ def saved_bytes(model: nn.Module, fn: Callable[[], Any], recompute: Recompute | 
         if isinstance(t, torch.Tensor) and (ptr := _storage(t).data_ptr()) not in weights:
             seen[ptr] = _storage(t).nbytes()
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        keep(t)
-        return t
-
     if recompute is not None:
         recompute.probe = lambda values: [keep(v) for v in values]
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn()
-        del out
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: keep(t) or t, lambda t: t):
+            fn()  # its output, and with it the autograd graph, is dropped at once
     finally:
         if recompute is not None:
             recompute.probe = None

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.train.optim import is_dtensor
 from megaloom.train.parallel import context, recompute, tensor
 from megaloom.train.parallel.clock import CommClock
 from megaloom.train.parallel.mesh import Mesh
@@ -66,7 +67,7 @@ class Parallel:
         ep_ids = {id(p) for p in self.ep_params}
         params = [p for p in self.model.parameters() if p.grad is not None]
         for p in params:  # a replicated DTensor weight fed by sharded inputs may hold partial sums
-            if _is_dtensor(p.grad) and p.grad.placements != p.placements:
+            if is_dtensor(p.grad) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(placements=p.placements)
         dims = self.mesh.dims
         if self.mesh.dp_cp is not None and not self.fsdp_units:
@@ -83,11 +84,9 @@ class Parallel:
         ep_ids = {id(p) for p in self.ep_params}
         total = torch.zeros(1, dtype=torch.float64)
         for p in params:
-            g = p.grad
-            if _is_dtensor(g):
-                pieces = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
-            else:
-                pieces = self.mesh.dims.ep if id(p) in ep_ids else 1
+            g = p.grad  # each piece is held by world / pieces ranks
+            pieces = (math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if pl.is_shard())
+                      if is_dtensor(g) else self.mesh.dims.ep if id(p) in ep_ids else 1)
             total += _local(g).detach().double().pow(2).sum() * pieces / self.world
         if self.world > 1:
             self.comm.all_reduce(total, "sum")
@@ -112,14 +111,8 @@ class Parallel:
                 for name, t in self.model.state_dict(keep_vars=True).items()}
 
 
-def _is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
@@ -130,14 +123,12 @@ def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
     comm.all_reduce(flat, "sum")
     if divide != 1:
         flat.div_(divide)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
 
 
-def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock,
-          log: Callable[[str], None] = lambda m: None, probe: Callable[[], Any] | None = None) -> Parallel:
+def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock, log: Callable[[str], None],
+          probe: Callable[[], Any]) -> Parallel:
     """Apply ``parallel`` (TP, CP, recomputation, FSDP) to ``model`` in place. ``probe()`` runs one forward
     of this rank's first micro-batch: with recomputation, what it keeps for backward is measured with it."""
     dims = mesh.dims
@@ -164,12 +155,9 @@ def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock,
     return Parallel(model, comm, mesh, clock, units, experts, rc)
 
 
-def _log_recompute(model: nn.Module, rc: recompute.Recompute, probe: Callable[[], Any] | None,
+def _log_recompute(model: nn.Module, rc: recompute.Recompute, probe: Callable[[], Any],
                    log: Callable[[str], None]) -> None:
     what = f"recompute {len(rc.names)} module(s) ({rc.names[0]}{', ...' if len(rc.names) > 1 else ''})"
-    if probe is None:
-        log(what)
-        return
     with torch.random.fork_rng():
         rc.enabled = False
         kept = recompute.saved_bytes(model, probe)

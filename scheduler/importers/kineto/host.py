@@ -20,7 +20,9 @@ import re
 from typing import Any
 
 from megaloom.runtime.registry import COMM, HOST
-from megaloom.scheduler.importers.kineto.classes import CONTEXT_CATEGORIES, RUNTIME, RUNTIME_CATEGORIES, backend_op, cpu_class
+from megaloom.scheduler.importers.kineto.classes import (
+    CONTEXT_CATEGORIES, RUNTIME, RUNTIME_CATEGORIES, backend_op, cpu_class,
+)
 from megaloom.scheduler.importers.kineto.model import Call, Model, Task
 from megaloom.scheduler.importers.kineto.read import Slice
 from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, tensor_bytes, total

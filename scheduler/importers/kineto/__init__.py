@@ -71,17 +71,15 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
 def _order(tasks: list[Task]) -> list[int]:
     """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
     succ: list[list[int]] = [[] for _ in tasks]
-    unmet = [0] * len(tasks)
+    unmet = [len(set(t.deps)) for t in tasks]
     for i, t in enumerate(tasks):
         for d in set(t.deps):
             succ[d].append(i)
-            unmet[i] += 1
-    ready = [(tasks[i].start, tasks[i].end, i) for i in range(len(tasks)) if unmet[i] == 0]
+    ready = [(t.start, t.end, i) for i, t in enumerate(tasks) if not unmet[i]]
     heapify(ready)
     out = []
     while ready:
-        i = heappop(ready)[2]
-        out.append(i)
+        out.append(i := heappop(ready)[2])
         for s in succ[i]:
             unmet[s] -= 1
             if unmet[s] == 0:
@@ -96,9 +94,7 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     """The tasks as trace events in a topological order (ids renumbered), each on a unit of its
     engine per track, named uniquely, with its delay (seconds) after its dependencies were met."""
     order = _order(tasks)
-    new = [0] * len(tasks)
-    for k, i in enumerate(order):
-        new[i] = k
+    new = {i: k for k, i in enumerate(order)}
     for consumer, producers in inferred.items():
         tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
     units: Counter[str] = Counter()
@@ -164,10 +160,9 @@ def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, I
         raise TraceFormatError(f"{path}: megaloom's own Perfetto export (no dependencies between its tasks) cannot be "
                                "replayed: replay the megaloom trace it was written from (the .mlt or .trace file)")
     model = _build(raw, report, world)
-    tasks = model.tasks
-    profile = _device(raw, tasks, report) if model.has_device else None
+    profile = _device(raw, model.tasks, report) if model.has_device else None
     origin = model.t0 if t0 is None else t0
-    events, units = _events(tasks, origin, rank, report, model.inferred)
+    events, units = _events(model.tasks, origin, rank, report, model.inferred)
     meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": SOURCE, "clock": "wall",
             "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin}
     if profile:
@@ -197,9 +192,7 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
     for i in order[1:]:
         mine = ends(traces[i])
         diffs = [mine[k] - ref[k] for k in mine.keys() & ref.keys()]
-        if not diffs:
-            continue
-        off = statistics.median(diffs)
+        off = statistics.median(diffs) if diffs else 0.0
         if off:
             for e in traces[i].events:
                 e.start, e.end = e.start - off, e.end - off

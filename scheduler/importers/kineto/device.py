@@ -42,7 +42,7 @@ def link_launches(m: Model) -> None:
     m.by_corr = {track: index((m.ops[i].corr, i) for i in ids if m.ops[i].corr is not None)
                  for track, ids in m.stream_ops.items()}
     for i, op in enumerate(m.ops):
-        ci = m.corr_call.get(op.corr) if op.corr is not None else None
+        ci = m.corr_call.get(op.corr)
         if ci is None:
             m.report.count("deps", "device op without a recorded launch (stream order only)")
             continue
@@ -69,12 +69,10 @@ def first_after(m: Model, stream: tuple, c: int) -> int | None:
 
 def tasks(m: Model) -> None:
     """A task per device op, with its class, tags and work figures."""
-    rep = m.report
     shares: dict[int, tuple[Slice, list[int]]] = {}  # launching CPU op (by seq) -> it and its kernels
     for track, ids in m.stream_ops.items():
         for i in ids:
-            op = m.ops[i]
-            s = op.s
+            op, s = m.ops[i], m.ops[i].s
             cls = device_class(s.name, s.cat)
             call = m.calls[op.call] if op.call >= 0 else None
             tags: dict[str, Any] = {"category": s.cat, "class": cls.label, "stream": s.tid}
@@ -105,6 +103,7 @@ def tasks(m: Model) -> None:
             f = (m.tasks[t].end - m.tasks[t].start) / whole if whole > 0 else 1.0 / len(tids)
             m.tasks[t].work = Work(w.flops * f, w.bytes * f, 0.0, w.precision)
     works = [m.tasks[op.task].work for op in m.ops]
+    rep = m.report
     rep.with_work = sum(w is not None and bool(w.flops or w.bytes or w.comm_bytes) for w in works)
     rep.device_ops, rep.without_work = len(m.ops), len(m.ops) - rep.with_work
 
@@ -112,10 +111,8 @@ def tasks(m: Model) -> None:
 def _launching_op(call: Call) -> Slice | None:
     """The CPU op whose shapes describe the call's kernels: the nearest one up the stack with
     its own formula (GEMM, convolution, attention), else the innermost one with recorded shapes."""
-    for s in reversed(call.ops):
-        if has_formula(s.name) and "Input Dims" in s.args:
-            return s
-    return next((s for s in reversed(call.ops) if "Input Dims" in s.args), None)
+    shaped = [s for s in reversed(call.ops) if "Input Dims" in s.args]
+    return next((s for s in shaped if has_formula(s.name)), shaped[0] if shaped else None)
 
 
 def _comm(m: Model, s: Slice, call: Call | None, tags: dict) -> tuple[Work | None, str]:

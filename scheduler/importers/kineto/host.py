@@ -17,13 +17,14 @@ thread is host work.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 from megaloom.runtime.registry import COMM, HOST
 from megaloom.scheduler.importers.kineto.classes import (
     CONTEXT_CATEGORIES, RUNTIME, RUNTIME_CATEGORIES, backend_op, cpu_class,
 )
-from megaloom.scheduler.importers.kineto.model import Call, Model, Task
+from megaloom.scheduler.importers.kineto.model import Call, Model, Task, corr
 from megaloom.scheduler.importers.kineto.read import Slice
 from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, tensor_bytes, total
 
@@ -37,7 +38,7 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
     calls = m.thread_calls.setdefault(track, [])
     busy = m.thread_busy.setdefault(track, [])
     marks = m.thread_marks.setdefault(track, [])
-    context: dict[str, int] = {}
+    context: Counter[str] = Counter()
     stack: list[tuple[float, tuple, tuple, int]] = [(float("inf"), (), (), -1)]  # (end, annotations, ops, owning call)
     for s in items:
         start = s.start
@@ -51,7 +52,7 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
         marks += (start, s.end)
         cat = s.cat
         if cat in CONTEXT_CATEGORIES and (gpu or not backend_op(s.name)):
-            context[cat] = context.get(cat, 0) + 1
+            context[cat] += 1
             named = cat == "user_annotation" or s.name.startswith("nn.Module: ")
             stack.append((s.end, anns + (s.name.removeprefix("nn.Module: "),) if named else anns, ops, owner))
             continue
@@ -68,11 +69,9 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
         else:
             if owner >= 0:
                 calls_all[owner].nested.append(s)
-            key = cat or "uncategorised"
-            context[key] = context.get(key, 0) + 1
-        c = s.args.get("correlation")
-        if type(c) is int and owner >= 0 and c not in corr_call:
-            corr_call[c] = owner
+            context[cat or "uncategorised"] += 1
+        if owner >= 0 and (c := corr(s)) is not None:
+            corr_call.setdefault(c, owner)
         stack.append((s.end, anns, ops if runtime else ops + (s,), owner))
     marks.sort()
     for k, n in context.items():
@@ -82,8 +81,7 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
 def tasks(m: Model) -> None:
     """Each call as one task, or as pieces cut at launch points and at its sync's return."""
     for track, ids in m.thread_calls.items():
-        prev, busy = None, m.thread_busy[track]
-        k, at = 0, m.t0
+        prev, busy, k, at = None, m.thread_busy[track], 0, m.t0
         for ci in ids:
             for p in _pieces(m, track, m.calls[ci]):  # program order on the thread
                 t = m.tasks[p]
@@ -164,16 +162,12 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
             op = "opaque"
     tags["class"] = label
     waits = [w for w in (m.consistent(m.ops[i].task, s.end, "sync") for i in call.waits) if w is not None]
-    ret = max((m.tasks[w].end for w in waits), default=s.start)
-    cuts = sorted(set(call.cuts))
-    if ret > s.start:  # the call waited: host part (lasting nothing), then its return after the waiting
-        before, after = [c for c in cuts if c < ret], [c for c in cuts if c > ret]
-        bounds = list(zip([s.start, *before], [*before, ret]))
-        bounds[-1] = (bounds[-1][0], bounds[-1][0])
-        bounds += list(zip([ret, *after], [*after, s.end]))
-        wait_piece = len(bounds) - 1 - len(after)
-    else:
-        bounds, wait_piece = list(zip([s.start, *cuts], [*cuts, s.end])), len(cuts)
+    ret = max([s.start, *(m.tasks[w].end for w in waits)])  # when the call's wait ended
+    cuts = sorted({*call.cuts, ret} - {s.start})
+    bounds = list(zip([s.start, *cuts], [*cuts, s.end]))
+    wait_piece = cuts.index(ret) + 1 if ret > s.start else len(cuts)
+    if ret > s.start:  # the call waited: the piece before its return lasts nothing (it was waiting)
+        bounds[wait_piece - 1] = (bounds[wait_piece - 1][0],) * 2
     if call.anns:
         tags["annotations"] = list(call.anns)
     if call.ops:

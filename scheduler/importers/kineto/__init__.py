@@ -205,8 +205,8 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
 def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[ImportReport]]:
     """One trace of several ranks' files: ranks from ``distributedInfo`` (else file order), one
     time origin for all, clocks aligned on collective ends (:func:`_align_clocks`) unless every
-    file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for matching (process group and sequence
-    number where recorded)."""
+    file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for
+    matching (process group and sequence number where recorded)."""
     paths = list(paths)
     if not paths:
         raise TraceFormatError("no trace files given")

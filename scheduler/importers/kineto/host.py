@@ -9,10 +9,10 @@ before the return was waiting, not host work.
 
 On the CPU, an op's work figures are the sum over the GEMM-like ops in its nest (each counted
 once: the innermost ones), else over its outermost ops with recorded shapes (itself, or the
-ops an autograd node ran); the ops and shapes are kept (tag ``sources``) for shape what-ifs; a communication backend's annotation
-(``gloo:all_reduce`` on gloo's thread, ``gloo:send`` inside ``c10d::send``) makes a comm task
-with the bytes of its tensor; a ``c10d::`` op that only hands a collective to a backend
-thread is host work.
+ops an autograd node ran); the ops and shapes are kept (tag ``sources``) for shape what-ifs; a
+communication backend's annotation (``gloo:all_reduce`` on gloo's thread, ``gloo:send`` inside
+``c10d::send``) makes a comm task with the bytes of its tensor; a ``c10d::`` op that only hands
+a collective to a backend thread is host work.
 """
 from __future__ import annotations
 

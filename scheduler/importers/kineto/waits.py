@@ -16,8 +16,9 @@ stays a fixed delay (the frozen share each replay reports).
   queue, the allocator synchronising, a copy (:data:`~.classes.IMPLICIT_SYNCS` names the cause).
 * **Unrecorded waits** (inferred, :func:`explain`): after a ``cudaStreamWaitEvent`` call with
   no record, the next op the thread launches waits for the op of another stream of its device
-  that ended last before it started, if that end came after its own dependencies were met; a host thread that sat idle and woke just after a collective or
-  another thread's last task ended waited for it (``work.wait()``, the autograd engine's join).
+  that ended last before it started, if that end came after its own dependencies were met; a
+  host thread that sat idle and woke just after a collective or another thread's last task
+  ended waited for it (``work.wait()``, the autograd engine's join).
 """
 from __future__ import annotations
 

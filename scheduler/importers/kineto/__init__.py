@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import os
 import statistics
+from collections import Counter
 from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import Any, Iterable
 
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.registry import COMM
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.importers import Format, register
 from megaloom.scheduler.importers.kineto import device, host, waits
@@ -54,7 +56,7 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
     if not isinstance(props, list) or not props:
         report.notes.append("the trace has no deviceProperties: pass --recorded-profile for cross-device what-ifs")
         return None
-    used = [t.track[0] for t in tasks if t.engine != "host" and "stream" in t.tags]
+    used = [t.track[0] for t in tasks if "stream" in t.tags]
     dev = max(set(used), key=used.count) if used else None
     entry = next((p for p in props if isinstance(p, dict) and p.get("id") == dev), None)
     entry = entry if entry is not None else props[0] if isinstance(props[0], dict) else {}
@@ -69,17 +71,15 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
 def _order(tasks: list[Task]) -> list[int]:
     """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
     succ: list[list[int]] = [[] for _ in tasks]
-    unmet = [0] * len(tasks)
+    unmet = [len(set(t.deps)) for t in tasks]
     for i, t in enumerate(tasks):
         for d in set(t.deps):
             succ[d].append(i)
-            unmet[i] += 1
-    ready = [(tasks[i].start, tasks[i].end, i) for i in range(len(tasks)) if unmet[i] == 0]
+    ready = [(t.start, t.end, i) for i, t in enumerate(tasks) if not unmet[i]]
     heapify(ready)
     out = []
     while ready:
-        i = heappop(ready)[2]
-        out.append(i)
+        out.append(i := heappop(ready)[2])
         for s in succ[i]:
             unmet[s] -= 1
             if unmet[s] == 0:
@@ -94,21 +94,17 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     """The tasks as trace events in a topological order (ids renumbered), each on a unit of its
     engine per track, named uniquely, with its delay (seconds) after its dependencies were met."""
     order = _order(tasks)
-    new = [0] * len(tasks)
-    for k, i in enumerate(order):
-        new[i] = k
+    new = {i: k for k, i in enumerate(order)}
     for consumer, producers in inferred.items():
         tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
-    units: dict[str, int] = {}
-    unit_of: dict[tuple[str, tuple], int] = {}
+    units: Counter[str] = Counter()
+    unit_of: dict[tuple[str, tuple], int] = {}  # a unit per (engine, track), numbered in order of appearance
     names: dict[str, int] = {}
     events = []
     for i in order:
         t = tasks[i]
-        unit = unit_of.get((t.engine, t.track))
-        if unit is None:
-            unit = unit_of[t.engine, t.track] = units.get(t.engine, 0)
-            units[t.engine] = unit + 1
+        unit = unit_of.setdefault((t.engine, t.track), units[t.engine])
+        units[t.engine] = max(units[t.engine], unit + 1)
         n = names[t.name] = names.get(t.name, -1) + 1
         ready = max((tasks[d].end for d in t.deps), default=t0)
         if t.start > ready:
@@ -120,7 +116,7 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
                                  sorted({new[d] for d in t.deps}), t.tags, w.precision))
         report.count("engines", t.engine)
     report.tasks = len(events)
-    return events, units
+    return events, dict(units)
 
 
 def import_torch_profiler(path: str | os.PathLike, rank: int | None = None,
@@ -164,10 +160,9 @@ def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, I
         raise TraceFormatError(f"{path}: megaloom's own Perfetto export (no dependencies between its tasks) cannot be "
                                "replayed: replay the megaloom trace it was written from (the .mlt or .trace file)")
     model = _build(raw, report, world)
-    tasks = model.tasks
-    profile = _device(raw, tasks, report) if model.has_device else None
+    profile = _device(raw, model.tasks, report) if model.has_device else None
     origin = model.t0 if t0 is None else t0
-    events, units = _events(tasks, origin, rank, report, model.inferred)
+    events, units = _events(model.tasks, origin, rank, report, model.inferred)
     meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": SOURCE, "clock": "wall",
             "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin}
     if profile:
@@ -185,7 +180,7 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
     def ends(t: Trace) -> dict[tuple, float]:
         out, n = {}, 0
         for e in sorted(t.events, key=lambda e: e.task_id):
-            if e.engine == "comm" and e.op in COLLECTIVE_OPS:
+            if e.engine == COMM and e.op in COLLECTIVE_OPS:
                 key = (e.tags["pg"], e.tags["seq"]) if "pg" in e.tags and "seq" in e.tags else ("", n)
                 n += key[0] == ""
                 out[key] = e.end
@@ -197,9 +192,7 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
     for i in order[1:]:
         mine = ends(traces[i])
         diffs = [mine[k] - ref[k] for k in mine.keys() & ref.keys()]
-        if not diffs:
-            continue
-        off = statistics.median(diffs)
+        off = statistics.median(diffs) if diffs else 0.0
         if off:
             for e in traces[i].events:
                 e.start, e.end = e.start - off, e.end - off
@@ -212,19 +205,15 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
 def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[ImportReport]]:
     """One trace of several ranks' files: ranks from ``distributedInfo`` (else file order), one
     time origin for all, clocks aligned on collective ends (:func:`_align_clocks`) unless every
-    file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for matching (process group and sequence
-    number where recorded)."""
+    file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for
+    matching (process group and sequence number where recorded)."""
     paths = list(paths)
     if not paths:
         raise TraceFormatError("no trace files given")
     with gc_paused():
         raws = [read(p) for p in paths]
         t0 = min((s.start for r in raws for s in r.slices), default=0.0)
-        traces, reports = [], []
-        for raw in raws:
-            trace, rep = _import(raw, None, t0)
-            traces.append(trace)
-            reports.append(rep)
+        traces, reports = (list(x) for x in zip(*(_import(raw, None, t0) for raw in raws)))
     ranks = [t.meta["rank"] for t in traces]
     if len(set(ranks)) != len(ranks):  # several files claim one rank: number them in file order
         for i, (t, rep) in enumerate(zip(traces, reports)):
@@ -243,10 +232,8 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
             e.tags.pop("delay", None)
             if e.start > 0:
                 e.tags["delay"] = e.start
-    units: dict[str, int] = {}
-    for t in traces:
-        for k, n in t.meta["units"].items():
-            units[k] = max(units.get(k, 0), n)
+    kinds = dict.fromkeys(k for t in traces for k in t.meta["units"])
+    units = {k: max(t.meta["units"].get(k, 0) for t in traces) for k in kinds}
     profiles = {t.meta.get("profile") for t in traces}
     meta = {"graph": ",".join(os.path.basename(os.fspath(p)) for p in paths), "mode": "import", "source": SOURCE,
             "clock": "wall", "units": units, "world_size": len(traces), "graphs": [t.meta["graph"] for t in traces],

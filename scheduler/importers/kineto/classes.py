@@ -13,6 +13,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
+
+from megaloom.runtime.registry import COMM, COPY, CUBE, HOST, VECTOR
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,43 +29,43 @@ class EventClass:
 
 
 DEVICE_CLASSES: tuple[EventClass, ...] = (
-    EventClass("memcpy", "copy", r"^memcpy|^dma", "copies between host and device or device and device (own copy engines)"),
-    EventClass("memset", "copy", r"^memset", "device memory fills"),
-    EventClass("rccl", "comm", r"rccl", "AMD RCCL collectives"),
-    EventClass("nccl", "comm", r"nccl", "NVIDIA NCCL collectives and send/recv (ncclKernel_*, ncclDevKernel_*)"),
-    EventClass("gloo", "comm", r"gloo", "gloo collectives"),
-    EventClass("deepep", "comm", r"deep_?ep\b|deep_?ep::|(?:^|[\s:<(])ep::(?:\w+::)*\w*(?:dispatch|combine|notify)",
+    EventClass("memcpy", COPY, r"^memcpy|^dma", "copies between host and device or device and device (own copy engines)"),
+    EventClass("memset", COPY, r"^memset", "device memory fills"),
+    EventClass("rccl", COMM, r"rccl", "AMD RCCL collectives"),
+    EventClass("nccl", COMM, r"nccl", "NVIDIA NCCL collectives and send/recv (ncclKernel_*, ncclDevKernel_*)"),
+    EventClass("gloo", COMM, r"gloo", "gloo collectives"),
+    EventClass("deepep", COMM, r"deep_?ep\b|deep_?ep::|(?:^|[\s:<(])ep::(?:\w+::)*\w*(?:dispatch|combine|notify)",
                "DeepEP expert-parallel dispatch / combine / notify kernels"),
-    EventClass("nvshmem", "comm", r"nvshmem", "NVSHMEM one-sided communication"),
-    EventClass("hccl", "comm", r"hccl", "Huawei HCCL collectives"),
-    EventClass("flash", "cube", r"flash|fmha", "FlashAttention and fused multi-head attention"),
-    EventClass("cutlass", "cube", r"cutlass", "CUTLASS GEMMs and convolutions"),
-    EventClass("rocblas", "cube", r"^cijk_|rocblas|hipblaslt|tensile", "rocBLAS / hipBLASLt (Tensile Cijk_) GEMMs"),
-    EventClass("simt_gemm", "vector", r"(?:^|[_\s:])[sdcz]gemm(?:_|\b)|gemv|gemmk1|gemmSN",
+    EventClass("nvshmem", COMM, r"nvshmem", "NVSHMEM one-sided communication"),
+    EventClass("hccl", COMM, r"hccl", "Huawei HCCL collectives"),
+    EventClass("flash", CUBE, r"flash|fmha", "FlashAttention and fused multi-head attention"),
+    EventClass("cutlass", CUBE, r"cutlass", "CUTLASS GEMMs and convolutions"),
+    EventClass("rocblas", CUBE, r"^cijk_|rocblas|hipblaslt|tensile", "rocBLAS / hipBLASLt (Tensile Cijk_) GEMMs"),
+    EventClass("simt_gemm", VECTOR, r"(?:^|[_\s:])[sdcz]gemm(?:_|\b)|gemv|gemmk1|gemmSN",
                "cuBLAS GEMMs and GEMVs on the SIMT lanes (sgemm, dgemm, gemv: no tensor cores)"),
-    EventClass("wgmma", "cube", r"wgmma|\bsm9\d_xmma|\bsm90_", "Hopper warpgroup tensor-core kernels"),
-    EventClass("xmma", "cube", r"xmma", "cuBLAS / cuDNN xmma tensor-core kernels"),
-    EventClass("cublas", "cube", r"cublas|gemm|[hs]\d{3,5}gemm|\bhmma|\bimma", "cuBLAS / cuBLASLt tensor-core GEMMs"),
-    EventClass("cudnn", "cube", r"scudnn|dgrad|wgrad|winograd|implicit_convolve|conv\w*fprop|fprop\w*conv",
+    EventClass("wgmma", CUBE, r"wgmma|\bsm9\d_xmma|\bsm90_", "Hopper warpgroup tensor-core kernels"),
+    EventClass("xmma", CUBE, r"xmma", "cuBLAS / cuDNN xmma tensor-core kernels"),
+    EventClass("cublas", CUBE, r"cublas|gemm|[hs]\d{3,5}gemm|\bhmma|\bimma", "cuBLAS / cuBLASLt tensor-core GEMMs"),
+    EventClass("cudnn", CUBE, r"scudnn|dgrad|wgrad|winograd|implicit_convolve|conv\w*fprop|fprop\w*conv",
                "cuDNN convolutions (scudnn, dgrad, wgrad, winograd, implicit GEMM)"),
-    EventClass("kernel", "vector", r"", "any other kernel: element-wise, reductions, normalisation, copies in kernels"),
+    EventClass("kernel", VECTOR, r"", "any other kernel: element-wise, reductions, normalisation, copies in kernels"),
 )
 """Device ops (``kernel``, ``gpu_memcpy``, ``gpu_memset`` categories), by name."""
 
 CPU_CLASSES: tuple[EventClass, ...] = (
-    EventClass("cpu_comm", "comm", r"^c10d::|gloo|nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
+    EventClass("cpu_comm", COMM, r"^c10d::|gloo|nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all|"
                r"broadcast|\bsend\b|\brecv\b", "collectives run on the CPU"),
-    EventClass("cpu_gemm", "cube", r"^(?:aten::)?(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|einsum|_scaled_mm|"
+    EventClass("cpu_gemm", CUBE, r"^(?:aten::)?(?:mm|addmm|bmm|baddbmm|addbmm|matmul|linear|einsum|_scaled_mm|"
                r"_grouped_mm|conv\w*|convolution\w*|cudnn_convolution\w*)$|"
                r"(?:Mm|Bmm|Linear|GroupedMm|Convolution)Backward\d*$", "GEMMs and convolutions run on the CPU, and "
                "their autograd nodes (an op whose nest holds a GEMM is classed here too)"),
-    EventClass("cpu_op", "vector", r"", "any other CPU op"),
+    EventClass("cpu_op", VECTOR, r"", "any other CPU op"),
 )
 """Top-level CPU ops of a trace with no device activity (the CPU was the device). A ``c10d::``
 op that only hands a collective to a backend thread is host work; the collective is a task
 on that thread (its ``gloo:all_reduce`` annotation)."""
 
-HOST = EventClass("runtime", "host", r"", "host work: runtime and driver calls, CPU ops launching device work")
+RUNTIME = EventClass("runtime", HOST, r"", "host work: runtime and driver calls, CPU ops launching device work")
 
 SYNC_CALLS: tuple[tuple[str, str], ...] = (
     ("device", r"^(?:cuda|hip)(?:Device|Ctx)Synchronize$|^cuCtxSynchronize"),
@@ -77,97 +80,79 @@ SYNC_CALLS: tuple[tuple[str, str], ...] = (
 host memory), ``wait`` (a stream waits for an event: a GPU-side wait)."""
 
 COLLECTIVES: tuple[tuple[str, str], ...] = (
-    ("all_reduce", r"all_?reduce"),
-    ("all_gather", r"all_?gather"),
-    ("reduce_scatter", r"reduce_?scatter"),
-    ("all_to_all", r"all_?to_?all|alltoall|dispatch|combine"),
-    ("broadcast", r"broadcast|bcast"),
-    ("reduce", r"reduce"),
-    ("send_recv", r"send|recv|sendrecv|p2p"),
-    ("barrier", r"barrier"),
-)
+    ("all_reduce", r"all_?reduce"), ("all_gather", r"all_?gather"), ("reduce_scatter", r"reduce_?scatter"),
+    ("all_to_all", r"all_?to_?all|alltoall|dispatch|combine"), ("broadcast", r"broadcast|bcast"), ("reduce", r"reduce"),
+    ("send_recv", r"send|recv|sendrecv|p2p"), ("barrier", r"barrier"))
 """Collective kind of a comm kernel or of a ``Collective name`` argument, first match wins."""
 
-_DEVICE = [(re.compile(c.pattern, re.I), c) for c in DEVICE_CLASSES]
-_CPU = [(re.compile(c.pattern, re.I), c) for c in CPU_CLASSES]
-_SYNC = [(re.compile(p), kind) for kind, p in SYNC_CALLS]
-_COLL = [(re.compile(p, re.I), kind) for kind, p in COLLECTIVES]
-_BACKEND_OP = re.compile(r"^(?:gloo|nccl|mpi|ucc|xccl):(\w+)$")
 IMPLICIT_SYNCS: tuple[tuple[str, str], ...] = (
     ("launch queue full", r"Launch"), ("allocator", r"Malloc|Free|HostAlloc|HostRegister|MemPool"),
     ("copy", r"Memcpy|Memset"), ("blocking call", r""))
 """Why a host call that returned only when a device op ended waited, by the call's name
 (CUDA runtime API, "implicit synchronization": a full launch queue blocks the launch, freeing
 memory and pageable copies synchronise)."""
+
+_DEVICE = [(re.compile(c.pattern, re.I), c) for c in DEVICE_CLASSES]
+_CPU = [(re.compile(c.pattern, re.I), c) for c in CPU_CLASSES]
+_SYNC = [(re.compile(p), kind) for kind, p in SYNC_CALLS]
+_COLL = [(re.compile(p, re.I), kind) for kind, p in COLLECTIVES]
+_IMPLICIT = [(re.compile(p), cause) for cause, p in IMPLICIT_SYNCS]
+_BACKEND_OP = re.compile(r"^(?:gloo|nccl|mpi|ucc|xccl):(\w+)$")
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver", "runtime"})
 CONTEXT_CATEGORIES = frozenset({"user_annotation", "gpu_user_annotation", "python_function"})
 """Annotations and Python frames: tags on the tasks beneath them, never tasks."""
 
 
+def _first(table: list[tuple[re.Pattern, Any]], name: str) -> Any:
+    return next((v for rx, v in table if rx.search(name)), None)
+
+
 @lru_cache(maxsize=None)
 def device_class(name: str, category: str = "kernel") -> EventClass:
     """The class of a device op; memcpy / memset categories are copies whatever their name."""
-    if category == "gpu_memcpy":
-        return DEVICE_CLASSES[0]
-    if category == "gpu_memset":
-        return DEVICE_CLASSES[1]
-    for rx, c in _DEVICE:
-        if rx.search(name):
-            return c
-    return DEVICE_CLASSES[-1]
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return DEVICE_CLASSES[category == "gpu_memset"]
+    return _first(_DEVICE, name)
 
 
 @lru_cache(maxsize=None)
 def cpu_class(name: str) -> EventClass:
     """The class of a top-level CPU op in a trace with no device activity."""
-    for rx, c in _CPU:
-        if rx.search(name):
-            return c
-    return CPU_CLASSES[-1]
+    return _first(_CPU, name)
 
 
 @lru_cache(maxsize=None)
 def sync_kind(name: str) -> str | None:
     """What a host runtime call waits for (see :data:`SYNC_CALLS`), or None."""
-    for rx, kind in _SYNC:
-        if rx.search(name):
-            return kind
-    return None
+    return _first(_SYNC, name)
 
 
 @lru_cache(maxsize=None)
 def collective(name: str) -> str | None:
     """The collective kind of a comm kernel name or ``Collective name`` argument, or None."""
-    for rx, kind in _COLL:
-        if rx.search(name):
-            return kind
-    return None
+    return _first(_COLL, name)
 
 
 def backend_op(name: str) -> str | None:
     """The collective of a communication backend's own annotation (``gloo:all_reduce``,
     ``gloo:send``: op ``send``), or None."""
-    m = _BACKEND_OP.match(name)
-    if m is None:
+    if (m := _BACKEND_OP.match(name)) is None:
         return None
-    kind = collective(m.group(1))
-    return m.group(1) if kind == "send_recv" and m.group(1) in ("send", "recv") else kind or m.group(1)
+    return m[1] if m[1] in ("send", "recv") else collective(m[1]) or m[1]
 
 
 @lru_cache(maxsize=None)
 def implicit_sync(name: str) -> str:
     """Why a host call blocked on the device (see :data:`IMPLICIT_SYNCS`)."""
-    return next(cause for cause, p in IMPLICIT_SYNCS if re.search(p, name))
+    return _first(_IMPLICIT, name)
 
 
 def op_class(name: str, category: str = "cpu_op") -> str:
     """Engine kind of an event: a device op's class engine, ``host`` for everything on the host."""
-    if category in DEVICE_CATEGORIES:
-        return device_class(name, category).engine
-    return "host"
+    return device_class(name, category).engine if category in DEVICE_CATEGORIES else HOST
 
 
 def labels() -> list[str]:
     """Every class label (what ``--speedup LABEL=F`` accepts besides engine kinds)."""
-    return [c.label for c in (*DEVICE_CLASSES, *CPU_CLASSES, HOST)]
+    return [c.label for c in (*DEVICE_CLASSES, *CPU_CLASSES, RUNTIME)]

@@ -9,20 +9,22 @@ before the return was waiting, not host work.
 
 On the CPU, an op's work figures are the sum over the GEMM-like ops in its nest (each counted
 once: the innermost ones), else over its outermost ops with recorded shapes (itself, or the
-ops an autograd node ran); the ops and shapes are kept (tag ``sources``) for shape what-ifs; a communication backend's annotation
-(``gloo:all_reduce`` on gloo's thread, ``gloo:send`` inside ``c10d::send``) makes a comm task
-with the bytes of its tensor; a ``c10d::`` op that only hands a collective to a backend
-thread is host work.
+ops an autograd node ran); the ops and shapes are kept (tag ``sources``) for shape what-ifs; a
+communication backend's annotation (``gloo:all_reduce`` on gloo's thread, ``gloo:send`` inside
+``c10d::send``) makes a comm task with the bytes of its tensor; a ``c10d::`` op that only hands
+a collective to a backend thread is host work.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
+from megaloom.runtime.registry import COMM, HOST
 from megaloom.scheduler.importers.kineto.classes import (
-    CONTEXT_CATEGORIES, HOST, RUNTIME_CATEGORIES, backend_op, cpu_class,
+    CONTEXT_CATEGORIES, RUNTIME, RUNTIME_CATEGORIES, backend_op, cpu_class,
 )
-from megaloom.scheduler.importers.kineto.model import Call, Model, Task
+from megaloom.scheduler.importers.kineto.model import Call, Model, Task, corr
 from megaloom.scheduler.importers.kineto.read import Slice
 from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, tensor_bytes, total
 
@@ -36,15 +38,13 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
     calls = m.thread_calls.setdefault(track, [])
     busy = m.thread_busy.setdefault(track, [])
     marks = m.thread_marks.setdefault(track, [])
-    context: dict[str, int] = {}
-    stack: list[tuple[float, tuple, tuple, int]] = []  # (end, annotations, ops, owning call)
-    top = (float("inf"), (), (), -1)
+    context: Counter[str] = Counter()
+    stack: list[tuple[float, tuple, tuple, int]] = [(float("inf"), (), (), -1)]  # (end, annotations, ops, owning call)
     for s in items:
         start = s.start
-        while top[0] <= start:
+        while stack[-1][0] <= start:
             stack.pop()
-            top = stack[-1] if stack else (float("inf"), (), (), -1)
-        end, anns, ops, owner = top
+        end, anns, ops, owner = stack[-1]
         if s.end > end:  # overhangs its parent (clock rounding): clamp and count
             rep.overhangs += 1
             rep.max_overhang_us = max(rep.max_overhang_us, s.end - end)
@@ -52,10 +52,9 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
         marks += (start, s.end)
         cat = s.cat
         if cat in CONTEXT_CATEGORIES and (gpu or not backend_op(s.name)):
-            context[cat] = context.get(cat, 0) + 1
+            context[cat] += 1
             named = cat == "user_annotation" or s.name.startswith("nn.Module: ")
-            top = (s.end, anns + (s.name.removeprefix("nn.Module: "),) if named else anns, ops, owner)
-            stack.append(top)
+            stack.append((s.end, anns + (s.name.removeprefix("nn.Module: "),) if named else anns, ops, owner))
             continue
         runtime = cat in RUNTIME_CATEGORIES
         if not ops and owner < 0:
@@ -70,13 +69,10 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
         else:
             if owner >= 0:
                 calls_all[owner].nested.append(s)
-            key = cat or "uncategorised"
-            context[key] = context.get(key, 0) + 1
-        c = s.args.get("correlation")
-        if type(c) is int and owner >= 0 and c not in corr_call:
-            corr_call[c] = owner
-        top = (s.end, anns, ops if runtime else ops + (s,), owner)
-        stack.append(top)
+            context[cat or "uncategorised"] += 1
+        if owner >= 0 and (c := corr(s)) is not None:
+            corr_call.setdefault(c, owner)
+        stack.append((s.end, anns, ops if runtime else ops + (s,), owner))
     marks.sort()
     for k, n in context.items():
         rep.count("context", k, n)
@@ -85,13 +81,9 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
 def tasks(m: Model) -> None:
     """Each call as one task, or as pieces cut at launch points and at its sync's return."""
     for track, ids in m.thread_calls.items():
-        prev = None
-        busy = m.thread_busy.get(track, [])
-        k, at = 0, m.t0
+        prev, busy, k, at = None, m.thread_busy[track], 0, m.t0
         for ci in ids:
-            call = m.calls[ci]
-            _pieces(m, track, call)
-            for p in call.pieces:  # program order on the thread
+            for p in _pieces(m, track, m.calls[ci]):  # program order on the thread
                 t = m.tasks[p]
                 if prev is not None:
                     t.deps.insert(0, prev)
@@ -100,8 +92,8 @@ def tasks(m: Model) -> None:
                 prev, at = p, t.end
         last = busy[-1][1] if busy else at
         if prev is not None and last > at:  # CPU work after the last call: the thread ends later
-            t = Task("thread end", "thread end", "host", HOST.label, track, last, last, [prev],
-                     {"category": "end of thread", "class": HOST.label, "thread": track[1]})
+            t = Task("thread end", "thread end", HOST, RUNTIME.label, track, last, last, [prev],
+                     {"category": "end of thread", "class": RUNTIME.label, "thread": track[1]})
             _cpu_time(t, busy, k, at)
             m.new(t)
     m.report.host_calls = len(m.calls)
@@ -133,7 +125,7 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
             peer = [int(v) for v in vals[2:4] if isinstance(v, str) and _P2P_ARGS.match(v)]
             if len(peer) == 2:
                 tags.update(peer=peer[0], tag=peer[1])
-        return "comm", "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
+        return COMM, "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
     grad = sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad")
     if grad:
         tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
@@ -148,19 +140,21 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
     if srcs:
         tags["sources"] = [source(o.name, o.args) for o in srcs]
     work = total([op_work(o.name, o.args) for o in srcs])
-    if cls.engine == "comm":  # it only handed the collective to a backend thread
-        return "host", HOST.label, s.name, None
+    if cls.engine == COMM:  # it only handed the collective to a backend thread
+        return HOST, RUNTIME.label, s.name, None
     if inner and cls.label == "cpu_op":
         cls = cpu_class("aten::mm")
     return cls.engine, cls.label, s.name, work
 
 
-def _pieces(m: Model, track: tuple, call: Call) -> None:
+def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
+    """The call's tasks: one, or pieces cut at launch points and at its sync's return (a
+    zero-length host part, then the return after the waiting)."""
     s, rep = call.s, m.report
     tags: dict[str, Any] = {"category": s.cat or "uncategorised", "thread": s.tid}
     op, work = s.name, None
     if m.has_device or s.cat in RUNTIME_CATEGORIES:
-        engine, label = "host", HOST.label
+        engine, label = HOST, RUNTIME.label
     else:
         engine, label, op, work = _cpu_op(m, call, tags)
         if s.cat not in ("cpu_op", "") and not backend_op(s.name):
@@ -168,18 +162,12 @@ def _pieces(m: Model, track: tuple, call: Call) -> None:
             op = "opaque"
     tags["class"] = label
     waits = [w for w in (m.consistent(m.ops[i].task, s.end, "sync") for i in call.waits) if w is not None]
-    ret = max((m.tasks[w].end for w in waits), default=s.start)
-    cuts = sorted(set(call.cuts))
-    if not cuts and not waits:
-        bounds, wait_piece = [(s.start, s.end)], 0
-    elif ret > s.start:  # the call waited: host part (lasting nothing), then its return after the waiting
-        before, after = [c for c in cuts if c < ret], [c for c in cuts if c > ret]
-        bounds = list(zip([s.start, *before], [*before, ret]))
-        bounds[-1] = (bounds[-1][0], bounds[-1][0])
-        bounds += list(zip([ret, *after], [*after, s.end]))
-        wait_piece = len(bounds) - 1 - len(after)
-    else:
-        bounds, wait_piece = list(zip([s.start, *cuts], [*cuts, s.end])), len(cuts)
+    ret = max([s.start, *(m.tasks[w].end for w in waits)])  # when the call's wait ended
+    cuts = sorted({*call.cuts, ret} - {s.start})
+    bounds = list(zip([s.start, *cuts], [*cuts, s.end]))
+    wait_piece = cuts.index(ret) + 1 if ret > s.start else len(cuts)
+    if ret > s.start:  # the call waited: the piece before its return lasts nothing (it was waiting)
+        bounds[wait_piece - 1] = (bounds[wait_piece - 1][0],) * 2
     if call.anns:
         tags["annotations"] = list(call.anns)
     if call.ops:
@@ -198,3 +186,4 @@ def _pieces(m: Model, track: tuple, call: Call) -> None:
         rep.count("inferred" if call.wait_inferred else "deps", call.wait_kind)
         if call.wait_inferred:
             m.inferred.setdefault(piece, []).extend(waits)
+    return call.pieces

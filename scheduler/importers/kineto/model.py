@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from megaloom.scheduler.importers.kineto.read import RawTrace, Slice
 from megaloom.scheduler.importers.kineto.report import ImportReport
@@ -73,6 +73,12 @@ def corr(s: Slice | dict) -> int | None:
     return c if type(c) is int else None
 
 
+def index(pairs: Iterable[tuple[Any, int]]) -> tuple[list, list[int]]:
+    """``(key, id)`` pairs sorted, as the list of keys (to bisect) and the list of ids."""
+    pairs = sorted(pairs)
+    return [k for k, _ in pairs], [i for _, i in pairs]
+
+
 class Model:
     """The tasks of one trace and the indexes the passes share."""
 
@@ -86,6 +92,7 @@ class Model:
         self.thread_busy: dict[tuple, list[list[float]]] = {}  # outermost CPU ops and calls: the thread at work
         self.thread_marks: dict[tuple, list[float]] = {}  # every start and end on the thread: when it did anything
         self.stream_ops: dict[tuple, list[int]] = {}
+        self.by_corr: dict[tuple, tuple[list, list[int]]] = {}  # stream -> its ops' correlation ids and ops, sorted
         self.track_tasks: dict[tuple, list[int]] = {}
         self.inferred: dict[int, list[int]] = {}  # consumer task -> producers of its inferred edges
         self.explicit_waits: list[tuple[int, int]] = []  # (producer op, consumer op) of stream waits
@@ -110,14 +117,11 @@ class Model:
         if t.end <= at:
             return producer
         line = self.track_tasks[t.track]
-        k = bisect.bisect_left(line, producer) - 1
-        for _ in range(64):
-            if k < 0:
-                break
-            if self.tasks[line[k]].end <= at:
+        k = bisect.bisect_left(line, producer)
+        for q in reversed(line[max(0, k - 64):k]):  # the 64 tasks before it at most
+            if self.tasks[q].end <= at:
                 self.report.count("retargeted", kind)
-                return line[k]
-            k -= 1
+                return q
         self.report.count("dropped", f"{kind}: producer ends after the consumer starts, nothing earlier ended")
         return None
 
@@ -134,8 +138,7 @@ class Model:
         for chain in chains.values():
             chain.sort(key=lambda e: ("stf".index(e["ph"]), float(e["ts"])))
             for a, b in zip(chain, chain[1:]):
-                src, dst = self._at((a.get("pid"), a.get("tid")), float(a["ts"]), starts, False), \
-                    self._at((b.get("pid"), b.get("tid")), float(b["ts"]), starts, True)
+                src, dst = self._at(a, starts, False), self._at(b, starts, True)
                 if src is None or dst is None or src == dst:
                     self.report.count("dropped", "flow with an end on no task")
                     continue
@@ -147,15 +150,12 @@ class Model:
                     if anns and "annotations" not in self.tasks[dst].tags:
                         self.tasks[dst].tags = dict(self.tasks[dst].tags, annotations=anns)
 
-    def _at(self, track: tuple, ts: float, starts: dict, after: bool) -> int | None:
-        """The task on ``track`` containing ``ts``; else the next one (``after``) or the previous."""
-        st = starts.get(track)
-        if not st:
-            return None
-        line = self.track_tasks[track]
-        k = bisect.bisect_right(st, ts) - 1
+    def _at(self, e: dict, starts: dict, after: bool) -> int | None:
+        """The task on flow event ``e``'s track containing its time; else the next one (``after``) or the previous."""
+        track, ts = (e.get("pid"), e.get("tid")), float(e["ts"])
+        line = self.track_tasks.get(track, [])
+        k = bisect.bisect_right(starts.get(track, []), ts) - 1
         if k >= 0 and self.tasks[line[k]].end >= ts:
             return line[k]
-        if after:
-            return line[k + 1] if k + 1 < len(line) else None
-        return line[k] if k >= 0 else None
+        k = k + 1 if after else k
+        return line[k] if 0 <= k < len(line) else None

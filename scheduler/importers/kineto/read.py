@@ -5,8 +5,8 @@ naming its position: times must be finite and within 1e18 us, a grid must hold f
 2**63 blocks (a sync naming its stream by a list is only counted). Gzip data may expand to
 at most :data:`MAX_JSON_BYTES` (``megaloom replay --max-json-mib`` raises it), never more.
 What is not a timed slice is sorted out here: flow events (``s``/``t``/``f``), the CUDA sync
-records (``cuda_sync``), and what the import does not use (metadata, counters, instants),
-which is only counted.
+records (``cuda_sync``), and what the import does not use (metadata, counters, instants, the
+profiler's own span), which is only counted.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import json
 import math
 import os
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,7 @@ _MAGIC = ((b"\x1f\x8b", "gzip data"), (b"PK\x03\x04", "a zip archive"), (b"\x89P
           (b"%PDF", "a PDF document"), (b"\x7fELF", "an executable"), (b"SQLite format 3", "an SQLite database"))
 _UNUSED_PHASES = {"M": "metadata", "C": "counter", "i": "instant", "I": "instant", "R": "mark", "n": "instant",
                   "O": "object snapshot", "N": "object", "D": "object", "P": "sample"}
-META_CATS = frozenset({"Trace"})  # the profiler's own span
+_TRACK = (int, str, type(None))
 MAX_JSON_BYTES = 512 << 20
 _MAX_US = 1e18  # 1e12 s, the bound of every trace clock
 
@@ -61,17 +62,14 @@ def describe(raw: bytes) -> str:
     """What a file that is not a trace looks like, in a few words."""
     if not raw:
         return "an empty file"
-    for magic, what in _MAGIC:
-        if raw.startswith(magic):
-            return what
-    head = raw[:48]
-    if raw[:1] and 0x80 <= raw[0] <= 0x8F or raw[:1] == b"\xde":
+    if what := next((what for magic, what in _MAGIC if raw.startswith(magic)), None):
+        return what
+    if 0x80 <= raw[0] <= 0x8F or raw[0] == 0xDE:
         return "msgpack data (a map) that is not a megaloom trace"
     try:
-        text = head.decode("utf-8")
+        return f"text starting with {raw[:48].decode('utf-8').strip()[:40]!r}"
     except UnicodeDecodeError:
-        return f"binary data starting with bytes {head[:8].hex(' ')}"
-    return f"text starting with {text.strip()[:40]!r}"
+        return f"binary data starting with bytes {raw[:8].hex(' ')}"
 
 
 def read_bytes(path: str | os.PathLike) -> bytes:
@@ -126,6 +124,17 @@ def _time(e: dict, key: str, i: int) -> float:
     raise _bad(i, f"field {key!r} must be a finite number within 1e18 us, got {v!r:.40}")
 
 
+def _slice(i: int, e: dict, cat: str, start: float, end: float, seq: int) -> Slice:
+    name, args = e.get("name", ""), e.get("args")
+    if type(name) is not str:
+        raise _bad(i, "'name' must be a string")
+    if type(args) is not dict:
+        args = {}
+    elif type(args.get("grid")) is list and math.prod(g for g in args["grid"] if type(g) is int and g > 0) >= 1 << 63:
+        raise _bad(i, f"grid {args['grid']!r:.60} holds 2**63 blocks or more")  # the blocks tag is an int64
+    return Slice(name, cat, e.get("pid"), e.get("tid"), start, end, args, seq)
+
+
 def read(path: str | os.PathLike) -> RawTrace:
     """Read and validate ``path``; every malformed event raises TraceFormatError naming its position."""
     events, header = load_json(path, read_bytes(path))
@@ -139,15 +148,23 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
     slices: list[Slice] = []
     flows: list[dict] = []
     syncs: list[dict] = []
-    skipped: dict[str, int] = {}
-    open_b: dict[tuple, list[tuple[int, dict, float]]] = {}
+    skipped: Counter[str] = Counter()
+    open_b: dict[tuple, list[tuple[int, Slice]]] = {}  # begun slices by track, ended by their ``E``
     last_ts: dict[tuple, float] = {}
-    track_types = (int, str, type(None))
-    add = slices.append
     for i, e in enumerate(events):
         if type(e) is not dict:
             raise _bad(i, f"expected an object, got {type(e).__name__}")
-        ph = e.get("ph")
+        ph, cat, pid, tid = e.get("ph"), e.get("cat", ""), e.get("pid"), e.get("tid")
+        if ph != "X":
+            if type(ph) is not str:
+                raise _bad(i, "missing phase 'ph'")
+            if ph in _UNUSED_PHASES:
+                skipped[_UNUSED_PHASES[ph]] += 1
+                continue
+        if type(cat) is not str:
+            cat = str(cat)
+        if type(pid) not in _TRACK or type(tid) not in _TRACK:
+            raise _bad(i, "pid/tid must be numbers or strings")
         if ph == "X":
             ts, dur = e.get("ts"), e.get("dur")  # the common case inline: this runs for every event
             tt, td = type(ts), type(dur)
@@ -156,79 +173,44 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
                 ts, dur = _time(e, "ts", i), _time(e, "dur", i)
             if dur < 0:
                 raise _bad(i, f"({e.get('name')!r:.60}): negative duration {dur} (clock wrap or broken clock)")
-            cat, pid, tid = e.get("cat", ""), e.get("pid"), e.get("tid")
-            if type(cat) is not str:
-                cat = str(cat)
-            if type(pid) not in track_types or type(tid) not in track_types:
-                raise _bad(i, "pid/tid must be numbers or strings")
             if cat == "cuda_sync":
                 args = e.get("args")
                 if type(args) is dict and any(type(args.get(k)) in (list, dict) for k in ("stream", "wait_on_stream")):
-                    skipped["sync on a stream that is a list"] = skipped.get("sync on a stream that is a list", 0) + 1
+                    skipped["sync on a stream that is a list"] += 1
                 else:
                     syncs.append(e)
                 continue
-            if cat in META_CATS:
-                skipped["profiler span"] = skipped.get("profiler span", 0) + 1
+            if cat == "Trace":  # the profiler's own span
+                skipped["profiler span"] += 1
                 continue
-            name = e.get("name", "")
-            if type(name) is not str:
-                raise _bad(i, "'name' must be a string")
-            args = e.get("args")
-            if type(args) is dict and type(args.get("grid")) is list \
-                    and math.prod(g for g in args["grid"] if type(g) is int and g > 0) >= 1 << 63:  # as model.py
-                raise _bad(i, f"grid {args['grid']!r:.60} holds 2**63 blocks or more")
             end = ts + dur
-            add(Slice(name, cat, pid, tid, float(ts), float(end), args if type(args) is dict else {}, len(slices)))
-            if end > last_ts.get((pid, tid), -math.inf):
-                last_ts[(pid, tid)] = end
-            continue
-        if type(ph) is not str:
-            raise _bad(i, "missing phase 'ph'")
-        unused = _UNUSED_PHASES.get(ph)
-        if unused is not None:
-            skipped[unused] = skipped.get(unused, 0) + 1
-            continue
-        cat, pid, tid = e.get("cat", ""), e.get("pid"), e.get("tid")
-        if type(cat) is not str:
-            cat = str(cat)
-        if type(pid) not in track_types or type(tid) not in track_types:
-            raise _bad(i, "pid/tid must be numbers or strings")
-        if ph in ("s", "t", "f"):
+            slices.append(_slice(i, e, cat, float(ts), float(end), len(slices)))
+        elif ph in ("s", "t", "f"):
             _time(e, "ts", i)
             if cat == "ac2g":  # launch flows: the correlation ids say the same
-                skipped["launch flow (by correlation id)"] = skipped.get("launch flow (by correlation id)", 0) + 1
+                skipped["launch flow (by correlation id)"] += 1
             else:
                 flows.append(e)
             continue
-        if ph == "B":
-            ts = _time(e, "ts", i)
-            name = e.get("name", "")
-            if type(name) is not str:
-                raise _bad(i, "'name' must be a string")
-            open_b.setdefault((pid, tid), []).append((i, e, ts))
-            end = ts
-        elif ph == "E":
-            stack = open_b.get((pid, tid))
-            if not stack:
-                raise _bad(i, f"end event with no open begin on track {(pid, tid)}")
-            j, b, ts = stack.pop()
+        elif ph == "B":
             end = _time(e, "ts", i)
-            if end < ts:
-                raise _bad(i, f"ends at {end} before its begin (event {j}) at {ts} (clock wrap?)")
-            args = b.get("args")
-            bcat = b.get("cat", "")
-            add(Slice(b.get("name", ""), bcat if type(bcat) is str and bcat else cat, pid, tid, ts, end,
-                      args if type(args) is dict else {}, len(slices)))
+            open_b.setdefault((pid, tid), []).append((i, _slice(i, e, cat, end, end, -1)))
+        elif ph == "E":
+            if not open_b.get((pid, tid)):
+                raise _bad(i, f"end event with no open begin on track {(pid, tid)}")
+            j, b = open_b[pid, tid].pop()
+            end = _time(e, "ts", i)
+            if end < b.start:
+                raise _bad(i, f"ends at {end} before its begin (event {j}) at {b.start} (clock wrap?)")
+            b.cat, b.end, b.seq = b.cat or cat, end, len(slices)
+            slices.append(b)
         else:
-            skipped[f"phase {ph!r:.12}"] = skipped.get(f"phase {ph!r:.12}", 0) + 1
+            skipped[f"phase {ph!r:.12}"] += 1
             continue
         if end > last_ts.get((pid, tid), -math.inf):
             last_ts[(pid, tid)] = end
-    for key, stack in open_b.items():
-        for _, b, ts in stack:  # a begin without its end: kept up to the track's last timestamp
-            args = b.get("args")
-            bcat = b.get("cat", "")
-            slices.append(Slice(b.get("name", ""), bcat if type(bcat) is str else str(bcat), key[0], key[1], ts,
-                                max(ts, last_ts.get(key, ts)), args if type(args) is dict else {}, len(slices), True))
+    for track, begun in open_b.items():
+        for _, b in begun:  # a begin without its end: kept up to the track's last timestamp
+            b.end, b.seq, b.truncated = max(b.start, last_ts.get(track, b.start)), len(slices), True
+            slices.append(b)
     return RawTrace(path, slices, flows, syncs, header, skipped)

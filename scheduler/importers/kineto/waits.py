@@ -16,17 +16,19 @@ stays a fixed delay (the frozen share each replay reports).
   queue, the allocator synchronising, a copy (:data:`~.classes.IMPLICIT_SYNCS` names the cause).
 * **Unrecorded waits** (inferred, :func:`explain`): after a ``cudaStreamWaitEvent`` call with
   no record, the next op the thread launches waits for the op of another stream of its device
-  that ended last before it started, if that end came after its own dependencies were met; a host thread that sat idle and woke just after a collective or
-  another thread's last task ended waited for it (``work.wait()``, the autograd engine's join).
+  that ended last before it started, if that end came after its own dependencies were met; a
+  host thread that sat idle and woke just after a collective or another thread's last task
+  ended waited for it (``work.wait()``, the autograd engine's join).
 """
 from __future__ import annotations
 
 import bisect
 import statistics
 
+from megaloom.runtime.registry import COMM, HOST
 from megaloom.scheduler.importers.kineto.classes import collective, implicit_sync, sync_kind
 from megaloom.scheduler.importers.kineto.device import first_after, last_before
-from megaloom.scheduler.importers.kineto.model import Model, corr
+from megaloom.scheduler.importers.kineto.model import Model, corr, index
 
 LONG_CALL_US = 50.0
 """A call shorter than this never counts as blocked (nor one under 4x its name's median)."""
@@ -60,25 +62,26 @@ def syncs(m: Model) -> None:
         c, pid = corr(e), e.get("pid")
         rec, on = args.get("wait_on_cuda_event_record_corr_id"), args.get("wait_on_stream")
         event = type(rec) is int and rec >= 0 and on not in (None, -1)
+        stream = (pid, args.get("stream", e.get("tid")))
         if kind == "Stream Wait Event":
             if c is None or not event:
                 m.report.count("skipped", "stream waits on an event recorded outside the trace")
                 continue
             recorded.add(c)
-            p, q = last_before(m, (pid, on), rec), first_after(m, (pid, args.get("stream", e.get("tid"))), c)
+            p, q = last_before(m, (pid, on), rec), first_after(m, stream, c)
             if p is None or q is None:
                 m.report.count("skipped", "stream wait on a stream with no op before the event record")
             else:
                 m.explicit_waits.append((p, q))
             continue
-        call = m.corr_call.get(c) if c is not None else None
+        call = m.corr_call.get(c)
         if call is None:
             m.report.count("skipped", f"{kind} record without its host call")
             continue
         if kind == "Context Sync":
             waits = [last_before(m, t, c) for t in streams if pid is None or t[0] == pid]
         elif kind == "Stream Sync":
-            waits = [last_before(m, (pid, args.get("stream", e.get("tid"))), c)]
+            waits = [last_before(m, stream, c)]
         elif kind == "Event Sync" and event:
             waits = [last_before(m, (pid, on), rec)]
         else:
@@ -97,7 +100,7 @@ def syncs(m: Model) -> None:
                 waiting = False
     for ci, call in enumerate(m.calls):
         c = corr(call.s)
-        if c in recorded or c is None:
+        if c is None or c in recorded:
             continue
         kind = sync_kind(call.s.name)
         copies = [i for i in call.launched if m.ops[i].s.cat in ("gpu_memcpy", "gpu_memset")]
@@ -124,17 +127,16 @@ def _implicit(m: Model) -> None:
     for call in m.calls:
         durations.setdefault(call.s.name, []).append(call.s.end - call.s.start)
     typical = {k: statistics.median(v) for k, v in durations.items()}
-    ends = sorted((op.s.end, i) for i, op in enumerate(m.ops))
-    keys = [e for e, _ in ends]
+    keys, ops = index((op.s.end, i) for i, op in enumerate(m.ops))
     for ci, call in enumerate(m.calls):
         s = call.s
         if call.waits or call.wait_kind or s.end - s.start < max(LONG_CALL_US, 4 * typical[s.name]):
             continue
         k = bisect.bisect_right(keys, s.end) - 1
-        while k >= 0 and ends[k][1] in call.launched:
+        while k >= 0 and ops[k] in call.launched:
             k -= 1
         if k >= 0 and s.start < keys[k] and s.end - keys[k] <= RETURN_US:
-            _wait(m, ci, [ends[k][1]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
+            _wait(m, ci, [ops[k]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
 
 
 def handed_over(m: Model) -> None:
@@ -143,9 +145,9 @@ def handed_over(m: Model) -> None:
     issued: dict[str, list[int]] = {}
     ran: dict[str, list[int]] = {}
     for i, t in enumerate(m.tasks):
-        if t.engine == "host" and t.op.startswith("c10d::") and (kind := collective(t.op)):
+        if t.engine == HOST and t.op.startswith("c10d::") and (kind := collective(t.op)):
             issued.setdefault(kind, []).append(i)
-        elif t.engine == "comm" and t.label == "cpu_comm" and "peer" not in t.tags:
+        elif t.engine == COMM and t.label == "cpu_comm" and "peer" not in t.tags:
             ran.setdefault(t.op, []).append(i)
     for kind, ids in ran.items():
         ids.sort(key=lambda i: m.tasks[i].start)
@@ -159,28 +161,20 @@ def handed_over(m: Model) -> None:
 def explain(m: Model) -> None:
     """Unrecorded waits of device ops and host threads (see the module docstring)."""
     handed_over(m)
-    by_end: dict[tuple, tuple[list[float], list[int]]] = {}
-    for track, ids in m.track_tasks.items():
-        pairs = sorted((m.tasks[i].end, i) for i in ids)
-        by_end[track] = ([e for e, _ in pairs], [i for _, i in pairs])
-    next_start = {}
-    for ids in m.track_tasks.values():
-        for a, b in zip(ids, ids[1:]):
-            next_start[a] = m.tasks[b].start
+    by_end = {track: index((m.tasks[i].end, i) for i in ids) for track, ids in m.track_tasks.items()}
+    next_start = {a: m.tasks[b].start for ids in m.track_tasks.values() for a, b in zip(ids, ids[1:])}
     waited = {m.ops[i].task for i in m.after_wait}
     for i, t in enumerate(m.tasks):
         if not t.deps:
             continue
         ready = max(m.tasks[d].end for d in t.deps)
-        device = "stream" in t.tags
-        if i in waited:  # latest end on another stream of its device
-            best = _latest(m, by_end, t.start, ready, lambda tr: tr != t.track and tr[0] == t.track[0] and tr in
-                           m.stream_ops, lambda p: True)
-            if best is not None:
+        if i in waited:  # the latest end on another stream of its device
+            others = [tr for tr in m.stream_ops if tr != t.track and tr[0] == t.track[0]]
+            if (best := _latest(by_end, others, t.start, ready)) is not None:
                 m.infer(i, best, "event wait (from timing)")
             else:
                 m.report.count("skipped", "stream wait with nothing to wait for")
-        elif not device and t.start - ready > HOST_WAIT_US:
+        elif "stream" not in t.tags and t.start - ready > HOST_WAIT_US:
             marks = m.thread_marks.get(t.track, [])
             lo, hi = bisect.bisect_right(marks, ready), bisect.bisect_left(marks, t.start)
             times = [ready, *marks[lo:hi], t.start]
@@ -189,7 +183,7 @@ def explain(m: Model) -> None:
                 continue
             best = _woken_by(m, by_end, t.track, woke, woke - gap, next_start)
             if best is not None:
-                kind = "collective" if m.tasks[best].engine == "comm" else "another thread"
+                kind = "collective" if m.tasks[best].engine == COMM else "another thread"
                 m.infer(i, best, f"host waits for {kind} (from timing)")
 
 
@@ -211,13 +205,12 @@ def _woken_by(m: Model, by_end: dict, track: tuple, woke: float, since: float, n
     return best
 
 
-def _latest(m: Model, by_end: dict, at: float, after: float, track_ok, task_ok) -> int | None:
-    """The task ending last in ``(after, at]`` on a track ``track_ok`` accepts, if ``task_ok`` accepts it."""
-    best = None
-    for track, (ends, ids) in by_end.items():
-        if not track_ok(track):
-            continue
+def _latest(by_end: dict, tracks: list[tuple], at: float, after: float) -> int | None:
+    """The task ending last in ``(after, at]`` on ``tracks``."""
+    best, best_end = None, after
+    for track in tracks:
+        ends, ids = by_end.get(track, ((), ()))
         k = bisect.bisect_right(ends, at) - 1
-        if k >= 0 and ends[k] > after and task_ok(ids[k]) and (best is None or ends[k] > m.tasks[best].end):
-            best = ids[k]
+        if k >= 0 and ends[k] > best_end:
+            best, best_end = ids[k], ends[k]
     return best

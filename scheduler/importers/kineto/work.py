@@ -24,11 +24,9 @@ from typing import Any
 from megaloom.ops.basic import precision as precision_of
 from megaloom.runtime.dtypes import itemsize
 
-_DTYPE = {"float": "float32", "double": "float64", "c10::half": "float16", "c10::bfloat16": "bfloat16",
-          "half": "float16", "bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "float64": "float64",
-          "long int": "int64", "long": "int64", "int": "int32", "bool": "bool", "signed char": "int8", "char": "int8",
-          "unsigned char": "uint8", "byte": "uint8", "c10::float8_e4m3fn": "float8_e4m3fn",
-          "float8_e4m3fn": "float8_e4m3fn"}
+_DTYPE = {"float": "float32", "double": "float64", "half": "float16", "long int": "int64", "long": "int64",
+          "int": "int32", "signed char": "int8", "char": "int8", "unsigned char": "uint8", "byte": "uint8",
+          **{n: n for n in ("bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "bool")}}
 _GEMM = re.compile(r"^aten::(mm|addmm|bmm|baddbmm|addbmm|_scaled_mm|linear|matmul)$")
 _GROUPED = "aten::_grouped_mm"
 _SDPA = re.compile(r"^aten::_?(?:scaled_dot_product|_scaled_dot_product)\w*attention\w*$")
@@ -54,30 +52,26 @@ class Work:
 
 def dtype_name(t: Any) -> str | None:
     """A profiler type string (``float``, ``c10::BFloat16``, ``Float``) as a megaloom dtype, or None."""
-    return _DTYPE.get(t.lower()) if isinstance(t, str) else None
+    return _DTYPE.get(t.lower().removeprefix("c10::")) if isinstance(t, str) else None
 
 
 def _tensors(args: dict) -> list[tuple[list[int], str]]:
     dims, types = args.get("Input Dims"), args.get("Input type")
     if not isinstance(dims, list):
         return []
-    types = types if isinstance(types, list) else []
-    out = []
-    for i, d in enumerate(dims):
-        dt = dtype_name(types[i]) if i < len(types) else "float32"
-        if dt and isinstance(d, list) and d and all(type(v) is int and v >= 0 for v in d):
-            out.append((d, dt))
-    return out
+    types = [dtype_name(t) for t in types] if isinstance(types, list) else []
+    types += ["float32"] * (len(dims) - len(types))
+    return [(d, dt) for d, dt in zip(dims, types)
+            if dt and isinstance(d, list) and d and all(type(v) is int and v >= 0 for v in d)]
 
 
-def _concrete(args: dict, i: int) -> list[int] | int | None:
+def _concrete(args: dict, i: int) -> list[int] | None:
+    """Recorded input ``i`` when it is a list of integers (``"[1, 1]"``), else None."""
     vals = args.get("Concrete Inputs")
-    if not isinstance(vals, list) or i >= len(vals) or not isinstance(vals[i], str):
+    v = vals[i] if isinstance(vals, list) and i < len(vals) else None
+    if not (isinstance(v, str) and v.strip().startswith("[")):
         return None
-    nums = [int(x) for x in re.findall(r"-?\d+", vals[i])]
-    if not nums:
-        return None
-    return nums if vals[i].strip().startswith("[") else nums[0]
+    return [int(x) for x in re.findall(r"-?\d+", v)] or None
 
 
 def _gemm(name: str, ts: list[tuple[list[int], str]]) -> Work | None:
@@ -103,7 +97,7 @@ def _conv(args: dict, ts: list[tuple[list[int], str]]) -> Work | None:
     (x, dt), (w, _) = ts[0], ts[1]
     nd = len(x) - 2
     stride, pad, dil = (_concrete(args, i) for i in (3, 4, 5))
-    if not all(isinstance(v, list) and len(v) in (1, nd) for v in (stride, pad, dil)):
+    if not all(v is not None and len(v) in (1, nd) for v in (stride, pad, dil)):
         return None  # without the recorded stride / padding / dilation the output shape is unknown
     pick = lambda v, j: v[j] if len(v) == nd else v[0]  # noqa: E731
     out = [(x[2 + j] + 2 * pick(pad, j) - pick(dil, j) * (w[2 + j] - 1) - 1) // pick(stride, j) + 1 for j in range(nd)]
@@ -192,13 +186,9 @@ def source(s_name: str, args: dict) -> list:
 
 def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | None:
     """Figures of a collective from ``Collective name`` style arguments, or None."""
-    nin, nout = args.get("In msg nelems"), args.get("Out msg nelems")
-    dt = dtype_name(args.get("dtype"))
-    n = args.get("Group size", world_size)
-    if kind not in _WIRE or dt is None or type(n) is not int or n < 1:
-        return None
-    elems = [v for v in (nin, nout) if type(v) is int and v >= 0]
-    if not elems:
+    elems = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if type(v) is int and v >= 0]
+    dt, n = dtype_name(args.get("dtype")), args.get("Group size", world_size)
+    if kind not in _WIRE or dt is None or type(n) is not int or n < 1 or not elems:
         return None
     size = float(max(elems) * itemsize(dt))
     wire = size * _WIRE[kind](n) if n > 1 else 0.0
@@ -216,10 +206,9 @@ def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
     ts = _tensors(args)
     if not ts:
         return None
-    d, dt = ts[0]
-    n = prod(d)
-    peer = "send_recv" if kind in ("send", "recv") else kind
-    return comm_work(peer, {"In msg nelems": n, "Out msg nelems": n, "dtype": dt}, world_size)
+    n = prod(ts[0][0])
+    return comm_work("send_recv" if kind in ("send", "recv") else kind,
+                     {"In msg nelems": n, "Out msg nelems": n, "dtype": ts[0][1]}, world_size)
 
 
 def copy_work(name: str, args: dict) -> Work | None:
@@ -228,7 +217,7 @@ def copy_work(name: str, args: dict) -> Work | None:
     if type(n) is not int or n < 0:
         return None
     upper = name.upper()
-    if "HTOD" in upper or "DTOH" in upper or "HTOH" in upper:
+    if any(k in upper for k in ("HTOD", "DTOH", "HTOH")):
         return Work(0.0, 0.0, float(n), "fp32", "host")
     if "PTOP" in upper:
         return Work(0.0, 0.0, float(n), "fp32", "intra")

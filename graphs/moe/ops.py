@@ -295,23 +295,26 @@ def _narrow(x, code: str, s: int, n: int, e: int):
     return x[lo:hi]
 
 
-def _split(attrs: dict) -> tuple[str, str, str, dict]:
-    """(kind, input codes, output codes, the inner op's attrs) of a moe_dyn task."""
-    cin, cout = attrs["codes"][1:].split("|")
-    return attrs["codes"][0], cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}
+def _split(attrs: dict) -> tuple[str, str, str, dict, list, list]:
+    """(kind, input codes, output codes, the inner op's attrs, and the (index, code) of each input and of each
+    output that the live rows cut) of a moe_dyn task."""
+    kind, (cin, cout) = attrs["codes"][0], attrs["codes"][1:].split("|")
+    cuts = [[(j, c) for j, c in enumerate(codes) if c not in (Cut.WHOLE, Cut.ZEROED)] for codes in (cin, cout)]
+    return kind, cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}, *cuts
 
 
 def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
     """The inner op's inputs, outputs and attrs for ``n`` live rows (``ins``: the task's; ``split``: :func:`_split`)."""
-    _, cin, cout, inner = split
-    if "group_offsets" in inner:
-        inner = {**inner, "group_offsets": [n]}
-    return ([_narrow(x, c, s, n, e) for x, c in zip(ins[1:1 + len(cin)], cin)],
-            [_narrow(o, c, s, n, e) for o, c in zip(outs, cout)], inner)
+    _, cin, _, inner, cut_in, cut_out = split
+    i, o = list(ins[1:1 + len(cin)]), list(outs)  # only the operands the live rows cut are narrowed
+    for lst, cuts in ((i, cut_in), (o, cut_out)):
+        for j, c in cuts:
+            lst[j] = _narrow(lst[j], c, s, n, e)
+    return i, o, {**inner, "group_offsets": [n]} if "group_offsets" in inner else inner
 
 
 def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    _, cin, cout, inner = _split(attrs)
+    _, cin, cout, inner, _, _ = _split(attrs)
     rmw = attrs.get("rmw", False)
     _expect(ins[0].dtype == "int64" and ins[0].numel == 3 and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
             f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
@@ -332,10 +335,10 @@ def _dyn_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cos
 
 
 def _dyn_bind(attrs: dict):
-    """The kernel ``fn(ins, outs)`` of one moe_dyn task: its codes and inner op read once, when the
-    dispatch plan is built; each run reads the plan row and narrows the operands to the live rows."""
+    """The kernel ``fn(ins, outs)`` of one moe_dyn task: its codes, inner op and the operands it cuts read
+    once, when the dispatch plan is built; each run reads the plan row and narrows those to the live rows."""
     split = _split(attrs)
-    kind, _, cout, _ = split
+    kind, cout = split[0], split[2]
     d, base = get_op(attrs["op"]), attrs.get("base", 0)
     zeroed = [j for j, c in enumerate(cout) if c == Cut.ZEROED]  # whole results of an expert without rows: zeros
 
@@ -356,7 +359,8 @@ def _dyn_bind(attrs: dict):
 
 def _dyn_ref(*ins, **attrs):
     """The task's outputs: live rows by the inner op's reference, other rows as they were (``rmw``) or zeros."""
-    kind, cin, _, _ = split = _split(attrs)
+    split = _split(attrs)
+    kind, cin = split[:2]
     specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 RUNNING = -1
 DONE = -2
+_WAITS_FOR_NONE = {RUNNING: "(running)", 0: "(ready, no unit took it)"}  # what Core.blocked says of a task
 MAX_UNITS = 1 << 16  # units of one engine kind: far above any chip, low enough that per-unit state stays small
 
 
@@ -135,18 +136,9 @@ class Core:
     def blocked(self) -> dict[str, list[str]]:
         """Every task not done, with the predecessors it still waits for; a task that
         waits for none is ``["(running)"]`` or ``["(ready, no unit took it)"]``."""
-        name, unmet = self.graph.task_name, self.unmet
-        out: dict[str, list[str]] = {}
-        for tid, n in enumerate(unmet):
-            if n == DONE:
-                continue
-            if n == RUNNING:
-                out[name(tid)] = ["(running)"]
-            elif n == 0:
-                out[name(tid)] = ["(ready, no unit took it)"]
-            else:
-                out[name(tid)] = [name(p) for p in self.graph.preds_of(tid) if unmet[p] != DONE]
-        return out
+        name, unmet, preds_of, alone = self.graph.task_name, self.unmet, self.graph.preds_of, _WAITS_FOR_NONE
+        return {name(t): [alone[n]] if n in alone else [name(p) for p in preds_of(t) if unmet[p] != DONE]
+                for t, n in enumerate(unmet) if n != DONE}
 
     def deadlock(self, why: str, shown: int = 20) -> DeadlockError:
         """The error of a run that stalled: ``why``, then each task not done (the first

@@ -173,7 +173,8 @@ class TaskGraph(DAG):
         """
         if type(op) is not str or (name is not None and type(name) is not str) or \
                 (engine is not None and type(engine) is not str):  # (type() is: cheaper than isinstance)
-            _strings(op, name, engine)
+            if not (isinstance(op, str) and all(isinstance(s, (str, type(None))) for s in (name, engine))):
+                raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
         tid = len(self._op)
         if priority:
             priority = integer(priority, f"task {name or op!r}: priority")
@@ -206,7 +207,11 @@ class TaskGraph(DAG):
         if priority:
             self._prio[tid] = priority
         if given is not None or self._names is not None:
-            self._name(tid, given)
+            if self._names is None:
+                self._names = [None] * tid
+            self._names.append(given)
+            if given is not None:
+                self._by_name[given] = tid
         self._version += 1
         if ins or outs:
             preds = derive(self._frontiers, tid, ins, outs, self._gaps)
@@ -258,13 +263,6 @@ class TaskGraph(DAG):
             code = self._cost_codes[id(cost)] = len(self._cost_table)
             self._cost_table.append(cost)  # kept, so its id stays its own
         return code
-
-    def _name(self, tid: int, name: str | None) -> None:
-        if self._names is None:
-            self._names = [None] * tid
-        self._names.append(name)
-        if name is not None:
-            self._by_name[name] = tid
 
     def edge(self, a: Task | str, b: Task | str) -> None:
         """Control edge: ``b`` waits for ``a``."""
@@ -399,7 +397,3 @@ class TaskGraph(DAG):
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self)}, buffers={len(self.buffers)})"
 
-
-def _strings(op: Any, name: Any, engine: Any) -> None:
-    if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
-        raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")

@@ -14,9 +14,10 @@ from typing import Any
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write
 from megaloom.runtime.record import Observer
+from megaloom.runtime.registry import COMM, CUBE, VECTOR
 from megaloom.runtime.trace import Trace
 
-_ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}  # other engine kinds follow, by name
+_ENGINE_ORDER = {COMM: 0, CUBE: 1, VECTOR: 2}  # other engine kinds follow, by name
 _US = 1e6
 
 

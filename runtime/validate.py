@@ -8,6 +8,7 @@ regions) validates in a few passes over its columns.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -17,7 +18,7 @@ from megaloom.runtime.bulk import per_operands, specs
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered
-from megaloom.runtime.registry import get_op
+from megaloom.runtime.registry import OPS, get_op
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import Region, TaskGraph
@@ -33,12 +34,7 @@ def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
-    bad = set()
-    for code in set(g._op):  # each op once, not each task
-        try:
-            get_op(g._op_names[code])
-        except GraphError:
-            bad.add(code)
+    bad = {code for code in set(g._op) if g._op_names[code] not in OPS}  # each op once, not each task
     for i in _flagged(g, g._op, bad):
         t = g.tasks[i]
         yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
@@ -50,8 +46,7 @@ def _engine(g: TaskGraph) -> Iterator[Problem]:
     bad = {(p // m, p % m) for p in pairs if g._eng_names[p % m] not in get_op(g._op_names[p // m]).engines}
     for i in _flagged(g, zip(g._op, g._eng), bad):
         t = g.tasks[i]
-        engines = get_op(t.op).engines
-        yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(engines)}, not {t.engine!r}"
+        yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(get_op(t.op).engines)}, not {t.engine!r}"
 
 
 def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> str | None:
@@ -81,13 +76,12 @@ def _shapes(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _cycles(g: TaskGraph) -> Iterator[Problem]:
-    if g.forward_only:
-        return
+    """A cycle is one problem, raised at once: the error carries its path."""
     try:
         g.topological_order()
     except GraphError as e:
-        for name in e.cycle[:1]:
-            yield name, str(e)
+        raise GraphError(f"graph {g.name!r} breaks rule 'cycle':\n  {e}", tasks=e.cycle[:1], cycle=e.cycle) from None
+    return iter(())
 
 
 def _ordered(g: TaskGraph):
@@ -194,10 +188,9 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
     # outputs are allocated uninitialised (no zeroing), so every element must be written;
     # a scratch buffer needs no such rule: each read of it must be covered (the rule above)
     covers: dict[str, list] = {b.name: [] for b in g.outputs if not b.is_input}
-    for _, outs in g._io.values():
-        for r in outs:
-            if r.buffer.name in covers:
-                covers[r.buffer.name].append(r.box)
+    for r in chain.from_iterable(outs for _, outs in g._io.values()):
+        if r.buffer.name in covers:
+            covers[r.buffer.name].append(r.box)
     for name, boxes in covers.items():
         buf = g.buffers[name]
         boxes.sort(key=lambda box: tuple(a for a, _ in box))  # tiles in order leave few pieces
@@ -235,11 +228,5 @@ def validate(g: TaskGraph) -> None:
                     break
         if problems:
             names = tuple(dict.fromkeys(n for n, _ in problems if n))  # "": a buffer's problem, no task
-            msg = f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems)
-            cyc = ()
-            if rule == "cycle":
-                try:
-                    g.topological_order()
-                except GraphError as e:
-                    cyc = e.cycle
-            raise GraphError(msg, tasks=names, cycle=cyc)
+            raise GraphError(f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems),
+                             tasks=names)

@@ -252,13 +252,8 @@ def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
     writing its outputs in place would read clobbered data. With ``in_place_ok`` (the op
     reads each element before it writes it, as element-wise ops do) an input exactly
     equal to an output is fine; partial overlaps never are."""
-    out = []
-    for i, r in enumerate(task.inputs):
-        for o in task.outputs:
-            if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box):
-                out.append(i)
-                break
-    return tuple(out)
+    return tuple(i for i, r in enumerate(task.inputs) if any(
+        o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box) for o in task.outputs))
 
 
 def check_results(task: Task, results: tuple, outs: list[torch.Tensor]) -> None:

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from array import array
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
@@ -121,19 +121,12 @@ class ThreadExecutor(Executor):
         # each run gets its own policy state, so one executor may run several graphs at once
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
-
-        def run(calls: list[Call] | None) -> tuple[Recorder, _Log]:  # (the inputs are checked by now)
+        make = {"kernel": kernel_call, "reference": reference_call}.get(self.kernels)  # None: run nothing
+        bound = bound_plan(graph, make, self.ctx, inputs) if make else nullcontext((None, {}))
+        with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads), bound as (plan, bufs):
             rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
                            world_size=self.ctx.world_size, kernels=self.kernels)
-            return rec, _Run(graph, units, core, calls, self, rec, cancel).execute()
-        with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
-            if self.kernels == "null":
-                bufs: dict[str, torch.Tensor] = {}
-                rec, records = run(None)
-            else:
-                make = kernel_call if self.kernels == "kernel" else reference_call
-                with bound_plan(graph, make, self.ctx, inputs) as (plan, bufs):
-                    rec, records = run(plan.calls)
+            records = _Run(graph, units, core, plan and plan.calls, self, rec, cancel).execute()
             trace = rec.finish(columns=_by_start(graph, records, self.ctx.rank))
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
 
@@ -216,10 +209,8 @@ class _Pool:
         with self.lock:
             if self.closed:
                 raise ExecutionError("the thread executor's worker pool is closed (the interpreter is exiting)")
-            take = min(n, len(self.idle))
-            workers = self.idle[len(self.idle) - take:]
-            del self.idle[len(self.idle) - take:]
-            for _ in range(n - take):
+            workers = [self.idle.pop() for _ in range(min(n, len(self.idle)))]
+            for _ in range(n - len(workers)):
                 self.started += 1
                 workers.append(_Worker(self.started))
         for w in workers:
@@ -244,14 +235,11 @@ class _Pool:
         for w in idle:
             w.thread.join(max(0.0, deadline - time.monotonic()))
 
-    def forget(self) -> None:
-        """In a forked child: the parent's threads do not exist here."""
-        self.__init__()
 
 
 _POOL = _Pool()
 atexit.register(_POOL.close)
-os.register_at_fork(after_in_child=_POOL.forget)
+os.register_at_fork(after_in_child=_POOL.__init__)  # a forked child has none of the parent's threads
 
 
 class _Run:
@@ -301,7 +289,8 @@ class _Run:
                         self.cancelled = True
                         self._stop(ExecutionError(f"run of graph {self.graph.name!r} was cancelled"))
                     elif self.error is None and time.perf_counter() - last_progress > stall:
-                        self._stop(self._deadlock())
+                        self._stop(core.deadlock(f"graph {self.graph.name!r} made no progress for {stall:g} s; "
+                                                 f"{core.remaining} tasks not done"))
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
                 self.cancelled = True
@@ -338,10 +327,6 @@ class _Run:
             self.error.args = (f"{self.error}; {note}",)
         elif hasattr(self.error, "add_note"):  # the caller's KeyboardInterrupt, say
             self.error.add_note(f"megaloom: {note}")
-
-    def _deadlock(self) -> DeadlockError:
-        return self.core.deadlock(f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "
-                                  f"{self.core.remaining} tasks not done")
 
     def _stop(self, error: BaseException | None = None) -> None:
         """Record the run's first error, if any, and wake every worker so it leaves."""

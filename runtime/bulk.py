@@ -20,6 +20,7 @@ shape, not once per tile; validation asks the shape rule the same way (:func:`pe
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
@@ -238,8 +239,7 @@ def _names(names: Any, n: int) -> list[str] | None:
     if len(given) != n or not all(isinstance(s, str) for s in given):
         raise GraphError(f"from_arrays names: {n} strings expected (one per task)")
     if len(set(given)) != n:
-        seen: set[str] = set()
-        dup = next(s for s in given if s in seen or seen.add(s))
+        dup = next(s for s, k in Counter(given).items() if k > 1)
         raise GraphError(f"task name {dup!r} is used twice", tasks=(dup,))
     return given
 

@@ -77,9 +77,7 @@ class Core:
             graph.engines(), [len(p) for p in graph.pred], [t for t, p in enumerate(graph.pred) if not p]))
         missing = [e for e in engines if units.get(e, 0) <= 0]
         if missing:
-            raise ScheduleError(
-                f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
-            )
+            raise ScheduleError(f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}")
         many = [e for e, n in units.items() if n > MAX_UNITS]
         if many:
             raise ScheduleError(f"engine kinds {many} have more than {MAX_UNITS} units; given {units}")

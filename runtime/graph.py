@@ -100,7 +100,6 @@ class TaskGraph(DAG):
                    is_input: bool = False, is_output: bool = False) -> Buffer:
         """A buffer of any role (:meth:`input`, :meth:`output`, :meth:`inout` and :meth:`buffer`
         name the four)."""
-        inp, out = bool(is_input), bool(is_output)
         if not isinstance(name, str):
             raise GraphError(f"a buffer name must be a string, got {name!r}")
         if name in self.buffers:
@@ -110,8 +109,7 @@ class TaskGraph(DAG):
         shape = tuple(integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
         if any(s < 0 for s in shape):
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
-        buf = Buffer(name, shape, dtype_name(dtype), inp, out)
-        self.buffers[name] = buf
+        buf = self.buffers[name] = Buffer(name, shape, dtype_name(dtype), bool(is_input), bool(is_output))
         self._frontiers[name] = Frontier()
         self._version += 1
         return buf
@@ -174,7 +172,8 @@ class TaskGraph(DAG):
         if type(op) is not str or (name is not None and type(name) is not str) or \
                 (engine is not None and type(engine) is not str):  # (type() is: cheaper than isinstance)
             if not (isinstance(op, str) and all(isinstance(s, (str, type(None))) for s in (name, engine))):
-                raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
+                raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, "
+                                 f"{engine!r}")
         tid = len(self._op)
         if priority:
             priority = integer(priority, f"task {name or op!r}: priority")
@@ -233,7 +232,8 @@ class TaskGraph(DAG):
         for r in regions:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
-            if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):  # (tiles were checked)
+            # (a tile of the buffer was checked when first used)
+            if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
 
     def _own(self, t: Task | str, then: str) -> Task:

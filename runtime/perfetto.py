@@ -47,9 +47,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     work = [c.column(k) for k in ("flops", "bytes", "comm_bytes")]
     for i, (name, op, tags) in enumerate(zip(c.column("task"), c.column("op"), c.column("tags"))):
         args: dict[str, Any] = {"task_id": task_id[i], "op": op, **{str(k): v for k, v in tags.items()}}
-        for k, col in zip(("flops", "bytes", "comm_bytes"), work):
-            if col[i]:
-                args[k] = col[i]
+        args.update((k, col[i]) for k, col in zip(("flops", "bytes", "comm_bytes"), work) if col[i])
         # start and end are rounded alike, so back-to-back tasks share a boundary exactly
         ts, te = round((start[i] - t0) * _US, 3), round((end[i] - t0) * _US, 3)
         out.append({"ph": "X", "name": name, "cat": op, "pid": rank[i], "tid": tid_of[engine[i], unit[i]],

@@ -50,8 +50,7 @@ class Policy:
     def fifo_queues(self) -> dict[str, deque[int]] | None:
         """The per-engine deques when this policy is the plain FIFO (its methods not overridden),
         which :class:`Core` then works on directly; else None."""
-        cls = type(self)
-        plain = all(getattr(cls, m) is getattr(Policy, m) for m in ("prepare", "push", "pop", "has_ready"))
+        plain = all(getattr(type(self), m) is getattr(Policy, m) for m in ("prepare", "push", "pop", "has_ready"))
         return self._queues if plain and not getattr(self, "per_unit", False) else None
 
 

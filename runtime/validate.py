@@ -18,7 +18,7 @@ from megaloom.runtime.bulk import per_operands, specs
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered
-from megaloom.runtime.registry import OPS, get_op
+from megaloom.runtime.registry import get_op
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import Region, TaskGraph
@@ -34,7 +34,12 @@ def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
-    bad = {code for code in set(g._op) if g._op_names[code] not in OPS}  # each op once, not each task
+    bad = set()
+    for code in set(g._op):  # each op once, not each task
+        try:
+            get_op(g._op_names[code])
+        except GraphError:
+            bad.add(code)
     for i in _flagged(g, g._op, bad):
         t = g.tasks[i]
         yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
@@ -77,10 +82,11 @@ def _shapes(g: TaskGraph) -> Iterator[Problem]:
 
 def _cycles(g: TaskGraph) -> Iterator[Problem]:
     """A cycle is one problem, raised at once: the error carries its path."""
-    try:
-        g.topological_order()
-    except GraphError as e:
-        raise GraphError(f"graph {g.name!r} breaks rule 'cycle':\n  {e}", tasks=e.cycle[:1], cycle=e.cycle) from None
+    if not g.forward_only:
+        try:
+            g.topological_order()
+        except GraphError as e:
+            raise GraphError(f"graph {g.name!r} breaks rule 'cycle':\n  {e}", tasks=e.cycle[:1], cycle=e.cycle) from None
     return iter(())
 
 

@@ -125,7 +125,8 @@ class Coded:
         v = self.values
         return [v[i] for i in self.index.tolist()]
 
-    def take(self, rows: np.ndarray) -> Coded:
+    def __getitem__(self, rows: np.ndarray) -> Coded:
+        """The values at ``rows`` (an index array), as a NumPy column's ``column[rows]``."""
         return Coded(self.values, self.index[rows])
 
     @staticmethod
@@ -157,8 +158,7 @@ class Columns:
 
     def take(self, rows: np.ndarray) -> Columns:
         """The events at ``rows`` (an index array), in that order."""
-        return Columns(**{c: getattr(self, c)[rows] if c in _NUMBERS else getattr(self, c).take(rows)
-                          for c in _COLUMNS})
+        return Columns(**{c: getattr(self, c)[rows] for c in _COLUMNS})
 
     def events(self) -> list[TraceEvent]:
         """The events as :class:`TraceEvent` objects, each with its own ``deps`` and ``tags``."""

@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from megaloom.runtime.buffers import Region
 
 Entries = list[tuple[Box, int]]
-_NONE: Entries = []
 
 
 class Frontier:

@@ -96,13 +96,8 @@ class Region:
             raise GraphError(f"cannot split {self} along dim {dim}: it has {len(self.box)} dims")
         if size <= 0:
             raise GraphError(f"tile size must be positive, got {size}")
-        lo, hi = self.box[dim]
-        out = []
-        for a in range(lo, hi, size):
-            box = list(self.box)
-            box[dim] = (a, min(a + size, hi))
-            out.append(Region(self.buffer, tuple(box)))
-        return out
+        (lo, hi), box = self.box[dim], self.box
+        return [Region(self.buffer, (*box[:dim], (a, min(a + size, hi)), *box[dim + 1:])) for a in range(lo, hi, size)]
 
     def __repr__(self) -> str:
         if self.box == full_box(self.buffer.shape):

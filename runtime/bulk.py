@@ -20,6 +20,7 @@ shape, not once per tile; validation asks the shape rule the same way (:func:`pe
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
 import numpy as np
 
 from megaloom.runtime.errors import GraphError
-from megaloom.runtime.registry import Cost, TensorSpec, get_op
+from megaloom.runtime.registry import VECTOR, Cost, TensorSpec, get_op
 from megaloom.runtime.task import NO_IO
 
 if TYPE_CHECKING:
@@ -87,8 +88,9 @@ def split_rows(ptr: np.ndarray, idx: np.ndarray) -> list[list[int]]:
     return [v[p[i]:p[i + 1]] for i in range(len(p) - 1)]
 
 
-def _column(value: Any, n: int, what: str) -> tuple[list, np.ndarray]:
-    """(table, codes) of a column given as ``(table, codes)``, one value or one per task."""
+def _column(value: Any, n: int, what: str, key: Callable[[Any], Hashable] | None = None) -> tuple[list, np.ndarray]:
+    """(table, codes) of a column given as ``(table, codes)``, one value or one per task (values
+    alike by ``key``, default their own equality, share a table entry)."""
     if isinstance(value, tuple):
         if len(value) != 2:
             raise GraphError(f"from_arrays {what}: a tuple is (table, codes), got {len(value)} items")
@@ -103,34 +105,24 @@ def _column(value: Any, n: int, what: str) -> tuple[list, np.ndarray]:
         return table, codes.astype(np.int64, copy=False)
     if isinstance(value, str):
         return [value], np.zeros(n, np.int64)
-    values = _per_task(value, n, what)
-    try:
-        table = list(dict.fromkeys(values))
-    except TypeError:
-        raise GraphError(f"from_arrays {what}: one name per task expected, got {values[:3]!r:.80}") from None
-    index = {v: i for i, v in enumerate(table)}
-    return table, np.fromiter(map(index.__getitem__, values), np.int64, n)
-
-
-def _per_task(value: Any, n: int, what: str) -> list:
     values = value.tolist() if isinstance(value, np.ndarray) else list(value)
     if len(values) != n:
         raise GraphError(f"from_arrays {what}: {len(values)} values for {n} tasks")
-    return values
+    keys = values if key is None else list(map(key, values))
+    try:
+        distinct = dict(zip(keys, values))
+    except TypeError:
+        raise GraphError(f"from_arrays {what}: one name per task expected, got {values[:3]!r:.80}") from None
+    index = {k: i for i, k in enumerate(distinct)}
+    return list(distinct.values()), np.fromiter(map(index.__getitem__, keys), np.int64, n)
 
 
 def _costs(g: TaskGraph, costs: Any, n: int) -> np.ndarray:
     """The graph's cost code per task (0: none given), the distinct costs added to its table."""
     if costs is None or isinstance(costs, Cost):
         table, codes = [costs], np.zeros(n, np.int64)
-    elif isinstance(costs, tuple):
-        table, codes = _column(costs, n, "costs")
-    else:
-        values = _per_task(costs, n, "costs")
-        distinct = {id(c): c for c in values}  # Cost objects are not hashable: by identity
-        index = {k: i for i, k in enumerate(distinct)}
-        table = list(distinct.values())
-        codes = np.fromiter(map(index.__getitem__, map(id, values)), np.int64, n)
+    else:  # Cost objects are not hashable: alike by identity
+        table, codes = _column(costs, n, "costs", key=id)
     bad = next((c for c in table if c is not None and not (isinstance(c, Cost) and c.valid())), None)
     if bad is not None:
         raise GraphError(f"from_arrays costs: {bad!r} is not a Cost with finite figures >= 0 (or None)")
@@ -155,7 +147,7 @@ def default_engine(op: str) -> str:
     try:
         return get_op(op).engine
     except GraphError:
-        return "vector"  # unknown ops are reported by validate(), as for TaskGraph.task
+        return VECTOR  # unknown ops are reported by validate(), as for TaskGraph.task
 
 
 def _preds(preds: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -247,8 +239,7 @@ def _names(names: Any, n: int) -> list[str] | None:
     if len(given) != n or not all(isinstance(s, str) for s in given):
         raise GraphError(f"from_arrays names: {n} strings expected (one per task)")
     if len(set(given)) != n:
-        seen: set[str] = set()
-        dup = next(s for s in given if s in seen or seen.add(s))
+        dup = next(s for s, k in Counter(given).items() if k > 1)
         raise GraphError(f"task name {dup!r} is used twice", tasks=(dup,))
     return given
 
@@ -298,13 +289,10 @@ def cost_columns(g: TaskGraph) -> tuple[list[Cost], np.ndarray]:
         by_op[op] = len(table)
         table.append(get_op(g._op_names[op]).cost([], [], {}))
     codes[bare] = by_op[ops[bare]]
-    code_of: dict[int, int] = {}
     found = per_operands(g, np.flatnonzero(unset & own).tolist(),
                          lambda op, ins, outs, attrs: get_op(op).cost(specs(ins), specs(outs), attrs))
-    for tid, cost in found.items():
-        code = code_of.get(id(cost))
-        if code is None:
-            code = code_of[id(cost)] = len(table)
-            table.append(cost)
-        codes[tid] = code
+    distinct = {id(c): c for c in found.values()}  # each Cost object once
+    code_of = {k: len(table) + i for i, k in enumerate(distinct)}
+    table += distinct.values()
+    codes[list(found)] = [code_of[id(c)] for c in found.values()]
     return table, codes

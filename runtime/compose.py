@@ -60,8 +60,7 @@ class Composed:
     def succeed(self, *others: Task | Composed) -> Composed:
         """Make this unit's sources wait for every task of ``others`` (or their sinks)."""
         for o in others:
-            for b in self.sources:
-                b.succeed(*(o.sinks if isinstance(o, Composed) else [o]))
+            (o if isinstance(o, Composed) else Composed([o], {})).precede(self)
         return self
 
 

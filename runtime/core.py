@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 RUNNING = -1
 DONE = -2
+_WAITS_FOR_NONE = {RUNNING: "(running)", 0: "(ready, no unit took it)"}  # what Core.blocked says of a task
 MAX_UNITS = 1 << 16  # units of one engine kind: far above any chip, low enough that per-unit state stays small
 
 
@@ -49,8 +50,7 @@ class Policy:
     def fifo_queues(self) -> dict[str, deque[int]] | None:
         """The per-engine deques when this policy is the plain FIFO (its methods not overridden),
         which :class:`Core` then works on directly; else None."""
-        cls = type(self)
-        plain = all(getattr(cls, m) is getattr(Policy, m) for m in ("prepare", "push", "pop", "has_ready"))
+        plain = all(getattr(type(self), m) is getattr(Policy, m) for m in ("prepare", "push", "pop", "has_ready"))
         return self._queues if plain and not getattr(self, "per_unit", False) else None
 
 
@@ -76,9 +76,7 @@ class Core:
             graph.engines(), [len(p) for p in graph.pred], [t for t, p in enumerate(graph.pred) if not p]))
         missing = [e for e in engines if units.get(e, 0) <= 0]
         if missing:
-            raise ScheduleError(
-                f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}"
-            )
+            raise ScheduleError(f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}")
         many = [e for e, n in units.items() if n > MAX_UNITS]
         if many:
             raise ScheduleError(f"engine kinds {many} have more than {MAX_UNITS} units; given {units}")
@@ -135,18 +133,9 @@ class Core:
     def blocked(self) -> dict[str, list[str]]:
         """Every task not done, with the predecessors it still waits for; a task that
         waits for none is ``["(running)"]`` or ``["(ready, no unit took it)"]``."""
-        name, unmet = self.graph.task_name, self.unmet
-        out: dict[str, list[str]] = {}
-        for tid, n in enumerate(unmet):
-            if n == DONE:
-                continue
-            if n == RUNNING:
-                out[name(tid)] = ["(running)"]
-            elif n == 0:
-                out[name(tid)] = ["(ready, no unit took it)"]
-            else:
-                out[name(tid)] = [name(p) for p in self.graph.preds_of(tid) if unmet[p] != DONE]
-        return out
+        name, unmet, preds_of, alone = self.graph.task_name, self.unmet, self.graph.preds_of, _WAITS_FOR_NONE
+        return {name(t): [alone[n]] if n in alone else [name(p) for p in preds_of(t) if unmet[p] != DONE]
+                for t, n in enumerate(unmet) if n != DONE}
 
     def deadlock(self, why: str, shown: int = 20) -> DeadlockError:
         """The error of a run that stalled: ``why``, then each task not done (the first

@@ -8,10 +8,12 @@ from __future__ import annotations
 from itertools import cycle
 from typing import TYPE_CHECKING
 
+from megaloom.runtime.registry import COMM, CUBE, HOST, VECTOR
+
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
 
-ENGINE_COLOURS = {"cube": "#f4a261", "vector": "#8ecae6", "comm": "#90be6d", "host": "#d9d9d9"}
+ENGINE_COLOURS = {CUBE: "#f4a261", VECTOR: "#8ecae6", COMM: "#90be6d", HOST: "#d9d9d9"}
 """Fill colour of each standard engine kind; other kinds take :data:`OTHER_COLOURS` in turn."""
 OTHER_COLOURS = ("#e9c46a", "#cdb4db", "#ffafcc", "#a8dadc", "#b5838d", "#caffbf")
 

@@ -100,7 +100,6 @@ class TaskGraph(DAG):
                    is_input: bool = False, is_output: bool = False) -> Buffer:
         """A buffer of any role (:meth:`input`, :meth:`output`, :meth:`inout` and :meth:`buffer`
         name the four)."""
-        inp, out = bool(is_input), bool(is_output)
         if not isinstance(name, str):
             raise GraphError(f"a buffer name must be a string, got {name!r}")
         if name in self.buffers:
@@ -110,8 +109,7 @@ class TaskGraph(DAG):
         shape = tuple(integer(s, f"buffer {name!r}: dim {d}") for d, s in enumerate(shape))
         if any(s < 0 for s in shape):
             raise GraphError(f"buffer {name!r} has a negative dim: {shape}")
-        buf = Buffer(name, shape, dtype_name(dtype), inp, out)
-        self.buffers[name] = buf
+        buf = self.buffers[name] = Buffer(name, shape, dtype_name(dtype), bool(is_input), bool(is_output))
         self._frontiers[name] = Frontier()
         self._version += 1
         return buf
@@ -173,7 +171,9 @@ class TaskGraph(DAG):
         """
         if type(op) is not str or (name is not None and type(name) is not str) or \
                 (engine is not None and type(engine) is not str):  # (type() is: cheaper than isinstance)
-            _strings(op, name, engine)
+            if not (isinstance(op, str) and all(isinstance(s, (str, type(None))) for s in (name, engine))):
+                raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, "
+                                 f"{engine!r}")
         tid = len(self._op)
         if priority:
             priority = integer(priority, f"task {name or op!r}: priority")
@@ -206,7 +206,11 @@ class TaskGraph(DAG):
         if priority:
             self._prio[tid] = priority
         if given is not None or self._names is not None:
-            self._name(tid, given)
+            if self._names is None:
+                self._names = [None] * tid
+            self._names.append(given)
+            if given is not None:
+                self._by_name[given] = tid
         self._version += 1
         if ins or outs:
             preds = derive(self._frontiers, tid, ins, outs, self._gaps)
@@ -228,7 +232,8 @@ class TaskGraph(DAG):
         for r in regions:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
-            if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):  # (tiles were checked)
+            # (a tile of the buffer was checked when first used)
+            if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
 
     def _own(self, t: Task | str, then: str) -> Task:
@@ -258,13 +263,6 @@ class TaskGraph(DAG):
             code = self._cost_codes[id(cost)] = len(self._cost_table)
             self._cost_table.append(cost)  # kept, so its id stays its own
         return code
-
-    def _name(self, tid: int, name: str | None) -> None:
-        if self._names is None:
-            self._names = [None] * tid
-        self._names.append(name)
-        if name is not None:
-            self._by_name[name] = tid
 
     def edge(self, a: Task | str, b: Task | str) -> None:
         """Control edge: ``b`` waits for ``a``."""
@@ -399,7 +397,3 @@ class TaskGraph(DAG):
     def __repr__(self) -> str:
         return f"TaskGraph({self.name!r}, tasks={len(self)}, buffers={len(self.buffers)})"
 
-
-def _strings(op: Any, name: Any, engine: Any) -> None:
-    if not isinstance(op, str) or not isinstance(name, (str, type(None))) or not isinstance(engine, (str, type(None))):
-        raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")

@@ -13,10 +13,11 @@ from graphlib import CycleError, TopologicalSorter
 import numpy as np
 
 from megaloom.runtime.errors import TraceFormatError
+from megaloom.runtime.registry import COMM, CUBE, HOST, VECTOR
 from megaloom.runtime.trace import Columns, Trace, TraceEvent
 
-COMPUTE = ("cube", "vector")
-HOST_ENGINES = frozenset({"host"})
+COMPUTE = (CUBE, VECTOR)
+HOST_ENGINES = frozenset({HOST})
 """Engine kinds that are not device work."""
 
 
@@ -57,7 +58,7 @@ def _critical_path(c: Columns) -> float:
     keys = list(zip(c.column("rank"), c.column("task_id")))
     row = dict(zip(keys, range(len(keys))))
     deps = [[(k[0], d) for d in ds if (k[0], d) in row] for k, ds in zip(keys, c.column("deps"))]
-    names, eng = c.codes("engine")
+    names, eng = c.engine.values, c.engine.index
     host = np.isin(eng, [k for k, e in enumerate(names) if e in HOST_ENGINES])
     weight = np.where(host, 0.0, c.end - c.start).tolist()  # host work carries dependencies only
     if all(d < k for k, ds in zip(keys, deps) for d in ds):
@@ -88,10 +89,8 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
     device latency). Events must be in dependency order within a rank (task ids, as traces keep them).
     """
     best, best_key = 0.0, None
-    finish: dict[tuple[int, int], float] = {}
-    via: dict[tuple[int, int], tuple[int, int] | None] = {}
-    weight: dict[tuple[int, int], tuple[float, float]] = {}
-    lane: dict[tuple[int, int], tuple[int, str, int]] = {}
+    # per (rank, task id): path length to its end, the task before it, (duration, gap before), lane
+    finish, via, weight, lane = {}, {}, {}, {}
     for e in sorted(events, key=lambda e: (e.rank, e.task_id)):
         key = (e.rank, e.task_id)
         lane[key] = (e.rank, e.engine, e.unit)
@@ -106,25 +105,20 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
         if finish[key] > best:
             best, best_key = finish[key], key
     parts: dict[str, float] = {}
-    engine = {(e.rank, e.task_id): e.engine for e in events}
     while best_key is not None:
         dur, gap = weight[best_key]
-        kind = engine[best_key]
+        kind = lane[best_key][1]
         parts[kind] = parts.get(kind, 0.0) + dur
         if gap:
-            g = "host" if kind in HOST_ENGINES else "delay"
+            g = HOST if kind in HOST_ENGINES else "delay"
             parts[g] = parts.get(g, 0.0) + gap
         best_key = via[best_key]
     return best, parts
 
 
-def device_span(trace: Trace) -> float:
-    """First device task start to last device task end (the makespan when there is no host work)."""
-    return _device_span(trace.columns)
-
-
 def _device_span(c: Columns) -> float:
-    names, eng = c.codes("engine")
+    """First device task start to last device task end (the makespan when there is no host work)."""
+    names, eng = c.engine.values, c.engine.index
     dev = ~np.isin(eng, [i for i, e in enumerate(names) if e in HOST_ENGINES])
     return float(c.end[dev].max() - c.start[dev].min()) if dev.any() else 0.0
 
@@ -168,42 +162,27 @@ def metrics(trace: Trace) -> Metrics:
     units = trace.meta.get("units", {})
     rank_ids = np.unique(c.rank).tolist()
     ranks = max(1, len(rank_ids))
-    names, eng = c.codes("engine")
-    n = len(c)
-    first = np.full(len(names), n)
-    np.minimum.at(first, eng, np.arange(n))
-    seen = sorted((f, k) for k, f in enumerate(first.tolist()) if f < n)  # engines in order of first use
-    sums = np.bincount(eng, weights=c.end - c.start, minlength=len(names)) if n else np.zeros(len(names))
-    busy = {names[k]: float(sums[k]) for _, k in seen}
+    names, eng = c.engine.values, c.engine.index
+    used, first = np.unique(eng, return_index=True)
+    seen = used[np.argsort(first)].tolist()  # engines in order of first use
+    sums = np.bincount(eng, weights=c.end - c.start, minlength=len(names))
+    busy = {names[k]: float(sums[k]) for k in seen}
     util = {}
-    for _, k in seen:
-        mine = eng == k
-        lanes = len(set(zip(c.rank[mine].tolist(), c.unit[mine].tolist())))
+    for k in seen:
+        lanes = len(set(zip(c.rank[eng == k].tolist(), c.unit[eng == k].tolist())))
         m = units.get(names[k]) or lanes / ranks
         util[names[k]] = busy[names[k]] / (m * ranks * span) if span > 0 and m else 0.0
     code = {e: k for k, e in enumerate(names)}
     comm_total = hidden = overlap = 0.0
     for r in rank_ids:
-        in_rank = c.rank == r
-        per = {}
-        for e in ("comm", *COMPUTE):
-            sel = in_rank & (eng == code[e]) if e in code else np.zeros(n, dtype=bool)
-            per[e] = _union_of(c.start[sel], c.end[sel])
-        compute = union(per["cube"] + per["vector"])
-        comm_total += measure(per["comm"])
-        hidden += intersect(per["comm"], compute)
-        overlap += intersect(per["cube"], per["vector"])
-    return Metrics(
-        makespan=span,
-        busy=busy,
-        utilisation=util,
-        comm_time=comm_total / ranks,
-        comm_hidden=hidden / comm_total if comm_total > 0 else 0.0,
-        cube_vector_overlap=overlap / ranks,
-        critical_path=_critical_path(c),
-        tasks=n,
-        device_span=_device_span(c),
-    )
+        sel = {e: (c.rank == r) & (eng == code.get(e, -1)) for e in (COMM, CUBE, VECTOR)}
+        per = {e: _union_of(c.start[s], c.end[s]) for e, s in sel.items()}
+        comm_total += measure(per[COMM])
+        hidden += intersect(per[COMM], union(per[CUBE] + per[VECTOR]))
+        overlap += intersect(per[CUBE], per[VECTOR])
+    return Metrics(makespan=span, busy=busy, utilisation=util, comm_time=comm_total / ranks,
+                   comm_hidden=hidden / comm_total if comm_total > 0 else 0.0, cube_vector_overlap=overlap / ranks,
+                   critical_path=_critical_path(c), tasks=len(c), device_span=_device_span(c))
 
 
 def _fmt_time(s: float) -> str:

@@ -14,9 +14,10 @@ from typing import Any
 from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import atomic_write
 from megaloom.runtime.record import Observer
+from megaloom.runtime.registry import COMM, CUBE, VECTOR
 from megaloom.runtime.trace import Trace
 
-_ENGINE_ORDER = {"comm": 0, "cube": 1, "vector": 2}  # other engine kinds follow, by name
+_ENGINE_ORDER = {COMM: 0, CUBE: 1, VECTOR: 2}  # other engine kinds follow, by name
 _US = 1e6
 
 
@@ -46,9 +47,7 @@ def to_chrome(trace: Trace) -> dict[str, Any]:
     work = [c.column(k) for k in ("flops", "bytes", "comm_bytes")]
     for i, (name, op, tags) in enumerate(zip(c.column("task"), c.column("op"), c.column("tags"))):
         args: dict[str, Any] = {"task_id": task_id[i], "op": op, **{str(k): v for k, v in tags.items()}}
-        for k, col in zip(("flops", "bytes", "comm_bytes"), work):
-            if col[i]:
-                args[k] = col[i]
+        args.update((k, col[i]) for k, col in zip(("flops", "bytes", "comm_bytes"), work) if col[i])
         # start and end are rounded alike, so back-to-back tasks share a boundary exactly
         ts, te = round((start[i] - t0) * _US, 3), round((end[i] - t0) * _US, 3)
         out.append({"ph": "X", "name": name, "cat": op, "pid": rank[i], "tid": tid_of[engine[i], unit[i]],

@@ -14,9 +14,10 @@ from typing import Mapping
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.perfetto import _ENGINE_ORDER
 from megaloom.runtime.files import atomic_write
+from megaloom.runtime.registry import COMM, CUBE, VECTOR
 from megaloom.runtime.trace import Trace
 
-COLOURS = {"cube": "#1f77b4", "vector": "#2ca02c", "comm": "#d62728"}
+COLOURS = {CUBE: "#1f77b4", VECTOR: "#2ca02c", COMM: "#d62728"}
 OTHER = "#7f7f7f"
 
 

@@ -88,10 +88,8 @@ def columns_of(graph: TaskGraph, task_id: np.ndarray, unit: np.ndarray, start: n
 
 def records_columns(graph: TaskGraph, records: Iterable[Record], rank: int) -> Columns:
     """Trace columns of ``records``, in record order."""
-    recs = records if isinstance(records, list) else list(records)
-    tid, unit, start, end = zip(*recs) if recs else ((), (), (), ())
-    return columns_of(graph, np.array(tid, dtype=np.int64), np.array(unit, dtype=np.int64), np.array(start),
-                      np.array(end), rank)
+    tid, unit, start, end = np.array(list(records), dtype=np.float64).reshape(-1, 4).T  # (ids exact below 2**53)
+    return columns_of(graph, tid, unit, start, end, rank)
 
 
 def events_of(graph: TaskGraph, records: Iterable[Record], rank: int) -> list[TraceEvent]:

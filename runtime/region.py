@@ -1,6 +1,7 @@
 """Boxes: rectangular regions of a buffer, as one (start, stop) pair per dim."""
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 
 Box = tuple[tuple[int, int], ...]
@@ -15,10 +16,7 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def box_size(box: Box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
+    return math.prod(b - a for a, b in box)
 
 
 def overlaps(a: Box, b: Box) -> bool:

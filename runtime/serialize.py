@@ -8,7 +8,6 @@ The functions here reach the graph through its public API; ``TaskGraph.save``,
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,8 @@ if TYPE_CHECKING:
 
 GRAPH_FORMAT = "megaloom-graph"
 GRAPH_VERSION = 1
+_TASK_FIELDS = {"name": str, "op": str, "engine": str, "in": list, "out": list, "attrs": dict, "tags": dict,
+                "priority": int}  # the type of each field of a stored task
 
 
 def _region(r: Region) -> list[Any]:
@@ -72,17 +73,13 @@ def fill_graph(g: TaskGraph, d: dict[str, Any], where: str = "<graph>") -> TaskG
     _want(all(isinstance(d.get(k), list) for k in ("buffers", "tasks", "pred")), where, "missing buffers/tasks/pred")
     g.name = d["name"]
     for i, b in enumerate(d["buffers"]):
-        ok = isinstance(b, list) and len(b) == 5 and isinstance(b[0], str) and isinstance(b[1], list) \
-            and all(isinstance(x, int) for x in b[1]) and isinstance(b[2], str) \
-            and isinstance(b[3], bool) and isinstance(b[4], bool)
-        _want(ok, where, f"buffer {i} is malformed: {b!r:.80}")
+        ok = isinstance(b, list) and len(b) == 5 and all(map(isinstance, b, (str, list, str, bool, bool)))
+        _want(ok and all(isinstance(x, int) for x in b[1]), where, f"buffer {i} is malformed: {b!r:.80}")
         g.add_buffer(b[0], b[1], b[2], is_input=b[3], is_output=b[4])
     n = len(d["tasks"])
     for i, t in enumerate(d["tasks"]):
-        ok = isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("op"), str) \
-            and isinstance(t.get("engine"), str) and isinstance(t.get("in"), list) and isinstance(t.get("out"), list) \
-            and isinstance(t.get("attrs"), dict) and isinstance(t.get("tags"), dict) and isinstance(t.get("priority"), int)
-        _want(ok, where, f"task {i} is malformed")
+        _want(isinstance(t, dict) and all(isinstance(t.get(k), kind) for k, kind in _TASK_FIELDS.items()), where,
+              f"task {i} is malformed")
         regions = []
         for r in t["in"] + t["out"]:
             _want(isinstance(r, list) and len(r) == 2 and isinstance(r[0], str) and r[0] in g.buffers
@@ -91,12 +88,11 @@ def fill_graph(g: TaskGraph, d: dict[str, Any], where: str = "<graph>") -> TaskG
                   where, f"task {t['name']!r} has a malformed region {r!r:.80}")
             regions.append(g.buffers[r[0]].region(r[1]))
         c = t.get("cost")
-        _want(c is None or (isinstance(c, list) and len(c) == 4 and isinstance(c[3], str)
-                            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-                                    for v in c[:3])),
-              where, f"task {t['name']!r} has a malformed cost (finite non-negative flops, bytes, comm bytes)")
+        cost = Cost(*c) if isinstance(c, list) and len(c) == 4 else c
+        _want(cost is None or (isinstance(cost, Cost) and cost.valid()), where,
+              f"task {t['name']!r} has a malformed cost (finite non-negative flops, bytes, comm bytes)")
         g.task(t["op"], regions[: len(t["in"])], regions[len(t["in"]):], name=t["name"], engine=t["engine"],
-               attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=None if c is None else Cost(*c))
+               attrs=t["attrs"], priority=t["priority"], tags=t["tags"], cost=cost)
     _want(len(d["pred"]) == n and all(isinstance(p, list) and all(isinstance(v, int) and 0 <= v < n for v in p)
                                       for p in d["pred"]), where, "an edge names a task that does not exist")
     g.set_edges(d["pred"])  # stored edges replace derived ones: the loaded graph is exactly the saved one

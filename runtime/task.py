@@ -39,13 +39,11 @@ class Task:
 
     @property
     def attrs(self) -> dict[str, Any]:
-        d = self.graph._attrs.get(self.id)
-        return d if d is not None else _unstored(self.graph._attrs, self.id)
+        return self.graph._attrs.get(self.id) or _Unstored(self.graph._attrs, self.id)
 
     @property
     def tags(self) -> dict[str, Any]:
-        d = self.graph._tags.get(self.id)
-        return d if d is not None else _unstored(self.graph._tags, self.id)
+        return self.graph._tags.get(self.id) or _Unstored(self.graph._tags, self.id)
 
     @property
     def priority(self) -> int:
@@ -96,6 +94,9 @@ class _Unstored(dict):
 
     __slots__ = ("column", "tid")
 
+    def __init__(self, column: dict[int, dict], tid: int) -> None:
+        self.column, self.tid = column, tid
+
 
 def _changes(method: str):
     def change(self: _Unstored, *args, **kw):
@@ -108,9 +109,3 @@ def _changes(method: str):
 
 for _m in ("__setitem__", "__delitem__", "__ior__", "update", "setdefault", "pop", "popitem", "clear"):
     setattr(_Unstored, _m, _changes(_m))
-
-
-def _unstored(column: dict[int, dict], tid: int) -> dict[str, Any]:
-    d = _Unstored()
-    d.column, d.tid = column, tid
-    return d

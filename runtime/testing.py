@@ -29,7 +29,8 @@ def _check_kernel(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], 
                   ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """:func:`check_op`'s checks; returns the reference outputs and the kernel's (whole tensors)."""
     op = get_op(name)
-    specs = op.shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in inputs], attrs)
+    in_specs = [TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in inputs]
+    specs = op.shape(in_specs, attrs)
     ref = run_reference(op, inputs, attrs)
     assert len(ref) == len(specs), f"{name}: reference makes {len(ref)} outputs, shape rule {len(specs)}"
     for i, (s, r) in enumerate(zip(specs, ref)):
@@ -47,7 +48,7 @@ def _check_kernel(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], 
                 assert err <= tol, f"{where}: kernel vs reference relative L2 error {err:.3e} > {tol:.1e}"
             else:
                 assert torch.equal(o, r), f"{where}: kernel differs from the reference"
-    c = op.cost([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in inputs], specs, attrs)
+    c = op.cost(in_specs, specs, attrs)
     figures = (c.flops, c.bytes, c.comm_bytes)
     assert all(0 <= f < float("inf") for f in figures) and sum(figures) > 0, f"{name}: cost {c} is not finite and positive"
     return list(ref), kernel_outs
@@ -74,10 +75,6 @@ def backward_ops(name: str) -> list[OpDef]:
     return [op for op in all_ops().values() if op.grad_of is not None and op.grad_of.op == name]
 
 
-def _random_like(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)
-
-
 def check_grads(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], tol: float = 1e-5) -> list[str]:
     """Hold every backward op of the forward op ``name`` against ``torch.autograd``.
 
@@ -100,7 +97,8 @@ def check_grads(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], to
             if kind in ("x", "y"):
                 operands.append((inputs if kind == "x" else ys)[i].detach())
                 continue
-            g = _random_like(ys[i] if kind == "dy" else inputs[i], gen)
+            like = ys[i] if kind == "dy" else inputs[i]
+            g = torch.randn(like.shape, generator=gen, dtype=torch.float64).to(like.dtype)
             operands.append(g)
             into = dy if kind == "dy" else dx
             into[i] = into[i] + g.double() if i in into else g.double()

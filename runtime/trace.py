@@ -56,11 +56,9 @@ class TraceEvent:
 
 _COLUMNS = [f.name for f in fields(TraceEvent)]
 REQUIRED_COLUMNS = _COLUMNS.index("end") + 1  # the leading columns without a default
-FIELD_TYPES: dict[str, tuple[type, ...]] = {
-    "task_id": (int,), "task": (str,), "op": (str,), "engine": (str,), "unit": (int,), "rank": (int,),
-    "start": (int, float), "end": (int, float), "flops": (int, float), "bytes": (int, float),
-    "comm_bytes": (int, float), "deps": (list,), "tags": (dict,), "precision": (str,),
-}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "list[int]": (list,), "dict[str, Any]": (dict,)}
+FIELD_TYPES: dict[str, tuple[type, ...]] = {f.name: _TYPES[f.type] for f in fields(TraceEvent)}
+"""The types a stored value of each field may have (a float field takes an int)."""
 MAX_TIME = 1e12  # seconds: any clock a trace uses (wall, perf_counter, simulated) stays far below
 MAX_WORK = 1e30  # flops or bytes of one task
 
@@ -112,8 +110,7 @@ def meta_problem(meta: Any) -> str | None:
     return None
 
 
-_NUMBERS = {"task_id": np.int64, "unit": np.int64, "rank": np.int64, "start": np.float64, "end": np.float64,
-            "flops": np.float64, "bytes": np.float64, "comm_bytes": np.float64}
+_NUMBERS = {c: np.float64 if float in t else np.int64 for c, t in FIELD_TYPES.items() if int in t}  # NumPy columns
 _SHARED = ("op", "engine", "precision")  # few distinct values: kept as codes
 
 
@@ -128,7 +125,8 @@ class Coded:
         v = self.values
         return [v[i] for i in self.index.tolist()]
 
-    def take(self, rows: np.ndarray) -> Coded:
+    def __getitem__(self, rows: np.ndarray) -> Coded:
+        """The values at ``rows`` (an index array), as a NumPy column's ``column[rows]``."""
         return Coded(self.values, self.index[rows])
 
     @staticmethod
@@ -158,15 +156,9 @@ class Columns:
         """The values of one column as a Python list."""
         return getattr(self, name).tolist()
 
-    def codes(self, name: str) -> tuple[list, np.ndarray]:
-        """``(distinct values, index per event)`` of a shared column (``op``, ``engine``, ``precision``)."""
-        c = getattr(self, name)
-        return c.values, c.index
-
     def take(self, rows: np.ndarray) -> Columns:
         """The events at ``rows`` (an index array), in that order."""
-        return Columns(**{c: getattr(self, c)[rows] if c in _NUMBERS else getattr(self, c).take(rows)
-                          for c in _COLUMNS})
+        return Columns(**{c: getattr(self, c)[rows] for c in _COLUMNS})
 
     def events(self) -> list[TraceEvent]:
         """The events as :class:`TraceEvent` objects, each with its own ``deps`` and ``tags``."""
@@ -178,26 +170,17 @@ class Columns:
     @staticmethod
     def of_lists(cols: Sequence[list]) -> Columns:
         """Columns of one Python list per field, in :data:`_COLUMNS` order (values checked already)."""
-        out = {}
-        for c, v in zip(_COLUMNS, cols):
-            out[c] = np.array(v, dtype=_NUMBERS[c]) if c in _NUMBERS else Coded.of(list(v), c in _SHARED)
-        return Columns(**out)
+        return Columns(**{c: np.array(v, dtype=_NUMBERS[c]) if c in _NUMBERS else Coded.of(list(v), c in _SHARED)
+                          for c, v in zip(_COLUMNS, cols)})
 
     @staticmethod
     def of_events(events: Sequence[TraceEvent]) -> Columns:
-        if not events:
-            return Columns.of_lists([[] for _ in _COLUMNS])
-        return Columns.of_lists(list(zip(*([getattr(e, c) for c in _COLUMNS] for e in events))))
+        return Columns.of_lists([[getattr(e, c) for e in events] for c in _COLUMNS])
 
     @staticmethod
     def concat(parts: Sequence[Columns]) -> Columns:
-        out = {}
-        for c in _COLUMNS:
-            if c in _NUMBERS:
-                out[c] = np.concatenate([getattr(p, c) for p in parts]) if parts else np.zeros(0, _NUMBERS[c])
-            else:
-                out[c] = Coded.of([x for p in parts for x in p.column(c)], c in _SHARED)
-        return Columns(**out)
+        return Columns.of_lists([np.concatenate([getattr(p, c) for p in parts]) if c in _NUMBERS
+                                 else [x for p in parts for x in p.column(c)] for c in _COLUMNS])
 
 
 def _columns_ok(cols: list[list]) -> bool:
@@ -308,17 +291,15 @@ class Trace:
                 raise TraceFormatError(f"{path}: bad trace layout (columns {cols!r:.80})")
             if why := meta_problem(meta):
                 raise TraceFormatError(f"{path}: trace meta {why}")
-            if stored is by_col:  # stored by column
-                if why := _data_problem(by_col, cols):
-                    raise TraceFormatError(f"{path}: {why}")
-                defaults = [[getattr(_DEFAULT, c)] * len(by_col[0]) for c in _COLUMNS[len(cols):]]
-                return Trace(meta=meta, columns=Columns.of_lists(by_col + defaults))
-            events = []
-            for i, row in enumerate(rows):
-                if why := row_problem(cols, row):
-                    raise TraceFormatError(f"{path}: event {i} {why}")
-                events.append(TraceEvent(*row))
-            return Trace(events, meta)
+            if stored is rows:  # one list per event: made columns once every event has every field
+                bad = next((i for i, row in enumerate(rows) if not isinstance(row, list) or len(row) != len(cols)), -1)
+                if bad >= 0:
+                    raise TraceFormatError(f"{path}: event {bad} {row_problem(cols, rows[bad])}")
+                by_col = [list(c) for c in zip(*rows)] if rows else [[] for _ in cols]
+            if why := _data_problem(by_col, cols):
+                raise TraceFormatError(f"{path}: {why}")
+            defaults = [[getattr(_DEFAULT, c)] * len(by_col[0]) for c in _COLUMNS[len(cols):]]
+            return Trace(meta=meta, columns=Columns.of_lists(by_col + defaults))
 
 
 _DEFAULT = TraceEvent(0, "", "", "", 0, 0, 0.0, 0.0)

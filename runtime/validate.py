@@ -8,6 +8,7 @@ regions) validates in a few passes over its columns.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -50,8 +51,7 @@ def _engine(g: TaskGraph) -> Iterator[Problem]:
     bad = {(p // m, p % m) for p in pairs if g._eng_names[p % m] not in get_op(g._op_names[p // m]).engines}
     for i in _flagged(g, zip(g._op, g._eng), bad):
         t = g.tasks[i]
-        engines = get_op(t.op).engines
-        yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(engines)}, not {t.engine!r}"
+        yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(get_op(t.op).engines)}, not {t.engine!r}"
 
 
 def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> str | None:
@@ -81,13 +81,13 @@ def _shapes(g: TaskGraph) -> Iterator[Problem]:
 
 
 def _cycles(g: TaskGraph) -> Iterator[Problem]:
-    if g.forward_only:
-        return
-    try:
-        g.topological_order()
-    except GraphError as e:
-        for name in e.cycle[:1]:
-            yield name, str(e)
+    """A cycle is one problem, raised at once: the error carries its path."""
+    if not g.forward_only:
+        try:
+            g.topological_order()
+        except GraphError as e:
+            raise GraphError(f"graph {g.name!r} breaks rule 'cycle':\n  {e}", tasks=e.cycle[:1], cycle=e.cycle) from None
+    return iter(())
 
 
 def _ordered(g: TaskGraph):
@@ -194,10 +194,9 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
     # outputs are allocated uninitialised (no zeroing), so every element must be written;
     # a scratch buffer needs no such rule: each read of it must be covered (the rule above)
     covers: dict[str, list] = {b.name: [] for b in g.outputs if not b.is_input}
-    for _, outs in g._io.values():
-        for r in outs:
-            if r.buffer.name in covers:
-                covers[r.buffer.name].append(r.box)
+    for r in chain.from_iterable(outs for _, outs in g._io.values()):
+        if r.buffer.name in covers:
+            covers[r.buffer.name].append(r.box)
     for name, boxes in covers.items():
         buf = g.buffers[name]
         boxes.sort(key=lambda box: tuple(a for a, _ in box))  # tiles in order leave few pieces
@@ -235,11 +234,5 @@ def validate(g: TaskGraph) -> None:
                     break
         if problems:
             names = tuple(dict.fromkeys(n for n, _ in problems if n))  # "": a buffer's problem, no task
-            msg = f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems)
-            cyc = ()
-            if rule == "cycle":
-                try:
-                    g.topological_order()
-                except GraphError as e:
-                    cyc = e.cycle
-            raise GraphError(msg, tasks=names, cycle=cyc)
+            raise GraphError(f"graph {g.name!r} breaks rule '{rule}':\n  " + "\n  ".join(m for _, m in problems),
+                             tasks=names)

@@ -217,13 +217,20 @@ def bound_plan(graph: TaskGraph, make: Maker, ctx: ExecContext, inputs: Mapping[
 
 
 def reference_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
-    """``fn(ins, outs)`` running the op's torch reference and copying its results into ``outs``."""
+    """``fn(ins, outs)`` running the op's torch reference and copying its results into ``outs``
+    (results that do not match the regions the task writes raise ExecutionError)."""
     attrs = task.attrs
 
     def run(ins: list, outs: list) -> None:
         results = run_reference(op, ins, attrs, ctx)
-        check_results(task, results, outs)
-        for o, r in zip(outs, results):
+        if len(results) != len(outs):
+            raise ExecutionError(f"op {task.op!r} returned {len(results)} outputs, task {task.name!r} declares "
+                                 f"{len(outs)}", task=task.name)
+        for i, (o, r) in enumerate(zip(outs, results)):
+            if not isinstance(r, torch.Tensor) or tuple(r.shape) != tuple(o.shape):
+                got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
+                raise ExecutionError(f"op {task.op!r} returned {got} for output {i} of task {task.name!r}, "
+                                     f"which is {tuple(o.shape)}", task=task.name)
             o.copy_(r)
     return run
 
@@ -240,10 +247,7 @@ def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]
         return fn
 
     def run(ins: list, outs: list) -> None:
-        ins = list(ins)
-        for i in copies:
-            ins[i] = ins[i].clone()
-        fn(ins, outs)
+        fn([x.clone() if i in copies else x for i, x in enumerate(ins)], outs)
     return run
 
 
@@ -252,25 +256,8 @@ def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
     writing its outputs in place would read clobbered data. With ``in_place_ok`` (the op
     reads each element before it writes it, as element-wise ops do) an input exactly
     equal to an output is fine; partial overlaps never are."""
-    out = []
-    for i, r in enumerate(task.inputs):
-        for o in task.outputs:
-            if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box):
-                out.append(i)
-                break
-    return tuple(out)
-
-
-def check_results(task: Task, results: tuple, outs: list[torch.Tensor]) -> None:
-    """Raise when a reference's results do not match the regions the task writes."""
-    if len(results) != len(outs):
-        raise ExecutionError(f"op {task.op!r} returned {len(results)} outputs, task {task.name!r} declares {len(outs)}",
-                             task=task.name)
-    for i, (o, r) in enumerate(zip(outs, results)):
-        if not isinstance(r, torch.Tensor) or tuple(r.shape) != tuple(o.shape):
-            got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
-            raise ExecutionError(f"op {task.op!r} returned {got} for output {i} of task {task.name!r}, "
-                                 f"which is {tuple(o.shape)}", task=task.name)
+    return tuple(i for i, r in enumerate(task.inputs) if any(
+        o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box) for o in task.outputs))
 
 
 def fail(task: Task, exc: BaseException) -> ExecutionError:

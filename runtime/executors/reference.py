@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 import torch
@@ -13,14 +14,16 @@ from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.record import Observer, Recorder
 
 
+@dataclass(eq=False)
 class ReferenceExecutor(Executor):
     """Sequential execution with the ops' reference functions; one unit per engine kind."""
 
     name = "reference"
+    ctx: ExecContext | None = None
+    observers: Iterable[Observer] = ()
 
-    def __init__(self, ctx: ExecContext | None = None, observers: Iterable[Observer] = ()):
-        self.ctx = ctx or ExecContext()
-        self.observers = list(observers)
+    def __post_init__(self) -> None:
+        self.ctx, self.observers = self.ctx or ExecContext(), list(self.observers)
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
         graph.validate()

@@ -30,8 +30,9 @@ import os
 import threading
 import time
 from array import array
-from contextlib import contextmanager
-from typing import Callable, Iterable, Iterator, Mapping
+from dataclasses import KW_ONLY, dataclass
+from contextlib import nullcontext
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -47,6 +48,7 @@ from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 KERNEL_MODES = ("kernel", "reference", "null")
 
 
+@dataclass(eq=False)
 class ThreadExecutor(Executor):
     """Run a graph for real with ``units[kind]`` engine units per engine kind (one pool thread each).
 
@@ -63,38 +65,30 @@ class ThreadExecutor(Executor):
     """
 
     name = "threaded"
+    units: Mapping[str, int] | None = None
+    _: KW_ONLY
+    policy: Policy | None = None
+    ctx: ExecContext | None = None
+    observers: Iterable[Observer] = ()
+    kernels: str = "kernel"
+    stall_timeout: float = 60.0
+    workers: int | None = None
+    intra_op_threads: int | None = None
+    pause_gc: bool = True
 
-    def __init__(
-        self,
-        units: Mapping[str, int] | None = None,
-        *,
-        policy: Policy | None = None,
-        ctx: ExecContext | None = None,
-        observers: Iterable[Observer] = (),
-        kernels: str = "kernel",
-        stall_timeout: float = 60.0,
-        workers: int | None = None,
-        intra_op_threads: int | None = None,
-        pause_gc: bool = True,
-    ):
-        if kernels not in KERNEL_MODES:
-            raise ScheduleError(f"kernels must be one of {KERNEL_MODES}, got {kernels!r}")
-        if units is not None and any(int(n) <= 0 for n in units.values()):
-            raise ScheduleError(f"every engine needs at least one unit, got {dict(units)}")
-        if not stall_timeout > 0:
-            raise ScheduleError(f"stall_timeout must be positive, got {stall_timeout!r}")
-        for name, n in (("workers", workers), ("intra_op_threads", intra_op_threads)):
+    def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_MODES:
+            raise ScheduleError(f"kernels must be one of {KERNEL_MODES}, got {self.kernels!r}")
+        if self.units is not None and any(int(n) <= 0 for n in self.units.values()):
+            raise ScheduleError(f"every engine needs at least one unit, got {dict(self.units)}")
+        if not self.stall_timeout > 0:
+            raise ScheduleError(f"stall_timeout must be positive, got {self.stall_timeout!r}")
+        for name, n in (("workers", self.workers), ("intra_op_threads", self.intra_op_threads)):
             if n is not None and n <= 0:
                 raise ScheduleError(f"{name} must be positive, got {n!r}")
-        self.units = {k: int(n) for k, n in units.items()} if units is not None else None
-        self.policy = policy
-        self.ctx = ctx or ExecContext()
-        self.observers = list(observers)
-        self.kernels = kernels
-        self.stall_timeout = float(stall_timeout)
-        self.workers = workers
-        self.intra_op_threads = intra_op_threads
-        self.pause_gc = pause_gc
+        self.units = {k: int(n) for k, n in self.units.items()} if self.units is not None else None
+        self.ctx, self.observers = self.ctx or ExecContext(), list(self.observers)
+        self.stall_timeout = float(self.stall_timeout)
 
     def run(self, graph: TaskGraph, inputs: Mapping[str, torch.Tensor] | None = None) -> RunResult:
         return self._run(graph, inputs, None)
@@ -121,33 +115,36 @@ class ThreadExecutor(Executor):
         # each run gets its own policy state, so one executor may run several graphs at once
         policy = copy.copy(self.policy) if self.policy is not None else FIFO()
         core = Core(graph, units, policy)
-
-        def run(calls: list[Call] | None) -> tuple[Recorder, _Log]:  # (the inputs are checked by now)
-            rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
-                           world_size=self.ctx.world_size, kernels=self.kernels)
-            return rec, _Run(graph, units, core, calls, self, rec, cancel).execute()
-        with gc_paused(self.pause_gc), _torch_threads(self.intra_op_threads):
-            if self.kernels == "null":
-                bufs: dict[str, torch.Tensor] = {}
-                rec, records = run(None)
-            else:
-                make = kernel_call if self.kernels == "kernel" else reference_call
-                with bound_plan(graph, make, self.ctx, inputs) as (plan, bufs):
-                    rec, records = run(plan.calls)
-            trace = rec.finish(columns=_by_start(graph, records, self.ctx.rank))
+        make = {"kernel": kernel_call, "reference": reference_call}.get(self.kernels)  # None: run nothing
+        bound = bound_plan(graph, make, self.ctx, inputs) if make else nullcontext((None, {}))
+        threads = torch.get_num_threads()  # the caller's count again after the run (workers change it)
+        if self.intra_op_threads:
+            torch.set_num_threads(self.intra_op_threads)
+        try:
+            with gc_paused(self.pause_gc), bound as (plan, bufs):
+                rec = Recorder(graph, self.observers, mode="execute", clock="wall", units=units, rank=self.ctx.rank,
+                               world_size=self.ctx.world_size, kernels=self.kernels)
+                records = _Run(graph, units, core, plan and plan.calls, self, rec, cancel).execute()
+                trace = rec.finish(columns=_by_start(graph, records, self.ctx.rank))
+        finally:
+            torch.set_num_threads(threads)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs} if bufs else {}, trace, bufs)
 
 
-def _by_start(graph: TaskGraph, log: _Log, rank: int):
-    """Trace columns of a run's log, ordered by start (ties: task id)."""
-    tid, start, end = (np.frombuffer(c, dtype=c.typecode) for c in log[:3])
-    unit = np.repeat(*zip(*log[3])) if log[3] else np.zeros(0, dtype=np.int64)
+def _by_start(graph: TaskGraph, logs: list[_Log], rank: int):
+    """Trace columns of a run's logs, ordered by start (ties: task id)."""
+    cols = [array(c) for c in "qdd"]
+    for _, *log in logs:
+        for col, part in zip(cols, log):
+            col.extend(part)
+    tid, start, end = (np.frombuffer(c, dtype=c.typecode) for c in cols)
+    unit = np.repeat([log[0] for log in logs], [len(log[1]) for log in logs]).astype(np.int64)
     order = np.lexsort((tid, start))
     return columns_of(graph, tid[order], unit[order], start[order], end[order], rank)
 
 
-_Log = tuple[array, array, array, list]
-"""A run's log: task ids, starts and ends (array columns), then (unit, tasks) per engine unit in turn."""
+_Log = tuple[int, array, array, array]
+"""One engine unit's log: its number, then the ids, starts and ends of the tasks it ran."""
 
 
 SMALL_KERNEL_FLOPS = 2.0 ** 24
@@ -161,19 +158,6 @@ def _small_kernels(graph: TaskGraph) -> bool:
         flops = [c.flops for c in graph.costs() if c.flops]
         return sum(flops) / len(flops) if flops else 0.0
     return graph.cached("mean_task_flops", mean) < SMALL_KERNEL_FLOPS
-
-
-@contextmanager
-def _torch_threads(n: int | None) -> Iterator[None]:
-    """The caller's torch thread count is its own again after the run (workers change the
-    count new threads start with)."""
-    saved = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 class _Worker:
@@ -215,10 +199,8 @@ class _Pool:
         with self.lock:
             if self.closed:
                 raise ExecutionError("the thread executor's worker pool is closed (the interpreter is exiting)")
-            take = min(n, len(self.idle))
-            workers = self.idle[len(self.idle) - take:]
-            del self.idle[len(self.idle) - take:]
-            for _ in range(n - take):
+            workers = [self.idle.pop() for _ in range(min(n, len(self.idle)))]
+            for _ in range(n - len(workers)):
                 self.started += 1
                 workers.append(_Worker(self.started))
         for w in workers:
@@ -243,14 +225,11 @@ class _Pool:
         for w in idle:
             w.thread.join(max(0.0, deadline - time.monotonic()))
 
-    def forget(self) -> None:
-        """In a forked child: the parent's threads do not exist here."""
-        self.__init__()
 
 
 _POOL = _Pool()
 atexit.register(_POOL.close)
-os.register_at_fork(after_in_child=_POOL.forget)
+os.register_at_fork(after_in_child=_POOL.__init__)  # a forked child has none of the parent's threads
 
 
 class _Run:
@@ -281,11 +260,11 @@ class _Run:
         self.threads = ex.intra_op_threads or (1 if ex.kernels == "null" or _small_kernels(graph)
                                                else max(1, torch.get_num_threads() // max(1, self.n_workers)))
 
-    def execute(self) -> _Log:
-        """Run every task; return the run's log."""
+    def execute(self) -> list[_Log]:
+        """Run every task; return the log of each engine unit."""
         core = self.core
         if not core.is_active:
-            return array("q"), array("d"), array("d"), []
+            return []
         stall = self.ex.stall_timeout
         with self.lock:
             self.inside.update(_POOL.start(self._work, self.n_workers))
@@ -300,7 +279,8 @@ class _Run:
                         self.cancelled = True
                         self._stop(ExecutionError(f"run of graph {self.graph.name!r} was cancelled"))
                     elif self.error is None and time.perf_counter() - last_progress > stall:
-                        self._stop(self._deadlock())
+                        self._stop(core.deadlock(f"graph {self.graph.name!r} made no progress for {stall:g} s; "
+                                                 f"{core.remaining} tasks not done"))
         except BaseException as e:  # e.g. KeyboardInterrupt in the caller: stop the workers too
             with self.lock:
                 self.cancelled = True
@@ -315,14 +295,7 @@ class _Run:
             self._report_abandoned()
         if self.error is not None:
             raise self.error
-        tid, start, end, units = array("q"), array("d"), array("d"), []
-        for logs in self.logs.values():
-            for unit, (t, s, e) in enumerate(logs):
-                tid.extend(t)
-                start.extend(s)
-                end.extend(e)
-                units.append((unit, len(t)))
-        return tid, start, end, units
+        return [(unit, *log) for logs in self.logs.values() for unit, log in enumerate(logs)]
 
     def _report_abandoned(self) -> None:
         """Name the workers left inside a kernel (they rejoin the pool when it returns)."""
@@ -337,10 +310,6 @@ class _Run:
             self.error.args = (f"{self.error}; {note}",)
         elif hasattr(self.error, "add_note"):  # the caller's KeyboardInterrupt, say
             self.error.add_note(f"megaloom: {note}")
-
-    def _deadlock(self) -> DeadlockError:
-        return self.core.deadlock(f"graph {self.graph.name!r} made no progress for {self.ex.stall_timeout:g} s; "
-                                  f"{self.core.remaining} tasks not done")
 
     def _stop(self, error: BaseException | None = None) -> None:
         """Record the run's first error, if any, and wake every worker so it leaves."""

@@ -143,7 +143,10 @@ class Trainer:
         self.eval_start = self.eval_data.state() if self.eval_data else None  # every evaluation reads from here
         self.mesh = meshes.build(self.dims, self.comm, par["backend"], lambda c: TimedCommunicator(c, self.clock))
         self.balance = Balance(cfg["moe"], self.base_model.config)
-        self.swaps = self._apply_plan()
+        lp = cfg["low_precision"]
+        if cfg["replace"]["rules"] or (lp["linear"] or lp["format"]) != "none":
+            from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
+            apply_config_plan(self.base_model, cfg, self.log, self.mesh.ep)  # validates and applies both plans
         self.balance.attach(self.base_model)
         self.parallel = setup(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
                               self.mesh, self.clock, self.log, self._probe)
@@ -160,14 +163,6 @@ class Trainer:
         self.metrics = MetricsLog(run["out_dir"], self.step, run["tensorboard"]) if self.rank == 0 else None
 
     # -- set-up -------------------------------------------------------------------
-    def _apply_plan(self) -> list[Any]:
-        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.models.plan`)."""
-        lp = self.cfg["low_precision"]
-        if not self.cfg["replace"]["rules"] and (lp["linear"] or lp["format"]) == "none":
-            return []
-        from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
-        return apply_config_plan(self.base_model, self.cfg, self.log, self.mesh.ep)
-
     def _micro_batches(self, stream: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, labels, position ids) of each micro-batch of the next step of ``stream``: micro-batch
         ``m`` is global micro-batch ``data_rank * accum + m`` (so one rank accumulating D micro-batches reads what D

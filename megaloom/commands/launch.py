@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from megaloom.commands import stop_signals
+from megaloom.commands import require_positive, stop_signals
 from megaloom.runtime.errors import ConfigError
 
 
@@ -41,8 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    require_positive(args, "nproc")
     if args.port is not None and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be a TCP port in 1..65535, got {args.port}")
     if not args.grace >= 0:

@@ -88,10 +88,11 @@ def lr_factor(step: int, sched: dict) -> float:
     return floor + (1.0 - floor) * shape
 
 
-def causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None, cp_rank: int = 0,
+                   cp_size: int = 1) -> torch.Tensor:
     """Mean next-token cross entropy of ``tokens [B, S+1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``; packed
-    documents: their ``positions``)."""
-    total, count = lm_loss(model, *split(tokens, positions, 0, 1))
+    documents: their ``positions``), over context-parallel rank ``cp_rank``'s part of the sequence."""
+    total, count = lm_loss(model, *split(tokens, positions, cp_rank, cp_size))
     return total / count
 
 
@@ -178,8 +179,7 @@ class Trainer:
         d = self.cfg["data"]
         tokens = torch.randint(0, self.vocab, (d["batch_size"], d["seq_len"] + 1),
                                generator=torch.Generator().manual_seed(self.seed))
-        total, count = lm_loss(self.base_model, *split(tokens, None, self.mesh.coord("cp"), self.dims.cp))
-        return total / count
+        return causal_lm_loss(self.base_model, tokens, None, self.mesh.coord("cp"), self.dims.cp)
 
     # -- one step -----------------------------------------------------------------
     def train_step(self) -> StepRecord:

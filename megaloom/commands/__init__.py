@@ -1,7 +1,10 @@
 """CLI subcommands, one module each."""
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import signal
+import threading
+from typing import Any, Callable, Iterator
 
 from megaloom.runtime.errors import ConfigError
 
@@ -20,3 +23,22 @@ def require_positive(args: Any, *names: str) -> None:
            if getattr(args, n) is not None and getattr(args, n) <= 0]
     if bad:
         raise ConfigError("; ".join(bad))
+
+
+@contextlib.contextmanager
+def stop_signals(on_stop: Callable[[int], None]) -> Iterator[list[int]]:
+    """Within the block, SIGINT and SIGTERM call ``on_stop(signum)`` and are added to the yielded list; the
+    previous handlers come back after it. Outside the main thread (which alone may handle signals) nothing changes."""
+    stopped_by: list[int] = []
+
+    def handle(signum: int, frame: Any) -> None:
+        stopped_by.append(signum)
+        on_stop(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+    try:
+        yield stopped_by
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

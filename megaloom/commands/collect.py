@@ -9,10 +9,10 @@ absent; give ``megaloom launch --trace-key`` the same file) only the launched ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import signal
-import threading
 
-from megaloom.commands import require_positive, write_file
+from megaloom.commands import require_positive, stop_signals, write_file
 from megaloom.comm.stream import MAX_BYTES, MAX_EVENTS, MAX_MESSAGE, Collector, read_key
 from megaloom.runtime.files import check_outputs
 from megaloom.runtime.trace import Trace
@@ -45,22 +45,10 @@ def run(args: argparse.Namespace) -> int:
     check_outputs([args.out, args.perfetto], (), args.force)
     col = Collector(args.bind, max_message=args.max_message, max_events=args.max_events, max_bytes=args.max_bytes,
                     key=read_key(args.key, create=True) if args.key else None, ranks=args.ranks)
-    stopped_by: list[int] = []
-
-    def stop(signum: int, frame) -> None:
-        stopped_by.append(signum)
-        col.stop()
-
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may handle signals
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     print(f"collecting on {col.endpoint}", flush=True)
-    try:
+    with stop_signals(lambda _: col.stop()) as stopped_by, contextlib.closing(col):
         trace = col.run(args.ranks, idle=args.idle, duration=args.duration, every=args.save_every,
                         save=lambda t: write_file(Trace.save, t, args.out))
-    finally:
-        col.close()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     write_file(Trace.save, trace, args.out)
     if args.perfetto:
         write_file(write_chrome, trace, args.perfetto)

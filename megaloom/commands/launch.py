@@ -21,9 +21,9 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
+from megaloom.commands import require_positive, stop_signals
 from megaloom.runtime.errors import ConfigError
 
 
@@ -41,8 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
+    require_positive(args, "nproc")
     if args.port is not None and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be a TCP port in 1..65535, got {args.port}")
     if not args.grace >= 0:
@@ -54,32 +53,21 @@ def run(args: argparse.Namespace) -> int:
 
     port, key = args.port or free_port(), read_key(args.trace_key) if args.trace_key else None
     procs: list[subprocess.Popen] = []
-    stopped_by: list[int] = []
-
-    def forward(signum: int, frame) -> None:
-        stopped_by.append(signum)
-        for p in procs:
-            _signal(p, signum)
-
-    main_thread = threading.current_thread() is threading.main_thread()  # only it may handle signals
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
-    try:
-        for rank in range(args.nproc):
-            if stopped_by:
-                break
-            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                       LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                       **rank_env(rank, args.trace, key))
-            procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True,
-                                          preexec_fn=die_with(os.getpid())))
-        return _supervise(procs, args.grace, stopped_by)
-    finally:
-        for p in procs:  # nothing outlives the launcher
-            if p.poll() is None:
-                _signal(p, signal.SIGKILL)
+    with stop_signals(lambda signum: _signal(procs, signum)) as stopped_by:
+        try:
+            for rank in range(args.nproc):
+                if stopped_by:
+                    break
+                env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                           LOCAL_WORLD_SIZE=str(args.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                           **rank_env(rank, args.trace, key))
+                procs.append(subprocess.Popen([sys.executable, args.script, *args.args], env=env,
+                                              start_new_session=True, preexec_fn=die_with(os.getpid())))
+            return _supervise(procs, args.grace, stopped_by)
+        finally:
+            _signal(procs, signal.SIGKILL)  # nothing outlives the launcher
+            for p in procs:
                 p.wait()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _supervise(procs: list[subprocess.Popen], grace: float, stopped_by: list[int]) -> int:
@@ -99,16 +87,16 @@ def _supervise(procs: list[subprocess.Popen], grace: float, stopped_by: list[int
         if all(rc is not None for rc in codes):
             return code
         if since is not None and now - since > grace:
-            for p in procs:
-                if p.poll() is None:
-                    _signal(p, signal.SIGKILL)
+            _signal(procs, signal.SIGKILL)
         time.sleep(0.05)
 
 
-def _signal(p: subprocess.Popen, signum: int) -> None:
-    """Send ``signum`` to a rank's process group (the rank and what it started)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(p.pid, signum)
+def _signal(procs: list[subprocess.Popen], signum: int) -> None:
+    """Send ``signum`` to the process group (the rank and what it started) of every rank still running."""
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signum)
 
 
 def _exit_code(returncode: int) -> int:

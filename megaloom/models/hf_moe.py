@@ -125,10 +125,6 @@ class MoEBlockParts:
     def fused(self) -> bool:
         return not isinstance(self.experts, nn.ModuleList)
 
-    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts' weights in MegaMoE's layout (see :func:`expert_weights`)."""
-        return expert_weights(self.experts)
-
 
 def expert_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gate_up [E, H, 2I], down [E, I, H])`` in MegaMoE's layout of a fused or ModuleList experts module:
@@ -294,7 +290,7 @@ def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module |
     if experts is None:
         from megaloom.graphs.moe.reference import moe_reference
 
-        y = moe_reference(x, indices, weights, *parts.weights(), parts.act)
+        y = moe_reference(x, indices, weights, *expert_weights(parts.experts), parts.act)
     else:
         y = experts(x, indices, weights)
     y = y.reshape(hidden.shape)

@@ -5,6 +5,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 from typing import Any, TextIO
 
@@ -27,13 +28,8 @@ def peak_memory_mib() -> float:
     """Peak memory since :func:`reset_peak_memory`, in MiB: CUDA's allocated peak, else the peak resident set."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         return torch.cuda.max_memory_allocated() / 2**20
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, AttributeError), open("/proc/self/status") as f:  # no VmHWM line: None.group
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -88,10 +88,11 @@ def lr_factor(step: int, sched: dict) -> float:
     return floor + (1.0 - floor) * shape
 
 
-def causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+def causal_lm_loss(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor | None = None, cp_rank: int = 0,
+                   cp_size: int = 1) -> torch.Tensor:
     """Mean next-token cross entropy of ``tokens [B, S+1]`` (inputs ``[:, :-1]``, labels ``[:, 1:]``; packed
-    documents: their ``positions``)."""
-    total, count = lm_loss(model, *split(tokens, positions, 0, 1))
+    documents: their ``positions``), over context-parallel rank ``cp_rank``'s part of the sequence."""
+    total, count = lm_loss(model, *split(tokens, positions, cp_rank, cp_size))
     return total / count
 
 
@@ -143,7 +144,10 @@ class Trainer:
         self.eval_start = self.eval_data.state() if self.eval_data else None  # every evaluation reads from here
         self.mesh = meshes.build(self.dims, self.comm, par["backend"], lambda c: TimedCommunicator(c, self.clock))
         self.balance = Balance(cfg["moe"], self.base_model.config)
-        self.swaps = self._apply_plan()
+        lp = cfg["low_precision"]
+        if cfg["replace"]["rules"] or (lp["linear"] or lp["format"]) != "none":
+            from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
+            apply_config_plan(self.base_model, cfg, self.log, self.mesh.ep)  # validates and applies both plans
         self.balance.attach(self.base_model)
         self.parallel = setup(self.base_model, par, self.mesh.world or TimedCommunicator(self.comm, self.clock),
                               self.mesh, self.clock, self.log, self._probe)
@@ -160,14 +164,6 @@ class Trainer:
         self.metrics = MetricsLog(run["out_dir"], self.step, run["tensorboard"]) if self.rank == 0 else None
 
     # -- set-up -------------------------------------------------------------------
-    def _apply_plan(self) -> list[Any]:
-        """Validate and apply ``replace`` + ``low_precision`` (see :mod:`megaloom.models.plan`)."""
-        lp = self.cfg["low_precision"]
-        if not self.cfg["replace"]["rules"] and (lp["linear"] or lp["format"]) == "none":
-            return []
-        from megaloom.models.plan import apply_config_plan  # imports the graphs and mxfp8 layers
-        return apply_config_plan(self.base_model, self.cfg, self.log, self.mesh.ep)
-
     def _micro_batches(self, stream: Any) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """This rank's (inputs, labels, position ids) of each micro-batch of the next step of ``stream``: micro-batch
         ``m`` is global micro-batch ``data_rank * accum + m`` (so one rank accumulating D micro-batches reads what D
@@ -183,8 +179,7 @@ class Trainer:
         d = self.cfg["data"]
         tokens = torch.randint(0, self.vocab, (d["batch_size"], d["seq_len"] + 1),
                                generator=torch.Generator().manual_seed(self.seed))
-        total, count = lm_loss(self.base_model, *split(tokens, None, self.mesh.coord("cp"), self.dims.cp))
-        return total / count
+        return causal_lm_loss(self.base_model, tokens, None, self.mesh.coord("cp"), self.dims.cp)
 
     # -- one step -----------------------------------------------------------------
     def train_step(self) -> StepRecord:

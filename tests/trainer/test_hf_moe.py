@@ -7,7 +7,8 @@ from torch import nn
 
 from megaloom.train.config import validate
 from megaloom.graphs.moe import moe_reference
-from megaloom.models.hf_moe import behaviour_problems, block_forward, block_parts, build_model, is_moe_block, read_block
+from megaloom.models.hf_moe import (behaviour_problems, block_forward, block_parts, build_model, expert_weights,
+                                    is_moe_block, read_block)
 from megaloom.runtime.errors import ConfigError
 
 from .tiny import FAMILIES, max_rel_err
@@ -34,7 +35,7 @@ def test_parts_are_the_models_tensors_and_forward_matches(kind):
     assert type(b).__name__ == BLOCKS[kind]
     parts = block_parts(b)
     assert parts.experts is b.experts and parts.router is b.gate  # identity, no copy
-    gate_up, down = parts.weights()
+    gate_up, down = expert_weights(parts.experts)
     assert gate_up._base is b.experts.gate_up_proj and down._base is b.experts.down_proj  # views
     assert (parts.num_experts, parts.hidden, parts.inter, parts.top_k) == (8, 64, 32, 2)
     assert (parts.shared is not None) == (kind in ("qwen2_moe", "deepseek_v3"))
@@ -111,7 +112,7 @@ def test_a_modulelist_block_of_any_class_is_read_by_structure():
     parts = block_parts(b)
     assert not parts.fused and parts.router_name == "router" and parts.shared is b.shared_experts
     assert behaviour_problems(b, parts) == []
-    gate_up, down = parts.weights()
+    gate_up, down = expert_weights(parts.experts)
     assert gate_up.shape == (4, 32, 32) and down.shape == (4, 16, 32)
     x = torch.randn(3, 32, requires_grad=True)
     got = block_forward(parts, x)

@@ -65,13 +65,18 @@ class Schedule:
 
 def parse_units(text: str) -> dict[str, int]:
     """``"cube=24,vector=48,comm=4"`` as a dict; bad items raise ConfigError."""
-    out = parse_options(text, what="unit count")
-    for k, v in out.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
-            raise ConfigError(f"bad unit count '{k}={v}': expected ENGINE=N with N a positive integer at most {MAX_UNITS}")
+    out = checked_units(parse_options(text, what="unit count"))
     if not out:
         raise ConfigError(f"no unit counts in {text!r}: expected e.g. cube=24,vector=48,comm=4")
     return out
+
+
+def checked_units(units: Mapping[str, object]) -> dict[str, int]:
+    """``units`` as a dict when every count is an integer from 1 to MAX_UNITS, else ConfigError naming it."""
+    for k, v in units.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
+            raise ConfigError(f"units[{k!r}] must be a positive integer at most {MAX_UNITS}, got {v!r}")
+    return dict(units)
 
 
 class Simulator:
@@ -88,11 +93,7 @@ class Simulator:
                  observers: Iterable[Observer] = (), progress: Progress | None = None, progress_every: int = 65536,
                  fast: bool = True):
         self.profile = load_profile(profile)
-        self.units = dict(self.profile.units)
-        for e, n in (units or {}).items():
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
-                raise ConfigError(f"units[{e!r}] must be a positive integer at most {MAX_UNITS}, got {n!r}")
-            self.units[e] = n
+        self.units = {**self.profile.units, **checked_units(units or {})}
         self.policy = make_policy(policy)
         self.cost_model = cost_model if cost_model is not None else CostModel(self.profile)
         self.observers = list(observers)

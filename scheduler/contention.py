@@ -17,26 +17,25 @@ done, so every start or end of another task moves its end. Durations measured on
 run as measured and are not counted.
 
 The compiled loop has no such clock: a run whose contention can slow a task (:func:`applies`)
-takes :func:`run`, a Python loop over the same Core with the same dispatch order; when nothing
-is slowed it gives the plain loops' schedule exactly. :func:`work` is the inverse, for fitting:
-each recorded event's full-speed work, from the overlaps in its trace.
+takes the simulator's Python loop, which calls :func:`rescale` at every instant to set the
+running tasks' speeds; when nothing is slowed it gives the plain loops' schedule exactly.
+:func:`work` is the inverse, for fitting: each recorded event's full-speed work, from the
+overlaps in its trace.
 """
 from __future__ import annotations
 
+from heapq import heapify
 from itertools import product
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from megaloom.runtime.core import Core, task_engines
+from megaloom.runtime.core import task_engines
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import MOVERS
 from megaloom.runtime.trace import TraceEvent
 from megaloom.scheduler.cost import DURATION_ATTR
 from megaloom.scheduler.profile import Contention
-
-if TYPE_CHECKING:
-    from megaloom.scheduler.simulator import Simulator
 
 
 def measured(graph: TaskGraph) -> list[bool]:
@@ -52,60 +51,30 @@ def applies(c: Contention | None, units: dict[str, int], graph: TaskGraph) -> bo
     return binds and not all(measured(graph))
 
 
-def run(sim: Simulator, core: Core, graph: TaskGraph,
-        dur: Sequence[float]) -> tuple[list[float], list[int], list[int], list[float]]:
-    """``(start, unit, order, durations)`` of ``graph`` under ``sim.cost_model.contention``
-    (``durations``: as they came out, ``dur`` where nothing slowed a task). Dispatch as the
-    simulator's loop: every free unit, in engine then unit order, before the clock moves;
-    completions of one instant in dispatch order. ``sim.progress`` is called once, at the end."""
-    c: Contention = sim.cost_model.contention
-    engine = task_engines(graph)
-    shares = [e in c.engines and not m for e, m in zip(engine, measured(graph))]
-    moves = [e in MOVERS and not m for e, m in zip(engine, measured(graph))]
-    slowed = [e not in MOVERS and not m for e, m in zip(engine, measured(graph))]
-    n = len(dur)
-    start, unit_of, order, took = [0.0] * n, [0] * n, [], list(dur)
-    end: dict[int, float] = {}    # by dispatch number, of each running task: when it ends at its speed now
-    speed: dict[int, float] = {}
-    free = {e: list(range(k - 1, -1, -1)) for e, k in sim.units.items()}  # unit 0 on top
-    per_unit = getattr(sim.policy, "per_unit", False)
-    now, shared, comm = 0.0, 0, 0
-    while True:
-        for e, f in free.items():
-            for u in f[::-1]:
-                tid = core.pop(e, u)
-                if tid < 0:
-                    if per_unit:
-                        continue  # each unit has its own queue
-                    break
-                f.remove(u)
-                start[tid], unit_of[tid] = now, u
-                end[len(order)], speed[len(order)] = now + dur[tid], 1.0
-                order.append(tid)
-                shared += shares[tid]
-                comm += moves[tid]
-        if not end:
-            break
-        share = min(1.0, c.cores / shared) if shared else 1.0
-        slow = 1.0 / (1.0 + c.overlap) if comm else 1.0
-        for seq, was in speed.items():  # a changed speed moves the end of the work left
-            tid = order[seq]
-            v = (share if shares[tid] else 1.0) * (slow if slowed[tid] else 1.0)
-            if v != was:
-                end[seq], speed[seq], took[tid] = now + (end[seq] - now) * was / v, v, -1.0
-        now = min(end.values())
-        for seq in sorted(s for s, t in end.items() if t == now):
-            tid = order[seq]
-            del end[seq], speed[seq]
-            if took[tid] < 0:  # slowed at some point
-                took[tid] = now - start[tid]
-            core.done(tid)
-            free[engine[tid]].append(unit_of[tid])
-            shared -= shares[tid]
-            comm -= moves[tid]
-    if sim.progress is not None:
-        sim.progress(n - core.remaining, n)
-    return start, unit_of, order, took
+def kinds(graph: TaskGraph, c: Contention) -> tuple[list[bool], list[bool], list[bool]]:
+    """Per task, whether it shares the cores, is a comm or copy that slows compute, is compute
+    that comm slows (tasks with a measured duration: none of them)."""
+    both = list(zip(task_engines(graph), measured(graph)))
+    return ([e in c.engines and not m for e, m in both], [e in MOVERS and not m for e, m in both],
+            [e not in MOVERS and not m for e, m in both])
+
+
+def rescale(c: Contention, heap: list[tuple[float, int]], order: Sequence[int], kinds: tuple[list[bool], ...],
+            speed: list[float], took: list[float], now: float) -> None:
+    """Set the speed of each running task (the simulator's completion ``heap`` of ``(end, dispatch
+    number)``) under ``c`` at ``now``: a changed speed moves the end of the work left, and marks the
+    task's ``took`` -1 (its duration is then its end minus its start)."""
+    shares, moves, slowed = kinds
+    running = [order[seq] for _, seq in heap]
+    shared = sum(shares[t] for t in running)
+    share = min(1.0, c.cores / shared) if shared else 1.0
+    slow = 1.0 / (1.0 + c.overlap) if any(moves[t] for t in running) else 1.0
+    for i, (end, seq) in enumerate(heap):
+        tid, was = order[seq], speed[order[seq]]
+        v = (share if shares[tid] else 1.0) * (slow if slowed[tid] else 1.0)
+        if v != was:
+            heap[i], speed[tid], took[tid] = (now + (end - now) * was / v, seq), v, -1.0
+    heapify(heap)
 
 
 def work(events: Sequence[TraceEvent], c: Contention) -> np.ndarray:

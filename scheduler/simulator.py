@@ -22,9 +22,9 @@ Python loop through the shared Core, which stays the specification. ``fast=False
 the Python loop; :attr:`Simulator.last_loop` says which loop the last run used.
 
 Contention: when the cost model's ``contention`` can bind (more units of the engines that
-share cores than cores, or comm slowing compute), the run takes the processor-sharing loop of
-:mod:`megaloom.scheduler.contention` (a Python loop over the same Core; ``last_loop`` is
-``"python"``), never the compiled one.
+share cores than cores, or comm slowing compute), the run takes the Python loop, whose clock
+then shares the cores (:func:`megaloom.scheduler.contention.rescale` sets the running tasks'
+speeds at every instant; ``last_loop`` is ``"python"``), never the compiled one.
 """
 from __future__ import annotations
 
@@ -65,13 +65,18 @@ class Schedule:
 
 def parse_units(text: str) -> dict[str, int]:
     """``"cube=24,vector=48,comm=4"`` as a dict; bad items raise ConfigError."""
-    out = parse_options(text, what="unit count")
-    for k, v in out.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
-            raise ConfigError(f"bad unit count '{k}={v}': expected ENGINE=N with N a positive integer at most {MAX_UNITS}")
+    out = checked_units(parse_options(text, what="unit count"))
     if not out:
         raise ConfigError(f"no unit counts in {text!r}: expected e.g. cube=24,vector=48,comm=4")
     return out
+
+
+def checked_units(units: Mapping[str, object]) -> dict[str, int]:
+    """``units`` as a dict when every count is an integer from 1 to MAX_UNITS, else ConfigError naming it."""
+    for k, v in units.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
+            raise ConfigError(f"units[{k!r}] must be a positive integer at most {MAX_UNITS}, got {v!r}")
+    return dict(units)
 
 
 class Simulator:
@@ -88,11 +93,7 @@ class Simulator:
                  observers: Iterable[Observer] = (), progress: Progress | None = None, progress_every: int = 65536,
                  fast: bool = True):
         self.profile = load_profile(profile)
-        self.units = dict(self.profile.units)
-        for e, n in (units or {}).items():
-            if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
-                raise ConfigError(f"units[{e!r}] must be a positive integer at most {MAX_UNITS}, got {n!r}")
-            self.units[e] = n
+        self.units = {**self.profile.units, **checked_units(units or {})}
         self.policy = make_policy(policy)
         self.cost_model = cost_model if cost_model is not None else CostModel(self.profile)
         self.observers = list(observers)
@@ -125,18 +126,21 @@ class Simulator:
                 return (*out, dur)
         self.last_loop = "python"
         core = Core(graph, self.units, self.policy)
-        if contended:  # tasks that share cores slow each other: a clock of its own
-            start, unit, order, took = contention.run(self, core, graph, dur.tolist())
+        start, unit, order, took = self._loop(core, graph, dur.tolist(), contended)
+        if contended:
             dur = np.asarray(took, dtype=np.float64)
-        else:
-            start, unit, order = self._loop(core, graph, dur.tolist())
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")
         return start, unit, order, dur
 
-    def _loop(self, core: Core, graph: TaskGraph, dur: list[float]) -> tuple[list[float], list[int], list[int]]:
+    def _loop(self, core: Core, graph: TaskGraph, dur: list[float],
+              contended: bool) -> tuple[list[float], list[int], list[int], list[float]]:
+        """``(start, unit, order, durations)``; ``contended``: the running tasks' speeds follow
+        :func:`contention.rescale` (``durations`` as they came out; else ``dur`` itself)."""
         n = len(dur)
+        took, speed = (list(dur), [1.0] * n) if contended else (dur, None)
+        kinds = contention.kinds(graph, self.cost_model.contention) if contended else None
         engine = task_engines(graph)
         start = [0.0] * n
         unit_of = [0] * n
@@ -180,18 +184,19 @@ class Simulator:
             if len(order) >= mark:
                 progress(n - core.remaining, n)
                 mark += every
-            # retire every completion at the next instant
-            now, seq = heappop(heap)
-            tid = order[seq]
-            done(tid)
-            free_of[tid].append(unit_of[tid])
-            while heap and heap[0][0] == now:
+            if contended:  # the tasks running now set each one's speed, and so when it ends
+                contention.rescale(self.cost_model.contention, heap, order, kinds, speed, took, now)
+            now, seq = heap[0]  # retire every completion at the next instant (the first even if NaN)
+            while seq >= 0:
                 tid = order[heappop(heap)[1]]
+                seq = heap[0][1] if heap and heap[0][0] == now else -1
                 done(tid)
                 free_of[tid].append(unit_of[tid])
+                if contended and took[tid] < 0:  # slowed at some point
+                    took[tid] = now - start[tid]
         if progress is not None:
             progress(n - core.remaining, n)
-        return start, unit_of, order
+        return start, unit_of, order, took
 
     @gc_paused()
     def run(self, graph: TaskGraph, *, validate: bool = True, durations: list[float] | None = None) -> RunResult:

@@ -178,10 +178,7 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
     owner = [(r, t) for r, g in enumerate(graphs) for t in range(len(g))] + [None] * len(rdv)
     offset = [0, *accumulate(map(len, graphs))]  # the world id of each rank's task 0
     for r, g in enumerate(graphs):
-        for kind in g.engines():
-            if units.get(kind, 0) <= 0:
-                raise ScheduleError(f"rank {r}: graph {g.name!r} uses engine kind {kind!r} with no units; given {dict(units)}")
-            world_units[rank_engine(kind, r)] = units[kind]
+        world_units.update({rank_engine(kind, r): units[kind] for kind in g.engines() if kind in units})  # Core checks
         costs = g.costs()
         for t, d in zip(g.tasks, durs[r]):
             w.task(t.op, name=f"r{r}/{t.name}", engine=rank_engine(t.engine, r), attrs={DURATION_ATTR: d},

@@ -139,7 +139,8 @@ def rounds(candidates: dict[str, Callable[[], object]], repeat: int, few: dict[s
 
 
 def summary(times: dict[str, list[float]], n: int, base: str) -> dict:
-    """Per-task median and range of each candidate, and its median over the baseline's."""
+    """Per-task median and range of each candidate timed at least once, and its median over the baseline's."""
+    times = {name: ts for name, ts in times.items() if ts}
     med = {name: statistics.median(ts) for name, ts in times.items()}
     return {name: {"us_per_task": _us(med[name], n), "range_us": [_us(min(ts), n), _us(max(ts), n)],
                    f"vs_{base}": round(med[name] / med[base], 3)} for name, ts in times.items()}

@@ -6,8 +6,8 @@ the asked-for run has more (the gradient all-reduces of a data-parallel group). 
 re-simulates the events, so whatever waits on a changed task moves with it.
 
 Aim: ``speedup`` and ``remove`` patterns match a task's engine kind, class label, op, name,
-launching CPU op (``launched_by``) or CPU op (``op``), as case-blind globs (``attn*``,
-``aten::mm``, ``flash``); ``scope`` limits them (and ``dims``, ``cuda_graphs``, the expert work
+launching CPU op (``launched_by``), CPU op (``op``) or, for a backward node, the forward op that
+recorded it (``forward``), as case-blind globs (``attn*``, ``aten::mm``, ``flash``); ``scope`` limits them (and ``dims``, ``cuda_graphs``, the expert work
 of ``ep``) to tasks under matching annotations or modules (``experts`` means ``*experts*``).
 A pattern or scope that matches no task is an error naming what the trace has.
 
@@ -35,7 +35,7 @@ KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "cuda_graphs": "op_speed
 """The fidelity kind (benchmarks/whatif_fidelity.py) of each knob: its error bar is printed beside it."""
 BUCKET_BYTES, FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
 """DistributedDataParallel's gradient buckets: the first of 1 MiB, the others of 25 MiB."""
-_NAME_TAGS = ("class", "launched_by", "op")
+_NAME_TAGS = ("class", "launched_by", "op", "forward")
 
 
 def event_width(e: TraceEvent, profile: HardwareProfile, whole_chip: bool) -> float:

@@ -9,6 +9,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.scheduler import load_profile
 from megaloom.scheduler.importers import import_torch_profiler, reshaped
 from megaloom.scheduler.replay import WhatIf, replay
 
@@ -133,3 +134,14 @@ def test_what_if_kinds_and_checks():
                       (WhatIf(hot_experts=("e", -1.0)), "hot experts must be"), (WhatIf(comm_bytes=0), "comm bytes")]:
         with pytest.raises(ConfigError, match=says):
             bad.check()
+
+
+def test_removing_an_op_removes_its_backward_nodes_too(tmp_path):
+    """Dropout's backward is a MulBackward0 node: tagged with the forward op that recorded it, so
+    ``--remove '*dropout*'`` takes it with the forward op."""
+    trace = record(tmp_path, "dropout", dropout=0.5)
+    mine = [e for e in trace.events if e.tags.get("forward") == "aten::dropout"]
+    assert mine and all(e.op.startswith("autograd::engine::") for e in mine)
+    assert any("MulBackward0" in e.op for e in mine)
+    removed = {e.task_id: e for e in WhatIf(remove=("*dropout*",)).apply(trace, load_profile("cpu"), False).events}
+    assert all(removed[e.task_id].end == removed[e.task_id].start for e in mine)

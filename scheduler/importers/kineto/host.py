@@ -29,6 +29,7 @@ from megaloom.scheduler.importers.kineto.read import Slice
 from megaloom.scheduler.importers.kineto.work import backend_work, has_formula, op_work, source, tensor_bytes, total
 
 _P2P_ARGS = re.compile(r"^-?\d+$")
+_BACKWARD = "autograd::engine::"
 
 
 def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
@@ -80,6 +81,8 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
 
 def tasks(m: Model) -> None:
     """Each call as one task, or as pieces cut at launch points and at its sync's return."""
+    m.forward_of = {o.args["Sequence number"]: c.s.name for c in m.calls if not c.s.name.startswith(_BACKWARD)
+                    for o in (c.s, *c.nested) if "Sequence number" in o.args}
     for track, ids in m.thread_calls.items():
         prev, busy, k, at = None, m.thread_busy[track], 0, m.t0
         for ci in ids:
@@ -129,6 +132,8 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
     grad = sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad")
     if grad:
         tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
+    if s.name.startswith(_BACKWARD) and (fwd := m.forward_of.get(s.args.get("Sequence number"))):
+        tags["forward"] = fwd  # the outermost forward op whose autograd node this runs (aten::dropout's MulBackward0)
     cls = cpu_class(s.name)
     shaped = [o for o in nest if "Input Dims" in o.args]
     gemms = [o for o in shaped if has_formula(o.name)]

@@ -81,8 +81,8 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
 
 def tasks(m: Model) -> None:
     """Each call as one task, or as pieces cut at launch points and at its sync's return."""
-    m.forward_of = {o.args["Sequence number"]: c.s.name for c in m.calls if not c.s.name.startswith(_BACKWARD)
-                    for o in (c.s, *c.nested) if "Sequence number" in o.args}
+    m.forward_of = {} if m.has_device else {o.args["Sequence number"]: c.s.name for c in m.calls  # for _cpu_op
+                    if not c.s.name.startswith(_BACKWARD) for o in (c.s, *c.nested) if "Sequence number" in o.args}
     for track, ids in m.thread_calls.items():
         prev, busy, k, at = None, m.thread_busy[track], 0, m.t0
         for ci in ids:

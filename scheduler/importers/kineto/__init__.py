@@ -119,16 +119,11 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     return events, dict(units)
 
 
-def import_torch_profiler(path: str | os.PathLike, rank: int | None = None,
-                          t0: float | None = None) -> tuple[Trace, ImportReport]:
-    """A replayable megaloom trace of a ``torch.profiler`` / Kineto trace file, and its report.
-
-    ``rank`` overrides the trace's ``distributedInfo`` rank; ``t0`` (microseconds on the
-    file's clock) is the time origin, default the file's first event (:func:`import_ranks`
-    passes the earliest of all ranks so ranks keep their relative timing).
-    """
+def import_torch_profiler(path: str | os.PathLike) -> tuple[Trace, ImportReport]:
+    """A replayable megaloom trace of a ``torch.profiler`` / Kineto trace file, and its report;
+    its time origin is the file's first event."""
     with gc_paused():  # millions of parsed objects: collections would dominate the import
-        return _import(read(path), rank, t0)
+        return _import(read(path))
 
 
 def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
@@ -150,10 +145,12 @@ def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
     return m
 
 
-def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, ImportReport]:
+def _import(raw: RawTrace, t0: float | None = None) -> tuple[Trace, ImportReport]:
+    """One file's trace and report; ``t0`` (microseconds on the file's clock): the time origin,
+    default the file's first event (:func:`import_ranks` passes the earliest of all ranks)."""
     path = raw.path
     info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
-    rank = rank if rank is not None else _int(info.get("rank")) or 0
+    rank = _int(info.get("rank")) or 0
     world = _int(info.get("world_size"))
     report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
     if isinstance(raw.header.get("otherData"), dict) and {"graph", "mode"} <= raw.header["otherData"].keys():
@@ -213,7 +210,7 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
     with gc_paused():
         raws = [read(p) for p in paths]
         t0 = min((s.start for r in raws for s in r.slices), default=0.0)
-        traces, reports = (list(x) for x in zip(*(_import(raw, None, t0) for raw in raws)))
+        traces, reports = (list(x) for x in zip(*(_import(raw, t0) for raw in raws)))
     ranks = [t.meta["rank"] for t in traces]
     if len(set(ranks)) != len(ranks):  # several files claim one rank: number them in file order
         for i, (t, rep) in enumerate(zip(traces, reports)):

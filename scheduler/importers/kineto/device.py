@@ -9,7 +9,6 @@ duration), from its own arguments (copies, collectives) or from the launching
 """
 from __future__ import annotations
 
-import bisect
 import math
 from typing import Any
 
@@ -51,20 +50,6 @@ def link_launches(m: Model) -> None:
         call.launched.append(i)
         if call.s.start < op.s.start < call.s.end:
             call.cuts.append(op.s.start)
-
-
-def last_before(m: Model, stream: tuple, c: int) -> int | None:
-    """The last op launched on ``stream`` before correlation id ``c``."""
-    corrs, ids = m.by_corr.get(stream, ((), ()))
-    k = bisect.bisect_left(corrs, c) - 1
-    return ids[k] if k >= 0 else None
-
-
-def first_after(m: Model, stream: tuple, c: int) -> int | None:
-    """The first op launched on ``stream`` after correlation id ``c``."""
-    corrs, ids = m.by_corr.get(stream, ((), ()))
-    k = bisect.bisect_right(corrs, c)
-    return ids[k] if k < len(ids) else None
 
 
 def tasks(m: Model) -> None:

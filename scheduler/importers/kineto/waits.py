@@ -27,7 +27,6 @@ import statistics
 
 from megaloom.runtime.registry import COMM, HOST
 from megaloom.scheduler.importers.kineto.classes import collective, implicit_sync, sync_kind
-from megaloom.scheduler.importers.kineto.device import first_after, last_before
 from megaloom.scheduler.importers.kineto.model import Model, corr, index
 
 LONG_CALL_US = 50.0
@@ -44,6 +43,13 @@ def _to_pageable(copy: str) -> bool:
     """A device-to-host copy into pageable memory: CUDA returns from even an async copy call
     only once such a copy has completed (CUDA runtime API, "API synchronization behavior")."""
     return "DtoH" in copy and "Pageable" in copy
+
+
+def _adjacent(m: Model, stream: tuple, c: int, after: bool = False) -> int | None:
+    """The last op launched on ``stream`` before correlation id ``c`` (``after``: the first one after it)."""
+    corrs, ids = m.by_corr.get(stream, ((), ()))
+    k = bisect.bisect_right(corrs, c) if after else bisect.bisect_left(corrs, c) - 1
+    return ids[k] if 0 <= k < len(ids) else None
 
 
 def _wait(m: Model, ci: int, ops: list, kind: str, inferred: bool = False) -> None:
@@ -68,7 +74,7 @@ def syncs(m: Model) -> None:
                 m.report.count("skipped", "stream waits on an event recorded outside the trace")
                 continue
             recorded.add(c)
-            p, q = last_before(m, (pid, on), rec), first_after(m, stream, c)
+            p, q = _adjacent(m, (pid, on), rec), _adjacent(m, stream, c, after=True)
             if p is None or q is None:
                 m.report.count("skipped", "stream wait on a stream with no op before the event record")
             else:
@@ -79,11 +85,11 @@ def syncs(m: Model) -> None:
             m.report.count("skipped", f"{kind} record without its host call")
             continue
         if kind == "Context Sync":
-            waits = [last_before(m, t, c) for t in streams if pid is None or t[0] == pid]
+            waits = [_adjacent(m, t, c) for t in streams if pid is None or t[0] == pid]
         elif kind == "Stream Sync":
-            waits = [last_before(m, stream, c)]
+            waits = [_adjacent(m, stream, c)]
         elif kind == "Event Sync" and event:
-            waits = [last_before(m, (pid, on), rec)]
+            waits = [_adjacent(m, (pid, on), rec)]
         else:
             m.report.count("skipped", f"{kind} record naming no stream or event")
             continue
@@ -105,9 +111,9 @@ def syncs(m: Model) -> None:
         kind = sync_kind(call.s.name)
         copies = [i for i in call.launched if m.ops[i].s.cat in ("gpu_memcpy", "gpu_memset")]
         if kind == "device":
-            _wait(m, ci, [last_before(m, t, c) for t in streams], "device_sync")
+            _wait(m, ci, [_adjacent(m, t, c) for t in streams], "device_sync")
         elif kind in ("stream", "event"):
-            cands = [w for w in (last_before(m, t, c) for t in streams) if w is not None and m.ops[w].s.end <= call.s.end]
+            cands = [w for w in (_adjacent(m, t, c) for t in streams) if w is not None and m.ops[w].s.end <= call.s.end]
             if cands:
                 _wait(m, ci, [max(cands, key=lambda w: m.ops[w].s.end)], f"{kind}_sync", inferred=True)
         elif copies and (kind == "copy" or any(_to_pageable(m.ops[i].s.name) for i in copies)):

@@ -31,7 +31,7 @@ from megaloom.runtime.registry import COMM
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.importers import Format, register
 from megaloom.scheduler.importers.kineto import device, host, waits
-from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels, op_class
+from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels
 from megaloom.scheduler.importers.kineto.model import Model, Task
 from megaloom.scheduler.importers.kineto.read import RawTrace, read
 from megaloom.scheduler.importers.kineto.work import Work, reshape
@@ -40,7 +40,7 @@ from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
 from megaloom.scheduler.world import COLLECTIVE_OPS
 
-__all__ = ["ImportReport", "import_ranks", "import_torch_profiler", "op_class"]
+__all__ = ["ImportReport", "import_ranks", "import_torch_profiler"]
 
 SOURCE = "torch.profiler"
 _NO_WORK = Work()

@@ -129,11 +129,6 @@ def backend_op(name: str) -> str | None:
     return m[1] if m[1] in ("send", "recv") else collective(m[1]) or m[1]
 
 
-def op_class(name: str, category: str = "cpu_op") -> str:
-    """Engine kind of an event: a device op's class engine, ``host`` for everything on the host."""
-    return device_class(name, category).engine if category in DEVICE_CATEGORIES else HOST
-
-
 def labels() -> list[str]:
     """Every class label (what ``--speedup LABEL=F`` accepts besides engine kinds)."""
     return [c.label for c in (*DEVICE_CLASSES, *CPU_CLASSES, RUNTIME)]

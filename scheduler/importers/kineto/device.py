@@ -80,8 +80,7 @@ def tasks(m: Model) -> None:
                 tags["launched_by"] = call.ops[-1].name
             op.task = m.new(Task(s.name, name, cls.engine, cls.label, track, s.start, s.end, tags=tags, work=work))
     for src, tids in shares.values():  # an op's figures shared among its kernels by recorded duration
-        w = op_work(src.name, src.args)
-        if w is None:
+        if (w := op_work(src.name, src.args)) is None:
             continue
         whole = sum(m.tasks[t].end - m.tasks[t].start for t in tids)
         for t in tids:

@@ -78,7 +78,7 @@ def tasks(m: Model) -> None:
                 tags["link"] = work.link
             if call is not None and call.ops:
                 tags["launched_by"] = call.ops[-1].name
-            op.task = m.new(Task(s.name, name, cls.engine, cls.label, track, s.start, s.end, tags=tags, work=work))
+            op.task = m.new(Task(s.name, name, cls.engine, track, s.start, s.end, tags=tags, work=work))
     for src, tids in shares.values():  # an op's figures shared among its kernels by recorded duration
         if (w := op_work(src.name, src.args)) is None:
             continue

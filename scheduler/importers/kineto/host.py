@@ -95,7 +95,7 @@ def tasks(m: Model) -> None:
                 prev, at = p, t.end
         last = busy[-1][1] if busy else at
         if prev is not None and last > at:  # CPU work after the last call: the thread ends later
-            t = Task("thread end", "thread end", HOST, RUNTIME.label, track, last, last, [prev],
+            t = Task("thread end", "thread end", HOST, track, last, last, [prev],
                      {"category": "end of thread", "class": RUNTIME.label, "thread": track[1]})
             _cpu_time(t, busy, k, at)
             m.new(t)
@@ -179,7 +179,7 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
     rep.split_calls += len(bounds) > 1
     for k, (a, b) in enumerate(bounds):
         piece_tags = dict(tags, piece=k) if len(bounds) > 1 else tags
-        call.pieces.append(m.new(Task(s.name, op, engine, label, track, a, b, [], piece_tags, work)))
+        call.pieces.append(m.new(Task(s.name, op, engine, track, a, b, [], piece_tags, work)))
     if waits:
         piece = call.pieces[wait_piece]
         m.tasks[piece].deps.extend(waits)

@@ -30,7 +30,6 @@ class Task:
     name: str
     op: str
     engine: str
-    label: str
     track: tuple
     start: float
     end: float

@@ -127,8 +127,6 @@ def syncs(m: Model) -> None:
 
 def _implicit(m: Model) -> None:
     """Calls blocked on the device with no sync of their own (see the module docstring)."""
-    if not m.ops:
-        return
     durations: dict[str, list[float]] = {}
     for call in m.calls:
         durations.setdefault(call.s.name, []).append(call.s.end - call.s.start)
@@ -148,12 +146,11 @@ def _implicit(m: Model) -> None:
 def handed_over(m: Model) -> None:
     """A backend thread's collective waits for the ``c10d::`` op that handed it over (the k-th
     of each kind issued, in start order, with the k-th that ran)."""
-    issued: dict[str, list[int]] = {}
-    ran: dict[str, list[int]] = {}
+    issued, ran = {}, {}  # collective kind -> the c10d ops issuing it / the backend's tasks running it
     for i, t in enumerate(m.tasks):
         if t.engine == HOST and t.op.startswith("c10d::") and (kind := collective(t.op)):
             issued.setdefault(kind, []).append(i)
-        elif t.engine == COMM and t.label == "cpu_comm" and "peer" not in t.tags:
+        elif t.engine == COMM and t.tags["class"] == "cpu_comm" and "peer" not in t.tags:
             ran.setdefault(t.op, []).append(i)
     for kind, ids in ran.items():
         ids.sort(key=lambda i: m.tasks[i].start)

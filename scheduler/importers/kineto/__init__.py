@@ -211,8 +211,7 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
         raws = [read(p) for p in paths]
         t0 = min((s.start for r in raws for s in r.slices), default=0.0)
         traces, reports = (list(x) for x in zip(*(_import(raw, t0) for raw in raws)))
-    ranks = [t.meta["rank"] for t in traces]
-    if len(set(ranks)) != len(ranks):  # several files claim one rank: number them in file order
+    if len({t.meta["rank"] for t in traces}) != len(traces):  # several files claim one rank: number them in file order
         for i, (t, rep) in enumerate(zip(traces, reports)):
             rep.notes.append(f"rank {t.meta['rank']} given by several files: numbered {i} by file order")
             for e in t.events:
@@ -247,5 +246,5 @@ def _load(paths: list[Path]) -> tuple[Trace, list[ImportReport]]:
     return import_ranks(paths)
 
 
-register(Format(SOURCE, lambda head: head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["), _load, tuple(labels()),
-                reshape))
+register(Format(SOURCE, lambda head: head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["), _load,
+                tuple(labels()), reshape))

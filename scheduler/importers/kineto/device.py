@@ -45,10 +45,8 @@ def link_launches(m: Model) -> None:
         if ci is None:
             m.report.count("deps", "device op without a recorded launch (stream order only)")
             continue
-        op.call, call = ci, m.calls[ci]
-        call.launched.append(i)
-        if call.s.start < op.s.start < call.s.end:
-            call.cuts.append(op.s.start)
+        op.call = ci
+        m.calls[ci].launched.append(i)
 
 
 def tasks(m: Model) -> None:

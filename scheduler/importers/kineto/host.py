@@ -164,7 +164,8 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
     tags["class"] = label
     waits = [w for w in (m.consistent(m.ops[i].task, s.end, "sync") for i in call.waits) if w is not None]
     ret = max([s.start, *(m.tasks[w].end for w in waits)])  # when the call's wait ended
-    cuts = sorted({*call.cuts, ret} - {s.start})
+    launches = {m.ops[i].s.start for i in call.launched if s.start < m.ops[i].s.start < s.end}  # its kernels' starts
+    cuts = sorted((launches | {ret}) - {s.start})
     bounds = list(zip([s.start, *cuts], [*cuts, s.end]))
     wait_piece = cuts.index(ret) + 1 if ret > s.start else len(cuts)
     if ret > s.start:  # the call waited: the piece before its return lasts nothing (it was waiting)

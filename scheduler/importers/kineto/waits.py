@@ -27,7 +27,7 @@ import statistics
 
 from megaloom.runtime.registry import COMM, HOST
 from megaloom.scheduler.importers.kineto.classes import collective, implicit_sync, sync_kind
-from megaloom.scheduler.importers.kineto.model import Model, corr, index
+from megaloom.scheduler.importers.kineto.model import Call, Model, corr, index
 
 LONG_CALL_US = 50.0
 """A call shorter than this never counts as blocked (nor one under 4x its name's median)."""
@@ -52,8 +52,7 @@ def _adjacent(m: Model, stream: tuple, c: int, after: bool = False) -> int | Non
     return ids[k] if 0 <= k < len(ids) else None
 
 
-def _wait(m: Model, ci: int, ops: list, kind: str, inferred: bool = False) -> None:
-    call = m.calls[ci]
+def _wait(call: Call, ops: list, kind: str, inferred: bool = False) -> None:
     call.waits.extend(o for o in ops if o is not None)
     call.wait_kind, call.wait_inferred = kind, inferred
 
@@ -80,8 +79,8 @@ def syncs(m: Model) -> None:
             else:
                 m.explicit_waits.append((p, q))
             continue
-        call = m.corr_call.get(c)
-        if call is None:
+        ci = m.corr_call.get(c)
+        if ci is None:
             m.report.count("skipped", f"{kind} record without its host call")
             continue
         if kind == "Context Sync":
@@ -94,7 +93,7 @@ def syncs(m: Model) -> None:
             m.report.count("skipped", f"{kind} record naming no stream or event")
             continue
         recorded.add(c)
-        _wait(m, call, waits, kind.lower().replace(" ", "_"))
+        _wait(m.calls[ci], waits, kind.lower().replace(" ", "_"))
     for ids in m.thread_calls.values():  # after a stream wait with no record, the next launched op
         waiting = False
         for ci in ids:
@@ -104,22 +103,22 @@ def syncs(m: Model) -> None:
             elif waiting and call.launched:
                 m.after_wait.add(min(call.launched, key=lambda i: m.ops[i].s.start))
                 waiting = False
-    for ci, call in enumerate(m.calls):
+    for call in m.calls:
         c = corr(call.s)
         if c is None or c in recorded:
             continue
         kind = sync_kind(call.s.name)
         copies = [i for i in call.launched if m.ops[i].s.cat in ("gpu_memcpy", "gpu_memset")]
         if kind == "device":
-            _wait(m, ci, [_adjacent(m, t, c) for t in streams], "device_sync")
+            _wait(call, [_adjacent(m, t, c) for t in streams], "device_sync")
         elif kind in ("stream", "event"):
             cands = [w for w in (_adjacent(m, t, c) for t in streams) if w is not None and m.ops[w].s.end <= call.s.end]
             if cands:
-                _wait(m, ci, [max(cands, key=lambda w: m.ops[w].s.end)], f"{kind}_sync", inferred=True)
+                _wait(call, [max(cands, key=lambda w: m.ops[w].s.end)], f"{kind}_sync", inferred=True)
         elif copies and (kind == "copy" or any(_to_pageable(m.ops[i].s.name) for i in copies)):
             done = [i for i in copies if m.ops[i].s.end <= call.s.end]
             if done:
-                _wait(m, ci, done, "synchronous_copy")
+                _wait(call, done, "synchronous_copy")
             else:
                 m.report.count("skipped", "copy call returned before its copy ended (asynchronous)")
     _implicit(m)
@@ -132,7 +131,7 @@ def _implicit(m: Model) -> None:
         durations.setdefault(call.s.name, []).append(call.s.end - call.s.start)
     typical = {k: statistics.median(v) for k, v in durations.items()}
     keys, ops = index((op.s.end, i) for i, op in enumerate(m.ops))
-    for ci, call in enumerate(m.calls):
+    for call in m.calls:
         s = call.s
         if call.waits or call.wait_kind or s.end - s.start < max(LONG_CALL_US, 4 * typical[s.name]):
             continue
@@ -140,7 +139,7 @@ def _implicit(m: Model) -> None:
         while k >= 0 and ops[k] in call.launched:
             k -= 1
         if k >= 0 and s.start < keys[k] and s.end - keys[k] <= RETURN_US:
-            _wait(m, ci, [ops[k]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
+            _wait(call, [ops[k]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
 
 
 def handed_over(m: Model) -> None:

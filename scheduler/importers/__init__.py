@@ -20,9 +20,6 @@ from megaloom.runtime.trace import Trace
 __all__ = ["FORMATS", "Format", "ImportReport", "import_ranks", "import_torch_profiler", "labels", "load_trace",
            "load_traces", "register", "reshaped"]
 
-Reshape = Callable[[list, Mapping[int, int]], "tuple[float, float] | None"]
-
-
 @dataclass(frozen=True, slots=True)
 class Format:
     """One trace format: ``sniff(head)`` on the file's first 64 bytes; ``load(paths)`` gives one
@@ -34,7 +31,7 @@ class Format:
     sniff: Callable[[bytes], bool]
     load: Callable[[list[Path]], tuple[Trace, list]]
     labels: tuple[str, ...] = ()
-    reshape: Reshape | None = None
+    reshape: Callable[[list, Mapping[int, int]], tuple[float, float] | None] | None = None
     several: bool = True
     """whether several files replay together (one per rank)"""
 
@@ -86,7 +83,7 @@ def load_traces(paths: list[str | os.PathLike]) -> tuple[Trace, list]:
         found = sorted(p for p in Path(paths[0]).iterdir() if p.name.endswith((".json", ".json.gz")))
         if not found:
             raise TraceFormatError(f"{paths[0]}: no .json or .json.gz trace files in this directory")
-        paths = list(found)
+        paths = found
     fmts = [_format(Path(p)) for p in paths]
     if len(paths) > 1 and (len(set(fmts)) > 1 or not fmts[0].several):
         raise TraceFormatError(f"{paths[0]}: several files replay together only as profiler traces of one format "

@@ -1,9 +1,12 @@
 """The class table: every row has real kernel names that land on it, and names that must not."""
 import pytest
 
+from megaloom.scheduler.importers import import_torch_profiler
 from megaloom.scheduler.importers.kineto.classes import (
-    CPU_CLASSES, DEVICE_CLASSES, collective, cpu_class, device_class, op_class, sync_kind,
+    CPU_CLASSES, DEVICE_CLASSES, collective, cpu_class, device_class, sync_kind,
 )
+
+from .kineto import call, cpu, kernel, write
 
 DEVICE_EXAMPLES = {
     "memcpy": [("Memcpy HtoD (Pageable -> Device)", "gpu_memcpy"), ("Memcpy DtoD (Device -> Device)", "gpu_memcpy")],
@@ -60,7 +63,6 @@ def test_every_row_of_the_tables_has_examples():
 def test_device_class(label, name, cat):
     c = device_class(name, cat)
     assert c.label == label, (name, c.label)
-    assert op_class(name, cat) == c.engine
 
 
 @pytest.mark.parametrize("label, name, cat", list(_cases(CPU_EXAMPLES)))
@@ -75,11 +77,14 @@ def test_engines_by_row():
     assert engines["memcpy"] == engines["memset"] == "copy"
 
 
-@pytest.mark.parametrize("name, cat", [("aten::mm", "cpu_op"), ("cudaLaunchKernel", "cuda_runtime"),
-                                       ("c10d::allreduce_", "cpu_op"), ("cudaMemcpyAsync", "cuda_runtime"),
-                                       ("ProfilerStep#1", "user_annotation")])
-def test_host_side_events_are_host_never_compute(name, cat):
-    assert op_class(name, cat) == "host"
+def test_host_side_events_are_host_never_compute(tmp_path):
+    events = [cpu("ProfilerStep#1", 0, 100, cat="user_annotation"), cpu("aten::mm", 1, 20),
+              call("cudaLaunchKernel", 2, 5, 1), cpu("c10d::allreduce_", 30, 20), call("cudaMemcpyAsync", 31, 5, 2),
+              kernel("volta_h884gemm_128x128_ldg8_nn", 10, 5, 1), kernel("Memcpy HtoD", 40, 5, 2, cat="gpu_memcpy")]
+    trace, _ = import_torch_profiler(write(tmp_path / "t.json", events))
+    assert {e.task: e.engine for e in trace.events} == {  # the CPU ops and the annotation are context, not tasks
+        "cudaLaunchKernel": "host", "cudaMemcpyAsync": "host", "thread end": "host",
+        "volta_h884gemm_128x128_ldg8_nn": "cube", "Memcpy HtoD": "copy"}
 
 
 @pytest.mark.parametrize("name, kind", [

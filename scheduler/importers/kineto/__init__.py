@@ -31,7 +31,7 @@ from megaloom.runtime.registry import COMM
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.importers import Format, register
 from megaloom.scheduler.importers.kineto import device, host, waits
-from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels, op_class
+from megaloom.scheduler.importers.kineto.classes import DEVICE_CATEGORIES, labels
 from megaloom.scheduler.importers.kineto.model import Model, Task
 from megaloom.scheduler.importers.kineto.read import RawTrace, read
 from megaloom.scheduler.importers.kineto.work import Work, reshape
@@ -40,7 +40,7 @@ from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
 from megaloom.scheduler.world import COLLECTIVE_OPS
 
-__all__ = ["ImportReport", "import_ranks", "import_torch_profiler", "op_class"]
+__all__ = ["ImportReport", "import_ranks", "import_torch_profiler"]
 
 SOURCE = "torch.profiler"
 _NO_WORK = Work()
@@ -119,16 +119,11 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     return events, dict(units)
 
 
-def import_torch_profiler(path: str | os.PathLike, rank: int | None = None,
-                          t0: float | None = None) -> tuple[Trace, ImportReport]:
-    """A replayable megaloom trace of a ``torch.profiler`` / Kineto trace file, and its report.
-
-    ``rank`` overrides the trace's ``distributedInfo`` rank; ``t0`` (microseconds on the
-    file's clock) is the time origin, default the file's first event (:func:`import_ranks`
-    passes the earliest of all ranks so ranks keep their relative timing).
-    """
+def import_torch_profiler(path: str | os.PathLike) -> tuple[Trace, ImportReport]:
+    """A replayable megaloom trace of a ``torch.profiler`` / Kineto trace file, and its report;
+    its time origin is the file's first event."""
     with gc_paused():  # millions of parsed objects: collections would dominate the import
-        return _import(read(path), rank, t0)
+        return _import(read(path))
 
 
 def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
@@ -150,10 +145,12 @@ def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
     return m
 
 
-def _import(raw: RawTrace, rank: int | None, t0: float | None) -> tuple[Trace, ImportReport]:
+def _import(raw: RawTrace, t0: float | None = None) -> tuple[Trace, ImportReport]:
+    """One file's trace and report; ``t0`` (microseconds on the file's clock): the time origin,
+    default the file's first event (:func:`import_ranks` passes the earliest of all ranks)."""
     path = raw.path
     info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
-    rank = rank if rank is not None else _int(info.get("rank")) or 0
+    rank = _int(info.get("rank")) or 0
     world = _int(info.get("world_size"))
     report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
     if isinstance(raw.header.get("otherData"), dict) and {"graph", "mode"} <= raw.header["otherData"].keys():
@@ -213,9 +210,8 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
     with gc_paused():
         raws = [read(p) for p in paths]
         t0 = min((s.start for r in raws for s in r.slices), default=0.0)
-        traces, reports = (list(x) for x in zip(*(_import(raw, None, t0) for raw in raws)))
-    ranks = [t.meta["rank"] for t in traces]
-    if len(set(ranks)) != len(ranks):  # several files claim one rank: number them in file order
+        traces, reports = (list(x) for x in zip(*(_import(raw, t0) for raw in raws)))
+    if len({t.meta["rank"] for t in traces}) != len(traces):  # several files claim one rank: number them in file order
         for i, (t, rep) in enumerate(zip(traces, reports)):
             rep.notes.append(f"rank {t.meta['rank']} given by several files: numbered {i} by file order")
             for e in t.events:
@@ -250,5 +246,5 @@ def _load(paths: list[Path]) -> tuple[Trace, list[ImportReport]]:
     return import_ranks(paths)
 
 
-register(Format(SOURCE, lambda head: head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["), _load, tuple(labels()),
-                reshape))
+register(Format(SOURCE, lambda head: head[:2] == b"\x1f\x8b" or head.lstrip()[:1] in (b"{", b"["), _load,
+                tuple(labels()), reshape))

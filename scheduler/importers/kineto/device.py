@@ -9,7 +9,6 @@ duration), from its own arguments (copies, collectives) or from the launching
 """
 from __future__ import annotations
 
-import bisect
 import math
 from typing import Any
 
@@ -47,24 +46,7 @@ def link_launches(m: Model) -> None:
             m.report.count("deps", "device op without a recorded launch (stream order only)")
             continue
         op.call = ci
-        call = m.calls[ci]
-        call.launched.append(i)
-        if call.s.start < op.s.start < call.s.end:
-            call.cuts.append(op.s.start)
-
-
-def last_before(m: Model, stream: tuple, c: int) -> int | None:
-    """The last op launched on ``stream`` before correlation id ``c``."""
-    corrs, ids = m.by_corr.get(stream, ((), ()))
-    k = bisect.bisect_left(corrs, c) - 1
-    return ids[k] if k >= 0 else None
-
-
-def first_after(m: Model, stream: tuple, c: int) -> int | None:
-    """The first op launched on ``stream`` after correlation id ``c``."""
-    corrs, ids = m.by_corr.get(stream, ((), ()))
-    k = bisect.bisect_right(corrs, c)
-    return ids[k] if k < len(ids) else None
+        m.calls[ci].launched.append(i)
 
 
 def tasks(m: Model) -> None:
@@ -93,10 +75,9 @@ def tasks(m: Model) -> None:
                 tags["link"] = work.link
             if call is not None and call.ops:
                 tags["launched_by"] = call.ops[-1].name
-            op.task = m.new(Task(s.name, name, cls.engine, cls.label, track, s.start, s.end, tags=tags, work=work))
+            op.task = m.new(Task(s.name, name, cls.engine, track, s.start, s.end, tags=tags, work=work))
     for src, tids in shares.values():  # an op's figures shared among its kernels by recorded duration
-        w = op_work(src.name, src.args)
-        if w is None:
+        if (w := op_work(src.name, src.args)) is None:
             continue
         whole = sum(m.tasks[t].end - m.tasks[t].start for t in tids)
         for t in tids:

@@ -95,7 +95,7 @@ def tasks(m: Model) -> None:
                 prev, at = p, t.end
         last = busy[-1][1] if busy else at
         if prev is not None and last > at:  # CPU work after the last call: the thread ends later
-            t = Task("thread end", "thread end", HOST, RUNTIME.label, track, last, last, [prev],
+            t = Task("thread end", "thread end", HOST, track, last, last, [prev],
                      {"category": "end of thread", "class": RUNTIME.label, "thread": track[1]})
             _cpu_time(t, busy, k, at)
             m.new(t)
@@ -118,17 +118,15 @@ def _cpu_time(t: Task, busy: list[list[float]], k: int, since: float) -> int:
 
 def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
     """Engine, class label, op and figures of a top-level CPU op of a trace with no device."""
-    s = call.s
-    nest = [s, *call.nested]
-    comm = next(((o, k) for o in nest if (k := backend_op(o.name))), None)
-    if comm is not None:
-        o, kind = comm
-        if kind in ("send", "recv"):
-            vals = s.args.get("Concrete Inputs") or []
-            peer = [int(v) for v in vals[2:4] if isinstance(v, str) and _P2P_ARGS.match(v)]
-            if len(peer) == 2:
-                tags.update(peer=peer[0], tag=peer[1])
-        return COMM, "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
+    s, nest = call.s, [call.s, *call.nested]
+    for o in nest:  # a backend's collective annotation in its nest: a comm task
+        if kind := backend_op(o.name):
+            if kind in ("send", "recv"):
+                vals = s.args.get("Concrete Inputs") or []
+                peer = [int(v) for v in vals[2:4] if isinstance(v, str) and _P2P_ARGS.match(v)]
+                if len(peer) == 2:
+                    tags.update(peer=peer[0], tag=peer[1])
+            return COMM, "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
     grad = sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad")
     if grad:
         tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
@@ -144,12 +142,11 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
             srcs, end = srcs + [o], o.end
     if srcs:
         tags["sources"] = [source(o.name, o.args) for o in srcs]
-    work = total([op_work(o.name, o.args) for o in srcs])
     if cls.engine == COMM:  # it only handed the collective to a backend thread
         return HOST, RUNTIME.label, s.name, None
     if inner and cls.label == "cpu_op":
         cls = cpu_class("aten::mm")
-    return cls.engine, cls.label, s.name, work
+    return cls.engine, cls.label, s.name, total([op_work(o.name, o.args) for o in srcs])
 
 
 def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
@@ -157,9 +154,8 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
     zero-length host part, then the return after the waiting)."""
     s, rep = call.s, m.report
     tags: dict[str, Any] = {"category": s.cat or "uncategorised", "thread": s.tid}
-    op, work = s.name, None
     if m.has_device or s.cat in RUNTIME_CATEGORIES:
-        engine, label = HOST, RUNTIME.label
+        engine, label, op, work = HOST, RUNTIME.label, s.name, None
     else:
         engine, label, op, work = _cpu_op(m, call, tags)
         if s.cat not in ("cpu_op", "") and not backend_op(s.name):
@@ -168,7 +164,8 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
     tags["class"] = label
     waits = [w for w in (m.consistent(m.ops[i].task, s.end, "sync") for i in call.waits) if w is not None]
     ret = max([s.start, *(m.tasks[w].end for w in waits)])  # when the call's wait ended
-    cuts = sorted({*call.cuts, ret} - {s.start})
+    launches = {m.ops[i].s.start for i in call.launched if s.start < m.ops[i].s.start < s.end}  # its kernels' starts
+    cuts = sorted((launches | {ret}) - {s.start})
     bounds = list(zip([s.start, *cuts], [*cuts, s.end]))
     wait_piece = cuts.index(ret) + 1 if ret > s.start else len(cuts)
     if ret > s.start:  # the call waited: the piece before its return lasts nothing (it was waiting)
@@ -183,7 +180,7 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
     rep.split_calls += len(bounds) > 1
     for k, (a, b) in enumerate(bounds):
         piece_tags = dict(tags, piece=k) if len(bounds) > 1 else tags
-        call.pieces.append(m.new(Task(s.name, op, engine, label, track, a, b, [], piece_tags, work)))
+        call.pieces.append(m.new(Task(s.name, op, engine, track, a, b, [], piece_tags, work)))
     if waits:
         piece = call.pieces[wait_piece]
         m.tasks[piece].deps.extend(waits)

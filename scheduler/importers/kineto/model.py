@@ -30,7 +30,6 @@ class Task:
     name: str
     op: str
     engine: str
-    label: str
     track: tuple
     start: float
     end: float
@@ -47,7 +46,6 @@ class Call:
     anns: tuple
     ops: tuple  # enclosing CPU ops, outermost first
     nested: list[Slice] = field(default_factory=list)
-    cuts: list[float] = field(default_factory=list)
     waits: list[int] = field(default_factory=list)  # device-op indices a sync waits for
     wait_kind: str = ""
     wait_inferred: bool = False

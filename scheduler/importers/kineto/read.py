@@ -145,24 +145,20 @@ def read(path: str | os.PathLike) -> RawTrace:
 
 
 def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
-    slices: list[Slice] = []
-    flows: list[dict] = []
-    syncs: list[dict] = []
+    slices, flows, syncs = [], [], []  # Slice, flow event, sync record
     skipped: Counter[str] = Counter()
     open_b: dict[tuple, list[tuple[int, Slice]]] = {}  # begun slices by track, ended by their ``E``
     last_ts: dict[tuple, float] = {}
     for i, e in enumerate(events):
         if type(e) is not dict:
             raise _bad(i, f"expected an object, got {type(e).__name__}")
-        ph, cat, pid, tid = e.get("ph"), e.get("cat", ""), e.get("pid"), e.get("tid")
+        ph, cat, pid, tid = e.get("ph"), str(e.get("cat", "")), e.get("pid"), e.get("tid")
         if ph != "X":
             if type(ph) is not str:
                 raise _bad(i, "missing phase 'ph'")
             if ph in _UNUSED_PHASES:
                 skipped[_UNUSED_PHASES[ph]] += 1
                 continue
-        if type(cat) is not str:
-            cat = str(cat)
         if type(pid) not in _TRACK or type(tid) not in _TRACK:
             raise _bad(i, "pid/tid must be numbers or strings")
         if ph == "X":

@@ -29,8 +29,7 @@ import statistics
 
 from megaloom.runtime.registry import COMM, HOST
 from megaloom.scheduler.importers.kineto.classes import collective, implicit_sync, sync_kind
-from megaloom.scheduler.importers.kineto.device import first_after, last_before
-from megaloom.scheduler.importers.kineto.model import Model, corr, index
+from megaloom.scheduler.importers.kineto.model import Call, Model, corr, index
 
 LONG_CALL_US = 50.0
 """A call shorter than this never counts as blocked (nor one under 4x its name's median)."""
@@ -48,8 +47,14 @@ def _to_pageable(copy: str) -> bool:
     return "DtoH" in copy and "Pageable" in copy
 
 
-def _wait(m: Model, ci: int, ops: list, kind: str, inferred: bool = False) -> None:
-    call = m.calls[ci]
+def _adjacent(m: Model, stream: tuple, c: int, after: bool = False) -> int | None:
+    """The last op launched on ``stream`` before correlation id ``c`` (``after``: the first one after it)."""
+    corrs, ids = m.by_corr.get(stream, ((), ()))
+    k = bisect.bisect_right(corrs, c) if after else bisect.bisect_left(corrs, c) - 1
+    return ids[k] if 0 <= k < len(ids) else None
+
+
+def _wait(call: Call, ops: list, kind: str, inferred: bool = False) -> None:
     call.waits.extend(o for o in ops if o is not None)
     call.wait_kind, call.wait_inferred = kind, inferred
 
@@ -70,27 +75,27 @@ def syncs(m: Model) -> None:
                 m.report.count("skipped", "stream waits on an event recorded outside the trace")
                 continue
             recorded.add(c)
-            p, q = last_before(m, (pid, on), rec), first_after(m, stream, c)
+            p, q = _adjacent(m, (pid, on), rec), _adjacent(m, stream, c, after=True)
             if p is None or q is None:
                 m.report.count("skipped", "stream wait on a stream with no op before the event record")
             else:
                 m.explicit_waits.append((p, q))
             continue
-        call = m.corr_call.get(c)
-        if call is None:
+        ci = m.corr_call.get(c)
+        if ci is None:
             m.report.count("skipped", f"{kind} record without its host call")
             continue
         if kind == "Context Sync":
-            waits = [last_before(m, t, c) for t in streams if pid is None or t[0] == pid]
+            waits = [_adjacent(m, t, c) for t in streams if pid is None or t[0] == pid]
         elif kind == "Stream Sync":
-            waits = [last_before(m, stream, c)]
+            waits = [_adjacent(m, stream, c)]
         elif kind == "Event Sync" and event:
-            waits = [last_before(m, (pid, on), rec)]
+            waits = [_adjacent(m, (pid, on), rec)]
         else:
             m.report.count("skipped", f"{kind} record naming no stream or event")
             continue
         recorded.add(c)
-        _wait(m, call, waits, kind.lower().replace(" ", "_"))
+        _wait(m.calls[ci], waits, kind.lower().replace(" ", "_"))
     for ids in m.thread_calls.values():  # after a stream wait with no record, the next launched op
         waiting = False
         for ci in ids:
@@ -100,22 +105,22 @@ def syncs(m: Model) -> None:
             elif waiting and call.launched:
                 m.after_wait.add(min(call.launched, key=lambda i: m.ops[i].s.start))
                 waiting = False
-    for ci, call in enumerate(m.calls):
+    for call in m.calls:
         c = corr(call.s)
         if c is None or c in recorded:
             continue
         kind = sync_kind(call.s.name)
         copies = [i for i in call.launched if m.ops[i].s.cat in ("gpu_memcpy", "gpu_memset")]
         if kind == "device":
-            _wait(m, ci, [last_before(m, t, c) for t in streams], "device_sync")
+            _wait(call, [_adjacent(m, t, c) for t in streams], "device_sync")
         elif kind in ("stream", "event"):
-            cands = [w for w in (last_before(m, t, c) for t in streams) if w is not None and m.ops[w].s.end <= call.s.end]
+            cands = [w for w in (_adjacent(m, t, c) for t in streams) if w is not None and m.ops[w].s.end <= call.s.end]
             if cands:
-                _wait(m, ci, [max(cands, key=lambda w: m.ops[w].s.end)], f"{kind}_sync", inferred=True)
+                _wait(call, [max(cands, key=lambda w: m.ops[w].s.end)], f"{kind}_sync", inferred=True)
         elif copies and (kind == "copy" or any(_to_pageable(m.ops[i].s.name) for i in copies)):
             done = [i for i in copies if m.ops[i].s.end <= call.s.end]
             if done:
-                _wait(m, ci, done, "synchronous_copy")
+                _wait(call, done, "synchronous_copy")
             else:
                 m.report.count("skipped", "copy call returned before its copy ended (asynchronous)")
     _implicit(m)
@@ -123,14 +128,12 @@ def syncs(m: Model) -> None:
 
 def _implicit(m: Model) -> None:
     """Calls blocked on the device with no sync of their own (see the module docstring)."""
-    if not m.ops:
-        return
     durations: dict[str, list[float]] = {}
     for call in m.calls:
         durations.setdefault(call.s.name, []).append(call.s.end - call.s.start)
     typical = {k: statistics.median(v) for k, v in durations.items()}
     keys, ops = index((op.s.end, i) for i, op in enumerate(m.ops))
-    for ci, call in enumerate(m.calls):
+    for call in m.calls:
         s = call.s
         if call.waits or call.wait_kind or s.end - s.start < max(LONG_CALL_US, 4 * typical[s.name]):
             continue
@@ -138,19 +141,18 @@ def _implicit(m: Model) -> None:
         while k >= 0 and ops[k] in call.launched:
             k -= 1
         if k >= 0 and s.start < keys[k] and s.end - keys[k] <= RETURN_US:
-            _wait(m, ci, [ops[k]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
+            _wait(call, [ops[k]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
 
 
 def handed_over(m: Model) -> dict[int, int]:
     """A backend thread's collective waits for the ``c10d::`` op that handed it over (the k-th
     of each kind issued, in start order, with the k-th that ran); returns op -> collective."""
     handed: dict[int, int] = {}
-    issued: dict[str, list[int]] = {}
-    ran: dict[str, list[int]] = {}
+    issued, ran = {}, {}  # collective kind -> the c10d ops issuing it / the backend's tasks running it
     for i, t in enumerate(m.tasks):
         if t.engine == HOST and t.op.startswith("c10d::") and (kind := collective(t.op)):
             issued.setdefault(kind, []).append(i)
-        elif t.engine == COMM and t.label == "cpu_comm" and "peer" not in t.tags:
+        elif t.engine == COMM and t.tags["class"] == "cpu_comm" and "peer" not in t.tags:
             ran.setdefault(t.op, []).append(i)
     for kind, ids in ran.items():
         ids.sort(key=lambda i: m.tasks[i].start)

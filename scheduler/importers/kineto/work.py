@@ -156,10 +156,8 @@ def has_formula(name: str) -> bool:
 def total(works: list[Work | None]) -> Work | None:
     """The sum of several ops' figures (at the first one's precision), or None when none has any."""
     ws = [w for w in works if w is not None]
-    if not ws:
-        return None
     return Work(sum(w.flops for w in ws), sum(w.bytes for w in ws), sum(w.comm_bytes for w in ws), ws[0].precision,
-                ws[0].link)
+                ws[0].link) if ws else None
 
 
 def sources_work(sources: list, dims: dict[int, int] | None = None) -> Work | None:

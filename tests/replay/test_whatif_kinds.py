@@ -11,6 +11,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from megaloom.runtime.errors import ConfigError
+from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler import load_profile
 from megaloom.scheduler.importers import import_torch_profiler, reshaped
 from megaloom.scheduler.replay import WhatIf, replay
@@ -149,12 +150,14 @@ def test_removing_an_op_removes_its_backward_nodes_too(tmp_path):
     assert all(removed[e.task_id].end == removed[e.task_id].start for e in mine)
 
 
-def test_ranks_sharing_the_host_share_its_cores(a):
-    """The ``cpu`` profile's 2 cores: one rank alone, or two (each its own), replay as before;
-    four on the host give each half a core, so every task of the step takes twice as long."""
-    alone = replay(a, whatif=WhatIf(dp=2)).trace.makespan
-    for n, slower in [(1, 1.0), (2, 1.0), (4, 2.0)]:
-        assert replay(a, whatif=WhatIf(dp=2, host_ranks=n)).trace.makespan == pytest.approx(alone * slower, rel=0.02)
+def test_ranks_sharing_the_host_share_its_cores():
+    """The ``cpu`` profile's 2 cores: a GEMM and an all-reduce that ran side by side, then an
+    add. Alone or beside one more rank, each task has its core; four ranks give each two."""
+    trace = Trace([TraceEvent(0, "mm", "mm", "cube", 0, 0, 0.0, 10e-6),
+                   TraceEvent(1, "ar", "all_reduce", "comm", 0, 0, 0.0, 10e-6),
+                   TraceEvent(2, "add", "add", "vector", 0, 0, 10e-6, 14e-6, deps=[0, 1])], {"profile": "cpu"})
+    for n, span in [(1, 14), (2, 24), (4, 48)]:  # 2 ranks: mm and ar at half speed (20 us), then add (4 us)
+        assert replay(trace, whatif=WhatIf(host_ranks=n)).trace.makespan == pytest.approx(span * 1e-6)
     no_cores = dataclasses.replace(load_profile("cpu"), contention=None)
     with pytest.raises(ConfigError, match="has no contention section"):
-        replay(a, recorded_profile=no_cores, whatif=WhatIf(host_ranks=2))
+        replay(trace, recorded_profile=no_cores, whatif=WhatIf(host_ranks=2))

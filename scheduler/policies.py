@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from heapq import heappop, heappush
+from itertools import cycle
 from typing import Any, Callable, Sequence
 
 from megaloom.runtime.core import FIFO, Policy, task_engines
@@ -65,8 +66,10 @@ class DurationAware:
     ``cost_model``, or from the ``cpu`` profile when none is given.
     """
 
-    cost_model: Any = None
     _given: list[float] | None = None
+
+    def __init__(self, cost_model: Any = None):
+        self.cost_model = cost_model
 
     def use_durations(self, durations: Sequence[float]) -> None:
         self._given = list(durations)
@@ -75,8 +78,7 @@ class DurationAware:
         given, self._given = self._given, None
         if given is not None and len(given) == len(graph.tasks):
             return given
-        if self.cost_model is None:
-            self.cost_model = CostModel("cpu")
+        self.cost_model = self.cost_model or CostModel("cpu")
         return self.cost_model.durations(graph)
 
 
@@ -100,9 +102,6 @@ class CriticalPathPolicy(DurationAware, _Keyed):
 
     name = "critical_path"
 
-    def __init__(self, cost_model: Any = None):
-        self.cost_model = cost_model
-
     def keys(self, graph: TaskGraph) -> list[float]:
         return [-r for r in upward_rank(graph, self.durations(graph))]
 
@@ -123,29 +122,25 @@ class StaticPolicy(DurationAware, Policy):
     def __init__(self, assign: str = "round_robin", cost_model: Any = None):
         if assign not in self.ASSIGN:
             raise ConfigError(f"static policy: assign must be one of {self.ASSIGN}, got {assign!r}")
+        super().__init__(cost_model)
         self.assign = assign
-        self.cost_model = cost_model
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._queues: dict[str, list[deque[int]]] = {e: [deque() for _ in range(n)] for e, n in units.items()}
         self._ready = bytearray(len(graph.tasks))
         durs = self.durations(graph) if self.assign == "balanced" else None
         load = {e: [0.0] * n for e, n in units.items()}
-        turn = dict.fromkeys(units, 0)
-        for tid in graph.topological_order():
+        turn = {e: cycle(range(n)) for e, n in units.items()}
+        for tid in graph.topological_order():  # the core checked that every engine kind has units
             t = graph.tasks[tid]
-            n = units.get(t.engine, 0)
-            if n <= 0:
-                continue  # the core reports engines without units
             if "unit" in t.tags:
-                u = int(t.tags["unit"]) % n
-            elif durs is not None:
-                ld = load[t.engine]
-                u = min(range(n), key=ld.__getitem__)
-                ld[u] += durs[tid]
+                u = int(t.tags["unit"]) % units[t.engine]
+            elif durs is None:
+                u = next(turn[t.engine])
             else:
-                u = turn[t.engine] % n
-                turn[t.engine] += 1
+                ld = load[t.engine]
+                u = ld.index(min(ld))  # the first least loaded
+                ld[u] += durs[tid]
             self._queues[t.engine][u].append(tid)
 
     def push(self, tid: int) -> None:

@@ -63,8 +63,9 @@ def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
     return (float(o), float(s)) if s > 0 else None
 
 
-def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray) -> OpFit:
-    """Fit one op class from its samples (flops, bytes, measured seconds)."""
+def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray, latency: float = 0.0) -> OpFit:
+    """Fit one op class from its samples (flops, bytes, measured seconds); ``latency`` is added
+    to the fitted overhead (the residuals are those of the fit)."""
     candidates: list[OpCoeffs] = []
     fl, by = _line(flops, d) if flops.any() else None, _line(nbytes, d) if nbytes.any() else None
     if fl:
@@ -83,7 +84,7 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
         if best is None or score < best[0] - 1e-12:  # ties go to the simpler, earlier candidate
             best = (score, c, err)
     _, c, err = best
-    return OpFit(op, engine, c, len(d), float(np.median(err)), float(err.max()))
+    return OpFit(op, engine, replace(c, overhead=c.overhead + latency), len(d), float(np.median(err)), float(err.max()))
 
 
 def dispatch_latency(traces: Iterable[Trace]) -> float:
@@ -92,15 +93,13 @@ def dispatch_latency(traces: Iterable[Trace]) -> float:
     gaps = []
     for t in traces:
         end = {(e.rank, e.task_id): e.end for e in t.events}
-        unit_free: dict[tuple, float] = {}
+        last: dict[tuple, list[float]] = {}  # per unit: the end of its latest task
         for e in sorted(t.events, key=lambda e: e.start):
             key = (e.rank, e.engine, e.unit)
-            waits = [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end]
-            if key in unit_free:
-                waits.append(unit_free[key])
+            waits = [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end] + last.get(key, [])
             if waits and max(waits) <= e.start:
                 gaps.append(e.start - max(waits))
-            unit_free[key] = e.end
+            last[key] = [e.end]
     return float(np.mean(gaps)) if gaps else 0.0
 
 
@@ -121,10 +120,8 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
-    fits = {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T)
+    return {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T, latency)
             for op, r in sorted(rows.items()) if len(r) >= min_samples}
-    return {op: replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
-            for op, f in fits.items()}
 
 
 def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:

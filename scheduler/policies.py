@@ -175,7 +175,7 @@ class ExpertInterleavePolicy(Policy):
         self._group = [int(t.tags["group"]) if "group" in t.tags else
                        int(t.tags["expert"]) // self.group_size if "expert" in t.tags else -1 for t in graph.tasks]
         self._queues: dict[str, dict[int, deque[int]]] = {e: {} for e in units}  # group -> its ready tasks
-        self._last: dict[str, int | None] = dict.fromkeys(units)  # the group served last
+        self._last: dict[str, float] = dict.fromkeys(units, float("-inf"))  # the group served last
 
     def push(self, tid: int) -> None:
         self._queues[self._engine[tid]].setdefault(self._group[tid], deque()).append(tid)
@@ -184,8 +184,7 @@ class ExpertInterleavePolicy(Policy):
         ready = [g for g, q in self._queues[engine].items() if q]
         if not ready:
             return -1
-        last = self._last[engine]
-        g = self._last[engine] = min((g for g in ready if last is None or g > last), default=min(ready))
+        g = self._last[engine] = min((g for g in ready if g > self._last[engine]), default=min(ready))
         return self._queues[engine][g].popleft()
 
     def has_ready(self, engine: str) -> bool:

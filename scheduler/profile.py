@@ -139,8 +139,9 @@ class HardwareProfile:
                 **({"contention": self.contention.to_dict()} if self.contention else {})}
 
 
-def checked_units(units: Mapping[Any, object], name: Callable[[str], str] = "units[{!r}]".format) -> dict[str, int]:
-    """``units`` when every count is an integer from 1 to MAX_UNITS, else ConfigError naming the ``name`` of its key."""
+def checked_units(units: Mapping[Any, Any], name: Callable[[str], str] = "units[{!r}]".format) -> dict[str, int]:
+    """``units`` when every count is an integer from 1 to MAX_UNITS, else ConfigError naming
+    ``name`` of its key."""
     for k, v in units.items():
         if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
             raise ConfigError(f"{name(k)} must be a positive integer at most {MAX_UNITS}, got {v!r}")

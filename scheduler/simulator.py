@@ -132,11 +132,10 @@ class Simulator:
         took, speed = (list(dur), [1.0] * n) if contended else (dur, None)
         kinds = contention.kinds(graph, self.cost_model.contention) if contended else None
         engine = task_engines(graph)
-        start = [0.0] * n
-        unit_of = [0] * n
+        start, unit_of = [0.0] * n, [0] * n  # by task id
         order: list[int] = []
         heap: list[tuple[float, int]] = []
-        free = {e: list(range(n - 1, -1, -1)) for e, n in self.units.items()}  # unit 0 on top
+        free = {e: list(range(k - 1, -1, -1)) for e, k in self.units.items()}  # unit 0 on top
         lanes = list(free.items())
         free_of = [free[e] for e in engine]  # the free-unit stack of each task's engine kind
         per_unit = getattr(self.policy, "per_unit", False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Mapping
 
 from megaloom.runtime.errors import ConfigError
@@ -61,8 +61,7 @@ def _coeffs(op: str, v: OpCoeffs | tuple | Mapping) -> OpCoeffs:
         c = OpCoeffs(*v)
     else:
         raise ConfigError(f"cost override for op {op!r} must be OpCoeffs, (throughput, overhead) or a mapping, got {v!r}")
-    for name in ("throughput", "overhead", "mem_bw"):
-        x = getattr(c, name)
+    for name, x in zip(("throughput", "overhead", "mem_bw"), astuple(c)):
         if x is not None and (not isinstance(x, (int, float)) or x < 0 or (name != "overhead" and x == 0)):
             raise ConfigError(f"cost override for op {op!r}: {name} must be a positive number, got {x!r}")
     return c
@@ -95,8 +94,7 @@ class CostModel:
         if compute is not None and o.throughput is None:
             compute /= width
         elif cost.flops:
-            rate = p.unit_peak(engine, cost.precision) * width if o.throughput is None else o.throughput
-            compute = cost.flops / rate
+            compute = cost.flops / (o.throughput or p.unit_peak(engine, cost.precision) * width)  # a fit is positive
         else:
             compute = 0.0
         memory = cost.bytes / (p.unit_mem_bw(engine) * width if o.mem_bw is None else o.mem_bw)

@@ -104,10 +104,6 @@ def frozen_line(trace: Trace) -> str:
     return f"  frozen (no what-if moves it): {sum(parts.values()):.1%} of the run: {causes}"
 
 
-def _us(x: float) -> str:
-    return f"{x * 1e6:14.1f}"
-
-
 def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-if") -> str:
     """Recorded figures, the identity replay with its error, and a what-if with its ratio to the recording."""
     a, b = identity.recorded, identity.replayed
@@ -117,10 +113,10 @@ def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-
 
     def row(name: str, figure: Callable[[Metrics], float], err: float | None = None) -> str:
         x, y = figure(a), figure(b)
-        line = f"  {name:<22}{_us(x)}{_us(y):>16}{(_rel(x, y) if err is None else err) * 100:>+8.2f}%"
+        line = f"  {name:<22}{x * 1e6:14.1f}{y * 1e6:16.1f}{(_rel(x, y) if err is None else err) * 100:>+8.2f}%"
         if whatif is not None:
             z = figure(whatif)
-            line += f"{_us(z):>16}{(f'{z / x:12.3f}x' if x > 0 else '           -')}"
+            line += f"{z * 1e6:16.1f}{(f'{z / x:12.3f}x' if x > 0 else '           -')}"
         return line
 
     return "\n".join([head, row("makespan", lambda m: m.makespan),

@@ -28,7 +28,8 @@ from megaloom.scheduler.cost import CostModel
 
 
 class _Keyed(Policy):
-    """A heap per engine kind ordered by ``key(tid)`` (smaller first), ties by task id."""
+    """A heap per engine kind ordered by ``key(tid)`` (smaller first), ties by task id
+    (``has_ready`` is the FIFO's: whether the engine's queue, here its heap, holds any)."""
 
     def keys(self, graph: TaskGraph) -> Sequence[Any]:
         raise NotImplementedError
@@ -36,17 +37,14 @@ class _Keyed(Policy):
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._engine = task_engines(graph)
         self._key = self.keys(graph)
-        self._heaps: dict[str, list] = {e: [] for e in units}
+        self._queues = {e: [] for e in units}  # heaps of (key, task id)
 
     def push(self, tid: int) -> None:
-        heappush(self._heaps[self._engine[tid]], (self._key[tid], tid))
+        heappush(self._queues[self._engine[tid]], (self._key[tid], tid))
 
     def pop(self, engine: str, unit: int) -> int:
-        h = self._heaps[engine]
+        h = self._queues[engine]
         return heappop(h)[1] if h else -1
-
-    def has_ready(self, engine: str) -> bool:
-        return bool(self._heaps[engine])
 
 
 class PriorityPolicy(_Keyed):
@@ -151,8 +149,7 @@ class StaticPolicy(DurationAware, Policy):
         return q.popleft() if q and self._ready[q[0]] else -1
 
     def has_ready(self, engine: str) -> bool:
-        ready = self._ready
-        return any(q and ready[q[0]] for q in self._queues[engine])
+        return any(q and self._ready[q[0]] for q in self._queues[engine])
 
 
 class ExpertInterleavePolicy(Policy):
@@ -209,10 +206,10 @@ class RotatedPolicy(_Keyed):
         self.k, self.world = k, world
 
     def keys(self, graph: TaskGraph) -> list[int]:
-        tagged = [t.tags for t in graph.tasks if "rank" in t.tags and "peer" in t.tags]
-        world = self.world or 1 + max((max(int(g["rank"]), int(g["peer"])) for g in tagged), default=0)
-        return [(int(t.tags["peer"]) - int(t.tags["rank"]) - self.k) % world
-                if "rank" in t.tags and "peer" in t.tags else 0 for t in graph.tasks]
+        pairs = [(int(t.tags["rank"]), int(t.tags["peer"])) if "rank" in t.tags and "peer" in t.tags else None
+                 for t in graph.tasks]
+        world = self.world or 1 + max((max(p) for p in pairs if p), default=0)
+        return [(p[1] - p[0] - self.k) % world if p else 0 for p in pairs]
 
 
 POLICIES: Registry[Callable[..., Policy]] = Registry("policy", "megaloom.policies")
@@ -230,8 +227,7 @@ def make_policy(name: str | Policy | None, **opts: Any) -> Policy:
         if opts:
             raise ConfigError(f"policy options {sorted(opts)} given with a ready-made policy {name.name!r}")
         return name
-    cls = POLICIES.get(name)
     try:
-        return cls(**opts)
+        return POLICIES.get(name)(**opts)  # an unknown name: ConfigError
     except TypeError as e:
         raise ConfigError(f"policy {name!r}: bad options {opts}: {e}") from None

@@ -183,15 +183,14 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
     if not isinstance(d["name"], str) or not d["name"]:
         raise ConfigError(f"{where}: key 'name' must be a non-empty string")
     units = checked_units(_mapping(where, "units", d["units"]), lambda e: f"{where}: key 'units.{e}'")
-    peaks: dict[str, dict[str, float]] = {}
-    for e, rates in _mapping(where, "peak", d["peak"]).items():
+    peak = _mapping(where, "peak", d["peak"])
+    for e, rates in peak.items():
         if e not in units:
             raise ConfigError(f"{where}: key 'peak.{e}' names an engine missing from 'units'")
-        peaks[e] = {}
-        for p, v in _mapping(where, f"peak.{e}", rates).items():
-            if p not in FALLBACK:
-                raise ConfigError(f"{where}: key 'peak.{e}.{p}' is not a known precision ({', '.join(FALLBACK)})")
-            peaks[e][p] = _number(where, f"peak.{e}.{p}", v)
+        unknown = sorted(set(_mapping(where, f"peak.{e}", rates)) - set(FALLBACK))
+        if unknown:
+            raise ConfigError(f"{where}: key 'peak.{e}.{unknown[0]}' is not a known precision ({', '.join(FALLBACK)})")
+    peaks = {e: {p: _number(where, f"peak.{e}.{p}", v) for p, v in rates.items()} for e, rates in peak.items()}
     links = {}
     given = _mapping(where, "links", d["links"])
     for k in ("intra", "inter", *(["host"] if "host" in given else [])):  # host <-> device copies: optional
@@ -287,9 +286,8 @@ def profile_files() -> Registry[Path]:
     user files of the same name."""
     files: Registry[Path] = Registry("hardware profile")
     for d in (PACKAGED_DIR, user_profile_dir()):
-        if d.is_dir():
-            for p in sorted(d.glob("*.yaml")):
-                files.register(p.stem, p, replace=True)
+        for p in sorted(d.glob("*.yaml")):  # none from a folder that does not exist
+            files.register(p.stem, p, replace=True)
     return files
 
 
@@ -303,6 +301,4 @@ def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareP
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     s = os.fspath(name_or_path)
-    if s.endswith((".yaml", ".yml")) or os.sep in s:
-        return read_profile(s)
-    return read_profile(profile_files().get(s))
+    return read_profile(s if s.endswith((".yaml", ".yml")) or os.sep in s else profile_files().get(s))

@@ -147,13 +147,12 @@ def fit_table(fits: dict[str, OpFit]) -> str:
         return "-" if x is None or x >= UNBOUNDED else f"{x:.3g} {unit}"
 
     w = max([len(op) for op in fits] + [2]) + 2
-    lines = [f"{'op':<{w}}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
-             f"{'median err':>12}{'max err':>10}"]
-    for f in fits.values():
-        c = f.coeffs
-        lines.append(f"{f.op:<{w}}{f.engine:<8}{f.samples:>8}{rate(c.throughput, 'flop/s'):>16}{rate(c.mem_bw, 'B/s'):>14}"
-                     f"{(c.overhead or 0) * 1e6:>9.1f} us{f.median_rel_error * 100:>11.1f}%{f.max_rel_error * 100:>9.1f}%")
-    return "\n".join(lines)
+    head = (f"{'op':<{w}}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
+            f"{'median err':>12}{'max err':>10}")
+    return "\n".join([head, *(f"{f.op:<{w}}{f.engine:<8}{f.samples:>8}{rate(f.coeffs.throughput, 'flop/s'):>16}"
+                              f"{rate(f.coeffs.mem_bw, 'B/s'):>14}{(f.coeffs.overhead or 0) * 1e6:>9.1f} us"
+                              f"{f.median_rel_error * 100:>11.1f}%{f.max_rel_error * 100:>9.1f}%"
+                              for f in fits.values())])
 
 
 def calibrated_profile(base: HardwareProfile, fits: dict[str, OpFit], name: str | None = None,

@@ -136,7 +136,6 @@ class Simulator:
         order: list[int] = []
         heap: list[tuple[float, int]] = []
         free = {e: list(range(k - 1, -1, -1)) for e, k in self.units.items()}  # unit 0 on top
-        lanes = list(free.items())
         free_of = [free[e] for e in engine]  # the free-unit stack of each task's engine kind
         per_unit = getattr(self.policy, "per_unit", False)
         pop, done, append, has_ready = core.pop, core.done, order.append, self.policy.has_ready
@@ -145,7 +144,7 @@ class Simulator:
         now = 0.0
         while True:
             # hand every free unit a ready task, in engine order then unit order
-            for e, f in lanes:
+            for e, f in free.items():
                 i = len(f) - 1  # the free units from the top of the stack
                 while i >= 0 and (per_unit or has_ready(e)):  # has_ready: cheaper than a pop that comes back empty
                     tid = pop(e, f[i])

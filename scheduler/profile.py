@@ -123,10 +123,9 @@ class HardwareProfile:
 
     def link(self, kind: str = "intra") -> tuple[float, float]:
         """``(alpha_s, beta_Bps)`` of the intra- or inter-node link."""
-        try:
-            return self.links[kind]
-        except KeyError:
-            raise ConfigError(f"profile {self.name!r} has no link {kind!r}; it has {sorted(self.links)}") from None
+        if kind not in self.links:
+            raise ConfigError(f"profile {self.name!r} has no link {kind!r}; it has {sorted(self.links)}")
+        return self.links[kind]
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout of this profile (what :func:`parse_profile` reads)."""

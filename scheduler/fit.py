@@ -75,10 +75,8 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
     if fl and by:
         rest = d - np.maximum(flops * fl[1], nbytes * by[1])
         candidates.append(OpCoeffs(1.0 / fl[1], max(0.0, float(np.median(rest))), 1.0 / by[1]))
-    if not candidates:
-        candidates.append(OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED))
     best = None
-    for c in candidates:
+    for c in candidates or [OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED)]:  # no term: the mean as overhead
         err = np.abs(c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw) - d) / np.maximum(d, 1e-12)
         score = float(np.mean(err ** 2))
         if best is None or score < best[0] - 1e-12:  # ties go to the simpler, earlier candidate

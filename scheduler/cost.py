@@ -87,8 +87,7 @@ class CostModel:
         o = self.overrides.get(op, _NO_FIT)
         if engine in MOVERS:
             alpha, beta = link_override if link_override is not None else p.link(link)
-            rate = beta / p.units.get(engine, 1) * width if o.throughput is None else o.throughput
-            wire = cost.comm_bytes / rate if cost.comm_bytes else 0.0
+            wire = cost.comm_bytes / (o.throughput or beta / p.units.get(engine, 1) * width) if cost.comm_bytes else 0.0
             memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + (alpha + p.task_overhead if o.overhead is None else o.overhead)
         if compute is not None and o.throughput is None:

@@ -107,9 +107,8 @@ def frozen_line(trace: Trace) -> str:
 def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-if") -> str:
     """Recorded figures, the identity replay with its error, and a what-if with its ratio to the recording."""
     a, b = identity.recorded, identity.replayed
-    head = f"  {'(microseconds)':<22}{'recorded':>14}{'identity replay':>16}{'error':>9}"
-    if whatif is not None:
-        head += f"{label:>16}{'vs recorded':>13}"
+    head = (f"  {'(microseconds)':<22}{'recorded':>14}{'identity replay':>16}{'error':>9}"
+            + (f"{label:>16}{'vs recorded':>13}" if whatif is not None else ""))
 
     def row(name: str, figure: Callable[[Metrics], float], err: float | None = None) -> str:
         x, y = figure(a), figure(b)

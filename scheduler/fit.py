@@ -135,8 +135,8 @@ def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[C
         return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
 
     comm = any(e.engine in MOVERS for t in traces for e in t.events)
-    best = min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))
-    return best[1], best[2]  # the first of equal scores: base's figure
+    # the first of equal scores: base's figure
+    return min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))[1:]
 
 
 def fit_table(fits: dict[str, OpFit]) -> str:

@@ -45,10 +45,6 @@ from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
 from megaloom.scheduler.profile import HardwareProfile, checked_units, load_profile
 
-Progress = Callable[[int, int], None]
-"""Called as ``progress(tasks_done, tasks_total)`` every ``progress_every`` dispatches and at the end."""
-
-
 @dataclass(slots=True)
 class Schedule:
     """A simulated schedule as flat lists indexed by task id, plus the dispatch order."""
@@ -76,14 +72,14 @@ class Simulator:
 
     ``policy``: a Policy or a policy name; ``cost_model`` defaults to ``CostModel(profile)``;
     ``observers`` are called like the executors call them (events in completion order);
-    ``progress(done, total)`` is called every ``progress_every`` dispatched tasks;
+    ``progress(done, total)`` is called every ``progress_every`` dispatched tasks and at the end;
     ``fast``: use the compiled loop when the policy allows it (see the module docstring).
     """
 
     def __init__(self, profile: HardwareProfile | str, units: Mapping[str, int] | None = None,
                  policy: Policy | str | None = None, cost_model: CostModel | None = None, *,
-                 observers: Iterable[Observer] = (), progress: Progress | None = None, progress_every: int = 65536,
-                 fast: bool = True):
+                 observers: Iterable[Observer] = (), progress: Callable[[int, int], None] | None = None,
+                 progress_every: int = 65536, fast: bool = True):
         self.profile = load_profile(profile)
         self.units = {**self.profile.units, **checked_units(units or {})}
         self.policy = make_policy(policy)

@@ -35,13 +35,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def _best(fn: Callable[[], object], seconds: float) -> float:
     """The fastest of repeated calls of ``fn`` within about ``seconds`` (at least 3 calls)."""
     fn()  # warm-up
-    best, t_end, n = float("inf"), time.perf_counter() + seconds, 0
-    while n < 3 or time.perf_counter() < t_end:
+    times, t_end = [], time.perf_counter() + seconds
+    while len(times) < 3 or time.perf_counter() < t_end:
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-        n += 1
-    return best
+        times.append(time.perf_counter() - t0)
+    return min(times)
 
 
 def _matmul(dtype: torch.dtype, n: int) -> Callable[[], object]:

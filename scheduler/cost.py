@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Mapping
 
 from megaloom.runtime.errors import ConfigError
@@ -61,8 +61,7 @@ def _coeffs(op: str, v: OpCoeffs | tuple | Mapping) -> OpCoeffs:
         c = OpCoeffs(*v)
     else:
         raise ConfigError(f"cost override for op {op!r} must be OpCoeffs, (throughput, overhead) or a mapping, got {v!r}")
-    for name in ("throughput", "overhead", "mem_bw"):
-        x = getattr(c, name)
+    for name, x in zip(("throughput", "overhead", "mem_bw"), astuple(c)):
         if x is not None and (not isinstance(x, (int, float)) or x < 0 or (name != "overhead" and x == 0)):
             raise ConfigError(f"cost override for op {op!r}: {name} must be a positive number, got {x!r}")
     return c
@@ -88,15 +87,13 @@ class CostModel:
         o = self.overrides.get(op, _NO_FIT)
         if engine in MOVERS:
             alpha, beta = link_override if link_override is not None else p.link(link)
-            rate = beta / p.units.get(engine, 1) * width if o.throughput is None else o.throughput
-            wire = cost.comm_bytes / rate if cost.comm_bytes else 0.0
+            wire = cost.comm_bytes / (o.throughput or beta / p.units.get(engine, 1) * width) if cost.comm_bytes else 0.0
             memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + (alpha + p.task_overhead if o.overhead is None else o.overhead)
         if compute is not None and o.throughput is None:
             compute /= width
         elif cost.flops:
-            rate = p.unit_peak(engine, cost.precision) * width if o.throughput is None else o.throughput
-            compute = cost.flops / rate
+            compute = cost.flops / (o.throughput or p.unit_peak(engine, cost.precision) * width)  # a fit is positive
         else:
             compute = 0.0
         memory = cost.bytes / (p.unit_mem_bw(engine) * width if o.mem_bw is None else o.mem_bw)

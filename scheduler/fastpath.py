@@ -29,20 +29,14 @@ except ImportError:  # built without a compiler: the Python loop is used
 AVAILABLE = _fastsim is not None
 """True when the compiled event loop was built."""
 
-_METHODS = ("prepare", "push", "pop", "has_ready")
-
-
 def ready_order(policy: Policy) -> str | None:
     """``"fifo"`` or ``"keyed"`` when the compiled loop can replay ``policy``, else None."""
     from megaloom.scheduler.policies import _Keyed  # (policies imports this module)
 
-    if getattr(policy, "per_unit", False):
-        return None
     cls = type(policy)
-    for kind, base in (("fifo", Policy), ("keyed", _Keyed)):
-        if all(getattr(cls, m) is getattr(base, m) for m in _METHODS):
-            return kind
-    return None
+    plain = (kind for kind, base in (("fifo", Policy), ("keyed", _Keyed))
+             if all(getattr(cls, m) is getattr(base, m) for m in ("prepare", "push", "pop", "has_ready")))
+    return None if getattr(policy, "per_unit", False) else next(plain, None)
 
 
 def run(graph: TaskGraph, units: dict[str, int], policy: Policy, dur: np.ndarray,

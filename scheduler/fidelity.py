@@ -7,6 +7,7 @@ share of the recorded span that no what-if can move (:func:`frozen`), by cause.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -56,9 +57,8 @@ def fidelity(recorded: Trace, replayed: Trace) -> Fidelity:
     errors = {"span": _rel(a.device_span, b.device_span),
               # exposed comm: relative to the recorded figure, or to a tenth of the span when that is
               # larger (so "within 10%" means within 10% of it or 1% of the span)
-              "exposed_comm": _rel(a.exposed_comm, b.exposed_comm, 0.1 * a.device_span)}
-    for k in sorted(set(a.busy) | set(b.busy)):
-        errors[f"busy {k}"] = _rel(a.busy.get(k, 0.0), b.busy.get(k, 0.0))
+              "exposed_comm": _rel(a.exposed_comm, b.exposed_comm, 0.1 * a.device_span),
+              **{f"busy {k}": _rel(a.busy.get(k, 0.0), b.busy.get(k, 0.0)) for k in sorted(set(a.busy) | set(b.busy))}}
     return Fidelity(a, b, sum(d <= tol for d in diffs) / len(diffs) if diffs else 1.0, max(diffs, default=0.0), errors)
 
 
@@ -70,25 +70,21 @@ def frozen(trace: Trace) -> dict[str, float]:
     device = [e for e in trace.events if e.engine not in HOST_ENGINES]
     e = max(device or trace.events, key=lambda e: e.end, default=None)
     first = min((e.start for e in trace.events), default=0.0)
-    out: dict[str, float] = {}
+    out: Counter[str] = Counter()
     while e is not None:
         d = e.tags.get("delay", 0.0)
-        d = min(d, e.start - first) if isinstance(d, (int, float)) and not e.deps else d  # inside the span only
-        if isinstance(d, (int, float)) and d > 0:
-            if e.engine in HOST_ENGINES or trace.meta.get("cpu_only"):
-                cpu = min(d, float(e.tags.get("cpu", 0.0)))
-                causes = {"host between calls: CPU ops": cpu, "host between calls: untraced (Python, idle)": d - cpu}
-            else:
-                causes = {"device: launch latency" if d <= LAUNCH_LATENCY else "device: waits no record explains": d}
-        else:
-            causes = {}
+        d = (d if e.deps else min(d, e.start - first)) if isinstance(d, (int, float)) else 0.0  # inside the span only
+        causes = {}
+        if d > 0 and (e.engine in HOST_ENGINES or trace.meta.get("cpu_only")):
+            cpu = min(d, float(e.tags.get("cpu", 0.0)))
+            causes = {"host between calls: CPU ops": cpu, "host between calls: untraced (Python, idle)": d - cpu}
+        elif d > 0:
+            causes = {"device: launch latency" if d <= LAUNCH_LATENCY else "device: waits no record explains": d}
         if e.engine in HOST_ENGINES and "Launch" not in e.op:  # launches move with --cuda-graphs
             causes["host: runtime calls other than launches"] = e.end - e.start
-        for k, v in causes.items():
-            if v > 0:
-                out[k] = out.get(k, 0.0) + v
+        out.update({k: v for k, v in causes.items() if v > 0})
         e = max((by[(e.rank, p)] for p in e.deps if (e.rank, p) in by), key=lambda p: p.end, default=None)
-    return out
+    return dict(out)
 
 
 def frozen_share(trace: Trace) -> dict[str, float]:
@@ -108,34 +104,28 @@ def frozen_line(trace: Trace) -> str:
     return f"  frozen (no what-if moves it): {sum(parts.values()):.1%} of the run: {causes}"
 
 
-def _us(x: float) -> str:
-    return f"{x * 1e6:14.1f}"
-
-
 def table(identity: Fidelity, whatif: Metrics | None = None, label: str = "what-if") -> str:
     """Recorded figures, the identity replay with its error, and a what-if with its ratio to the recording."""
     a, b = identity.recorded, identity.replayed
-    head = f"  {'(microseconds)':<22}{'recorded':>14}{'identity replay':>16}{'error':>9}"
-    if whatif is not None:
-        head += f"{label:>16}{'vs recorded':>13}"
+    head = (f"  {'(microseconds)':<22}{'recorded':>14}{'identity replay':>16}{'error':>9}"
+            + (f"{label:>16}{'vs recorded':>13}" if whatif is not None else ""))
 
     def row(name: str, figure: Callable[[Metrics], float], err: float | None = None) -> str:
         x, y = figure(a), figure(b)
-        line = f"  {name:<22}{_us(x)}{_us(y):>16}{(_rel(x, y) if err is None else err) * 100:>+8.2f}%"
+        line = f"  {name:<22}{x * 1e6:14.1f}{y * 1e6:16.1f}{(_rel(x, y) if err is None else err) * 100:>+8.2f}%"
         if whatif is not None:
             z = figure(whatif)
-            line += f"{_us(z):>16}{(f'{z / x:12.3f}x' if x > 0 else '           -')}"
+            line += f"{z * 1e6:16.1f}{(f'{z / x:12.3f}x' if x > 0 else '           -')}"
         return line
 
-    lines = [head, row("makespan", lambda m: m.makespan),
-             row("device span", lambda m: m.device_span, identity.errors["span"]),
-             *(row(f"busy {k}", lambda m: m.busy.get(k, 0.0), identity.errors[f"busy {k}"])
-               for k in sorted(set(a.busy) | set(b.busy))),
-             row("exposed comm", lambda m: m.exposed_comm, identity.errors["exposed_comm"]),
-             row("critical path", lambda m: m.critical_path)]
-    lines.append(f"  device ops starting within {START_TOLERANCE:.0%} of the span of their recorded start: "
-                 f"{identity.on_time * 100:.1f}% (largest difference {identity.worst_start * 1e6:.1f} us)")
-    return "\n".join(lines)
+    return "\n".join([head, row("makespan", lambda m: m.makespan),
+                      row("device span", lambda m: m.device_span, identity.errors["span"]),
+                      *(row(f"busy {k}", lambda m: m.busy.get(k, 0.0), identity.errors[f"busy {k}"])
+                        for k in sorted(set(a.busy) | set(b.busy))),
+                      row("exposed comm", lambda m: m.exposed_comm, identity.errors["exposed_comm"]),
+                      row("critical path", lambda m: m.critical_path),
+                      f"  device ops starting within {START_TOLERANCE:.0%} of the span of their recorded start: "
+                      f"{identity.on_time * 100:.1f}% (largest difference {identity.worst_start * 1e6:.1f} us)"])
 
 
 def error_bars(kinds: list[str]) -> str:
@@ -144,10 +134,8 @@ def error_bars(kinds: list[str]) -> str:
         data = json.loads(ERROR_BARS.read_text())
     except (OSError, ValueError):
         data = {}
-    lines = []
-    for k in kinds:
-        bar = data.get("kinds", {}).get(k)
-        lines.append(f"  error bar of {k.replace('_', ' ')} what-ifs: " + (
-            f"median |error| {bar['median_abs_error']:.1%}, worst {bar['worst_abs_error']:.1%} over {bar['pairs']} "
-            f"real A/B pairs ({data.get('source', '?')}, {data.get('machine', '?')})" if bar else "not measured"))
-    return "\n".join(lines)
+    bars = data.get("kinds", {})
+    return "\n".join(f"  error bar of {k.replace('_', ' ')} what-ifs: " + (
+        f"median |error| {bar['median_abs_error']:.1%}, worst {bar['worst_abs_error']:.1%} over {bar['pairs']} "
+        f"real A/B pairs ({data.get('source', '?')}, {data.get('machine', '?')})" if (bar := bars.get(k)) else
+        "not measured") for k in kinds)

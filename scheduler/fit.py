@@ -63,8 +63,9 @@ def _line(x: np.ndarray, d: np.ndarray) -> tuple[float, float] | None:
     return (float(o), float(s)) if s > 0 else None
 
 
-def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray) -> OpFit:
-    """Fit one op class from its samples (flops, bytes, measured seconds)."""
+def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.ndarray, latency: float = 0.0) -> OpFit:
+    """Fit one op class from its samples (flops, bytes, measured seconds); ``latency`` is added
+    to the fitted overhead (the residuals are those of the fit)."""
     candidates: list[OpCoeffs] = []
     fl, by = _line(flops, d) if flops.any() else None, _line(nbytes, d) if nbytes.any() else None
     if fl:
@@ -74,16 +75,14 @@ def fit_op(op: str, engine: str, flops: np.ndarray, nbytes: np.ndarray, d: np.nd
     if fl and by:
         rest = d - np.maximum(flops * fl[1], nbytes * by[1])
         candidates.append(OpCoeffs(1.0 / fl[1], max(0.0, float(np.median(rest))), 1.0 / by[1]))
-    if not candidates:
-        candidates.append(OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED))
     best = None
-    for c in candidates:
+    for c in candidates or [OpCoeffs(UNBOUNDED, float(np.mean(d)), UNBOUNDED)]:  # no term: the mean as overhead
         err = np.abs(c.overhead + np.maximum(flops / c.throughput, nbytes / c.mem_bw) - d) / np.maximum(d, 1e-12)
         score = float(np.mean(err ** 2))
         if best is None or score < best[0] - 1e-12:  # ties go to the simpler, earlier candidate
             best = (score, c, err)
     _, c, err = best
-    return OpFit(op, engine, c, len(d), float(np.median(err)), float(err.max()))
+    return OpFit(op, engine, replace(c, overhead=c.overhead + latency), len(d), float(np.median(err)), float(err.max()))
 
 
 def dispatch_latency(traces: Iterable[Trace]) -> float:
@@ -92,15 +91,13 @@ def dispatch_latency(traces: Iterable[Trace]) -> float:
     gaps = []
     for t in traces:
         end = {(e.rank, e.task_id): e.end for e in t.events}
-        unit_free: dict[tuple, float] = {}
+        last: dict[tuple, list[float]] = {}  # per unit: the end of its latest task
         for e in sorted(t.events, key=lambda e: e.start):
             key = (e.rank, e.engine, e.unit)
-            waits = [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end]
-            if key in unit_free:
-                waits.append(unit_free[key])
+            waits = [end[(e.rank, d)] for d in e.deps if (e.rank, d) in end] + last.get(key, [])
             if waits and max(waits) <= e.start:
                 gaps.append(e.start - max(waits))
-            unit_free[key] = e.end
+            last[key] = [e.end]
     return float(np.mean(gaps)) if gaps else 0.0
 
 
@@ -121,10 +118,8 @@ def fit_traces(traces: Iterable[Trace], min_samples: int = 1, dispatch: bool = T
                 engine[e.op] = e.engine
     if not rows:
         raise ConfigError("calibration needs traces with timed events; none were given")
-    fits = {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T)
+    return {op: fit_op(op, engine[op], *np.asarray(r, dtype=np.float64).T, latency)
             for op, r in sorted(rows.items()) if len(r) >= min_samples}
-    return {op: replace(f, coeffs=replace(f.coeffs, overhead=(f.coeffs.overhead or 0.0) + latency))
-            for op, f in fits.items()}
 
 
 def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[Contention, dict[str, OpFit]]:
@@ -140,8 +135,8 @@ def fit_overlap(traces: Iterable[Trace], base: Contention, **options) -> tuple[C
         return sum(f.samples * f.median_rel_error for f in fits.values()), c, fits
 
     comm = any(e.engine in MOVERS for t in traces for e in t.events)
-    best = min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))
-    return best[1], best[2]  # the first of equal scores: base's figure
+    # the first of equal scores: base's figure
+    return min(map(fitted, (base.overlap, *(np.linspace(0.0, 1.0, 21) if comm else ()))), key=itemgetter(0))[1:]
 
 
 def fit_table(fits: dict[str, OpFit]) -> str:
@@ -150,13 +145,12 @@ def fit_table(fits: dict[str, OpFit]) -> str:
         return "-" if x is None or x >= UNBOUNDED else f"{x:.3g} {unit}"
 
     w = max([len(op) for op in fits] + [2]) + 2
-    lines = [f"{'op':<{w}}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
-             f"{'median err':>12}{'max err':>10}"]
-    for f in fits.values():
-        c = f.coeffs
-        lines.append(f"{f.op:<{w}}{f.engine:<8}{f.samples:>8}{rate(c.throughput, 'flop/s'):>16}{rate(c.mem_bw, 'B/s'):>14}"
-                     f"{(c.overhead or 0) * 1e6:>9.1f} us{f.median_rel_error * 100:>11.1f}%{f.max_rel_error * 100:>9.1f}%")
-    return "\n".join(lines)
+    head = (f"{'op':<{w}}{'engine':<8}{'samples':>8}{'throughput':>16}{'mem_bw':>14}{'overhead':>12}"
+            f"{'median err':>12}{'max err':>10}")
+    return "\n".join([head, *(f"{f.op:<{w}}{f.engine:<8}{f.samples:>8}{rate(f.coeffs.throughput, 'flop/s'):>16}"
+                              f"{rate(f.coeffs.mem_bw, 'B/s'):>14}{(f.coeffs.overhead or 0) * 1e6:>9.1f} us"
+                              f"{f.median_rel_error * 100:>11.1f}%{f.max_rel_error * 100:>9.1f}%"
+                              for f in fits.values())])
 
 
 def calibrated_profile(base: HardwareProfile, fits: dict[str, OpFit], name: str | None = None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from heapq import heappop, heappush
+from itertools import cycle
 from typing import Any, Callable, Sequence
 
 from megaloom.runtime.core import FIFO, Policy, task_engines
@@ -27,7 +28,8 @@ from megaloom.scheduler.cost import CostModel
 
 
 class _Keyed(Policy):
-    """A heap per engine kind ordered by ``key(tid)`` (smaller first), ties by task id."""
+    """A heap per engine kind ordered by ``key(tid)`` (smaller first), ties by task id
+    (``has_ready`` is the FIFO's: whether the engine's queue, here its heap, holds any)."""
 
     def keys(self, graph: TaskGraph) -> Sequence[Any]:
         raise NotImplementedError
@@ -35,17 +37,14 @@ class _Keyed(Policy):
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._engine = task_engines(graph)
         self._key = self.keys(graph)
-        self._heaps: dict[str, list] = {e: [] for e in units}
+        self._queues = {e: [] for e in units}  # heaps of (key, task id)
 
     def push(self, tid: int) -> None:
-        heappush(self._heaps[self._engine[tid]], (self._key[tid], tid))
+        heappush(self._queues[self._engine[tid]], (self._key[tid], tid))
 
     def pop(self, engine: str, unit: int) -> int:
-        h = self._heaps[engine]
+        h = self._queues[engine]
         return heappop(h)[1] if h else -1
-
-    def has_ready(self, engine: str) -> bool:
-        return bool(self._heaps[engine])
 
 
 class PriorityPolicy(_Keyed):
@@ -65,8 +64,10 @@ class DurationAware:
     ``cost_model``, or from the ``cpu`` profile when none is given.
     """
 
-    cost_model: Any = None
     _given: list[float] | None = None
+
+    def __init__(self, cost_model: Any = None):
+        self.cost_model = cost_model
 
     def use_durations(self, durations: Sequence[float]) -> None:
         self._given = list(durations)
@@ -75,8 +76,7 @@ class DurationAware:
         given, self._given = self._given, None
         if given is not None and len(given) == len(graph.tasks):
             return given
-        if self.cost_model is None:
-            self.cost_model = CostModel("cpu")
+        self.cost_model = self.cost_model or CostModel("cpu")
         return self.cost_model.durations(graph)
 
 
@@ -100,9 +100,6 @@ class CriticalPathPolicy(DurationAware, _Keyed):
 
     name = "critical_path"
 
-    def __init__(self, cost_model: Any = None):
-        self.cost_model = cost_model
-
     def keys(self, graph: TaskGraph) -> list[float]:
         return [-r for r in upward_rank(graph, self.durations(graph))]
 
@@ -123,29 +120,25 @@ class StaticPolicy(DurationAware, Policy):
     def __init__(self, assign: str = "round_robin", cost_model: Any = None):
         if assign not in self.ASSIGN:
             raise ConfigError(f"static policy: assign must be one of {self.ASSIGN}, got {assign!r}")
+        super().__init__(cost_model)
         self.assign = assign
-        self.cost_model = cost_model
 
     def prepare(self, graph: TaskGraph, units: dict[str, int]) -> None:
         self._queues: dict[str, list[deque[int]]] = {e: [deque() for _ in range(n)] for e, n in units.items()}
         self._ready = bytearray(len(graph.tasks))
         durs = self.durations(graph) if self.assign == "balanced" else None
         load = {e: [0.0] * n for e, n in units.items()}
-        turn = dict.fromkeys(units, 0)
-        for tid in graph.topological_order():
+        turn = {e: cycle(range(n)) for e, n in units.items()}
+        for tid in graph.topological_order():  # the core checked that every engine kind has units
             t = graph.tasks[tid]
-            n = units.get(t.engine, 0)
-            if n <= 0:
-                continue  # the core reports engines without units
             if "unit" in t.tags:
-                u = int(t.tags["unit"]) % n
-            elif durs is not None:
-                ld = load[t.engine]
-                u = min(range(n), key=ld.__getitem__)
-                ld[u] += durs[tid]
+                u = int(t.tags["unit"]) % units[t.engine]
+            elif durs is None:
+                u = next(turn[t.engine])
             else:
-                u = turn[t.engine] % n
-                turn[t.engine] += 1
+                ld = load[t.engine]
+                u = ld.index(min(ld))  # the first least loaded
+                ld[u] += durs[tid]
             self._queues[t.engine][u].append(tid)
 
     def push(self, tid: int) -> None:
@@ -156,8 +149,7 @@ class StaticPolicy(DurationAware, Policy):
         return q.popleft() if q and self._ready[q[0]] else -1
 
     def has_ready(self, engine: str) -> bool:
-        ready = self._ready
-        return any(q and ready[q[0]] for q in self._queues[engine])
+        return any(q and self._ready[q[0]] for q in self._queues[engine])
 
 
 class ExpertInterleavePolicy(Policy):
@@ -180,7 +172,7 @@ class ExpertInterleavePolicy(Policy):
         self._group = [int(t.tags["group"]) if "group" in t.tags else
                        int(t.tags["expert"]) // self.group_size if "expert" in t.tags else -1 for t in graph.tasks]
         self._queues: dict[str, dict[int, deque[int]]] = {e: {} for e in units}  # group -> its ready tasks
-        self._last: dict[str, int | None] = dict.fromkeys(units)  # the group served last
+        self._last: dict[str, float] = dict.fromkeys(units, float("-inf"))  # the group served last
 
     def push(self, tid: int) -> None:
         self._queues[self._engine[tid]].setdefault(self._group[tid], deque()).append(tid)
@@ -189,8 +181,7 @@ class ExpertInterleavePolicy(Policy):
         ready = [g for g, q in self._queues[engine].items() if q]
         if not ready:
             return -1
-        last = self._last[engine]
-        g = self._last[engine] = min((g for g in ready if last is None or g > last), default=min(ready))
+        g = self._last[engine] = min((g for g in ready if g > self._last[engine]), default=min(ready))
         return self._queues[engine][g].popleft()
 
     def has_ready(self, engine: str) -> bool:
@@ -215,10 +206,10 @@ class RotatedPolicy(_Keyed):
         self.k, self.world = k, world
 
     def keys(self, graph: TaskGraph) -> list[int]:
-        tagged = [t.tags for t in graph.tasks if "rank" in t.tags and "peer" in t.tags]
-        world = self.world or 1 + max((max(int(g["rank"]), int(g["peer"])) for g in tagged), default=0)
-        return [(int(t.tags["peer"]) - int(t.tags["rank"]) - self.k) % world
-                if "rank" in t.tags and "peer" in t.tags else 0 for t in graph.tasks]
+        pairs = [(int(t.tags["rank"]), int(t.tags["peer"])) if "rank" in t.tags and "peer" in t.tags else None
+                 for t in graph.tasks]
+        world = self.world or 1 + max((max(p) for p in pairs if p), default=0)
+        return [(p[1] - p[0] - self.k) % world if p else 0 for p in pairs]
 
 
 POLICIES: Registry[Callable[..., Policy]] = Registry("policy", "megaloom.policies")
@@ -236,8 +227,7 @@ def make_policy(name: str | Policy | None, **opts: Any) -> Policy:
         if opts:
             raise ConfigError(f"policy options {sorted(opts)} given with a ready-made policy {name.name!r}")
         return name
-    cls = POLICIES.get(name)
     try:
-        return cls(**opts)
+        return POLICIES.get(name)(**opts)  # an unknown name: ConfigError
     except TypeError as e:
         raise ConfigError(f"policy {name!r}: bad options {opts}: {e}") from None

@@ -44,7 +44,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from megaloom.runtime.core import MAX_UNITS
 from megaloom.runtime.errors import ConfigError
@@ -59,8 +59,6 @@ FALLBACK: dict[str, tuple[str, ...]] = {
     "fp64": ("fp32",),
     "fp32": (),
 }
-LINK_KINDS = ("intra", "inter")
-OPTIONAL_LINKS = ("host",)  # host <-> device copies; replay keeps copy durations on a profile without it
 FINGERPRINT_KEYS = ("compute", "sms", "warp")
 OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
@@ -68,11 +66,8 @@ PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
 
 def user_profile_dir() -> Path:
     """Where user profiles (calibrated ``cpu.yaml``) are read from and written to."""
-    env = os.environ.get("MEGALOOM_PROFILE_DIR")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "megaloom" / "profiles"
+    config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(os.environ.get("MEGALOOM_PROFILE_DIR") or Path(config) / "megaloom" / "profiles")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +123,9 @@ class HardwareProfile:
 
     def link(self, kind: str = "intra") -> tuple[float, float]:
         """``(alpha_s, beta_Bps)`` of the intra- or inter-node link."""
-        try:
-            return self.links[kind]
-        except KeyError:
-            raise ConfigError(f"profile {self.name!r} has no link {kind!r}; it has {sorted(self.links)}") from None
+        if kind not in self.links:
+            raise ConfigError(f"profile {self.name!r} has no link {kind!r}; it has {sorted(self.links)}")
+        return self.links[kind]
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML layout of this profile (what :func:`parse_profile` reads)."""
@@ -142,6 +136,15 @@ class HardwareProfile:
                 **({"ops": {k: dict(v) for k, v in self.ops.items()}} if self.ops else {}),
                 **({"device": dict(self.device)} if self.device else {}),
                 **({"contention": self.contention.to_dict()} if self.contention else {})}
+
+
+def checked_units(units: Mapping[Any, Any], name: Callable[[str], str] = "units[{!r}]".format) -> dict[str, int]:
+    """``units`` when every count is an integer from 1 to MAX_UNITS, else ConfigError naming
+    ``name`` of its key."""
+    for k, v in units.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
+            raise ConfigError(f"{name(k)} must be a positive integer at most {MAX_UNITS}, got {v!r}")
+    return {str(k): v for k, v in units.items()}
 
 
 def _number(where: str, key: str, v: Any, *, positive: bool = True) -> float:
@@ -178,23 +181,18 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
             raise ConfigError(f"{where}: missing key {key!r}")
     if not isinstance(d["name"], str) or not d["name"]:
         raise ConfigError(f"{where}: key 'name' must be a non-empty string")
-    units = {}
-    for e, n in _mapping(where, "units", d["units"]).items():
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= MAX_UNITS:
-            raise ConfigError(f"{where}: key 'units.{e}' must be a positive integer at most {MAX_UNITS}, got {n!r}")
-        units[str(e)] = n
-    peaks: dict[str, dict[str, float]] = {}
-    for e, rates in _mapping(where, "peak", d["peak"]).items():
+    units = checked_units(_mapping(where, "units", d["units"]), lambda e: f"{where}: key 'units.{e}'")
+    peak = _mapping(where, "peak", d["peak"])
+    for e, rates in peak.items():
         if e not in units:
             raise ConfigError(f"{where}: key 'peak.{e}' names an engine missing from 'units'")
-        peaks[e] = {}
-        for p, v in _mapping(where, f"peak.{e}", rates).items():
-            if p not in FALLBACK:
-                raise ConfigError(f"{where}: key 'peak.{e}.{p}' is not a known precision ({', '.join(FALLBACK)})")
-            peaks[e][p] = _number(where, f"peak.{e}.{p}", v)
+        unknown = sorted(set(_mapping(where, f"peak.{e}", rates)) - set(FALLBACK))
+        if unknown:
+            raise ConfigError(f"{where}: key 'peak.{e}.{unknown[0]}' is not a known precision ({', '.join(FALLBACK)})")
+    peaks = {e: {p: _number(where, f"peak.{e}.{p}", v) for p, v in rates.items()} for e, rates in peak.items()}
     links = {}
     given = _mapping(where, "links", d["links"])
-    for k in (*LINK_KINDS, *(k for k in OPTIONAL_LINKS if k in given)):
+    for k in ("intra", "inter", *(["host"] if "host" in given else [])):  # host <-> device copies: optional
         link = _mapping(where, f"links.{k}", given.get(k))
         for part in ("alpha", "beta"):
             if part not in link:
@@ -245,12 +243,10 @@ def _device(where: str, v: Any) -> dict[str, Any]:
 
 def device_fingerprint(props: dict[str, Any]) -> dict[str, str]:
     """The fingerprint of a profiler trace's ``deviceProperties`` entry (compute capability, SMs, warp)."""
-    out = {}
-    if isinstance(props.get("computeMajor"), int) and isinstance(props.get("computeMinor"), int):
-        out["compute"] = f"{props['computeMajor']}.{props['computeMinor']}"
-    for key, prop in (("sms", "numSms"), ("warp", "warpSize")):
-        if isinstance(props.get(prop), int) and not isinstance(props.get(prop), bool):
-            out[key] = str(props[prop])
+    ints = {k: v for k, v in props.items() if isinstance(v, int) and not isinstance(v, bool)}
+    out = {key: str(ints[prop]) for key, prop in (("sms", "numSms"), ("warp", "warpSize")) if prop in ints}
+    if "computeMajor" in ints and "computeMinor" in ints:
+        out["compute"] = f"{ints['computeMajor']}.{ints['computeMinor']}"
     return out
 
 
@@ -261,24 +257,21 @@ def match_device(props: dict[str, Any]) -> HardwareProfile | None:
     one, so ``H800`` beats ``H100`` only in an H800's name); else the one profile whose
     whole fingerprint equals the device's; several or none: None.
     """
-    name = str(props.get("name", ""))
+    name = str(props.get("name", "")).lower()
     fp = device_fingerprint(props)
-    by_name: list[tuple[int, HardwareProfile]] = []
-    by_fp: list[HardwareProfile] = []
+    best, longest, by_fp = None, 0, []
     for n in list_profiles():
         try:
             p = load_profile(n)
         except ConfigError:
             continue  # a broken user profile does not hide the others
-        hits = [len(s) for s in p.device.get("names", []) if s.lower() in name.lower()]
-        if hits:
-            by_name.append((max(hits), p))
+        hit = max((len(s) for s in p.device.get("names", []) if s.lower() in name), default=0)
+        if hit > longest:  # the first of equally long hits
+            best, longest = p, hit
         want = p.device.get("fingerprint")
         if want and all(fp.get(k) == v for k, v in want.items()):
             by_fp.append(p)
-    if by_name:
-        return max(by_name, key=lambda x: x[0])[1]
-    return by_fp[0] if len(by_fp) == 1 else None
+    return best or (by_fp[0] if len(by_fp) == 1 else None)
 
 
 def read_profile(path: str | os.PathLike) -> HardwareProfile:
@@ -292,9 +285,8 @@ def profile_files() -> Registry[Path]:
     user files of the same name."""
     files: Registry[Path] = Registry("hardware profile")
     for d in (PACKAGED_DIR, user_profile_dir()):
-        if d.is_dir():
-            for p in sorted(d.glob("*.yaml")):
-                files.register(p.stem, p, replace=True)
+        for p in sorted(d.glob("*.yaml")):  # none from a folder that does not exist
+            files.register(p.stem, p, replace=True)
     return files
 
 
@@ -308,6 +300,4 @@ def load_profile(name_or_path: str | os.PathLike | HardwareProfile) -> HardwareP
     if isinstance(name_or_path, HardwareProfile):
         return name_or_path
     s = os.fspath(name_or_path)
-    if s.endswith((".yaml", ".yml")) or os.sep in s:
-        return read_profile(s)
-    return read_profile(profile_files().get(s))
+    return read_profile(s if s.endswith((".yaml", ".yml")) or os.sep in s else profile_files().get(s))

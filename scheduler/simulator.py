@@ -34,7 +34,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from megaloom.runtime.core import MAX_UNITS, Core, Policy, task_engines
+from megaloom.runtime.core import Core, Policy, task_engines
 from megaloom.runtime.errors import ConfigError, ScheduleError
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import Task, TaskGraph
@@ -43,11 +43,7 @@ from megaloom.runtime.record import Observer, Recorder, columns_of, gc_paused
 from megaloom.scheduler import contention, fastpath
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
 from megaloom.scheduler.policies import DurationAware, make_policy
-from megaloom.scheduler.profile import HardwareProfile, load_profile
-
-Progress = Callable[[int, int], None]
-"""Called as ``progress(tasks_done, tasks_total)`` every ``progress_every`` dispatches and at the end."""
-
+from megaloom.scheduler.profile import HardwareProfile, checked_units, load_profile
 
 @dataclass(slots=True)
 class Schedule:
@@ -71,27 +67,19 @@ def parse_units(text: str) -> dict[str, int]:
     return out
 
 
-def checked_units(units: Mapping[str, object]) -> dict[str, int]:
-    """``units`` as a dict when every count is an integer from 1 to MAX_UNITS, else ConfigError naming it."""
-    for k, v in units.items():
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_UNITS:
-            raise ConfigError(f"units[{k!r}] must be a positive integer at most {MAX_UNITS}, got {v!r}")
-    return dict(units)
-
-
 class Simulator:
     """Simulate graphs on ``profile`` with ``units`` (overriding the profile's counts).
 
     ``policy``: a Policy or a policy name; ``cost_model`` defaults to ``CostModel(profile)``;
     ``observers`` are called like the executors call them (events in completion order);
-    ``progress(done, total)`` is called every ``progress_every`` dispatched tasks;
+    ``progress(done, total)`` is called every ``progress_every`` dispatched tasks and at the end;
     ``fast``: use the compiled loop when the policy allows it (see the module docstring).
     """
 
     def __init__(self, profile: HardwareProfile | str, units: Mapping[str, int] | None = None,
                  policy: Policy | str | None = None, cost_model: CostModel | None = None, *,
-                 observers: Iterable[Observer] = (), progress: Progress | None = None, progress_every: int = 65536,
-                 fast: bool = True):
+                 observers: Iterable[Observer] = (), progress: Callable[[int, int], None] | None = None,
+                 progress_every: int = 65536, fast: bool = True):
         self.profile = load_profile(profile)
         self.units = {**self.profile.units, **checked_units(units or {})}
         self.policy = make_policy(policy)
@@ -127,12 +115,10 @@ class Simulator:
         self.last_loop = "python"
         core = Core(graph, self.units, self.policy)
         start, unit, order, took = self._loop(core, graph, dur.tolist(), contended)
-        if contended:
-            dur = np.asarray(took, dtype=np.float64)
         if core.remaining:
             raise core.deadlock(f"simulation of graph {graph.name!r} stalled with {core.remaining} tasks left "
                                 "(a cycle, or a policy that never hands them out)")
-        return start, unit, order, dur
+        return start, unit, order, np.asarray(took, dtype=np.float64)
 
     def _loop(self, core: Core, graph: TaskGraph, dur: list[float],
               contended: bool) -> tuple[list[float], list[int], list[int], list[float]]:
@@ -142,43 +128,30 @@ class Simulator:
         took, speed = (list(dur), [1.0] * n) if contended else (dur, None)
         kinds = contention.kinds(graph, self.cost_model.contention) if contended else None
         engine = task_engines(graph)
-        start = [0.0] * n
-        unit_of = [0] * n
+        start, unit_of = [0.0] * n, [0] * n  # by task id
         order: list[int] = []
         heap: list[tuple[float, int]] = []
-        engines = list(self.units)
-        free = {e: list(range(self.units[e] - 1, -1, -1)) for e in engines}  # unit 0 on top
-        lanes = [(e, free[e]) for e in engines]
+        free = {e: list(range(k - 1, -1, -1)) for e, k in self.units.items()}  # unit 0 on top
         free_of = [free[e] for e in engine]  # the free-unit stack of each task's engine kind
-        policy = self.policy
-        per_unit = getattr(policy, "per_unit", False)
-        pop, done, append, has_ready = core.pop, core.done, order.append, policy.has_ready
+        per_unit = getattr(self.policy, "per_unit", False)
+        pop, done, append, has_ready = core.pop, core.done, order.append, self.policy.has_ready
         progress, every = self.progress, self.progress_every
         mark = every if progress is not None else n + 1
         now = 0.0
         while True:
             # hand every free unit a ready task, in engine order then unit order
-            for e, f in lanes:
-                if not f:
-                    continue
-                if per_unit:  # each unit has its own queue: ask every free one
-                    for u in f[::-1]:
-                        tid = pop(e, u)
-                        if tid >= 0:
-                            f.remove(u)
-                            start[tid] = now
-                            unit_of[tid] = u
-                            heappush(heap, (now + dur[tid], len(order)))
-                            append(tid)
-                    continue
-                while f and has_ready(e):  # cheaper than a pop that comes back empty
-                    tid = pop(e, f[-1])
-                    if tid < 0:
+            for e, f in free.items():
+                i = len(f) - 1  # the free units from the top of the stack
+                while i >= 0 and (per_unit or has_ready(e)):  # has_ready: cheaper than a pop that comes back empty
+                    tid = pop(e, f[i])
+                    if tid >= 0:
+                        unit_of[tid] = f.pop(i)
+                        start[tid] = now
+                        heappush(heap, (now + dur[tid], len(order)))
+                        append(tid)
+                    elif not per_unit:  # one queue for every unit: none gets a task
                         break
-                    unit_of[tid] = f.pop()
-                    start[tid] = now
-                    heappush(heap, (now + dur[tid], len(order)))
-                    append(tid)
+                    i -= 1  # each unit has its own queue: ask every free one
             if not heap:
                 break
             if len(order) >= mark:

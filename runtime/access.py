@@ -41,10 +41,10 @@ class Frontier:
             return [(box, slot)]
         if not box_size(box):
             return []  # an empty box overlaps nothing
-        found = [(b, self.slots[b]) for b, _ in self.tiles.overlapping(box)]
+        found = [(b, self.slots[b]) for b in self.tiles.overlapping(box)]
         if slot is None:
             self.disjoint = self.disjoint and not found
-            self.tiles.add(box, 0)
+            self.tiles.add(box)
             found.append((box, self.slots.setdefault(box, [-1])))
         return found
 

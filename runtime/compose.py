@@ -16,7 +16,7 @@ tasks as for any task, and the sub-graph's own edges (control edges too) are kep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Union
+from typing import TYPE_CHECKING, Mapping
 
 from megaloom.runtime.errors import GraphError
 
@@ -64,10 +64,7 @@ class Composed:
         return self
 
 
-Bindable = Union["Buffer", "Region"]
-
-
-def compose(g: TaskGraph, sub: TaskGraph, prefix: str = "", bind: Mapping[str | Buffer, Bindable] | None = None,
+def compose(g: TaskGraph, sub: TaskGraph, prefix: str = "", bind: Mapping[str | Buffer, Buffer | Region] | None = None,
             ) -> Composed:
     """Add every buffer and task of ``sub`` to ``g``; see the module docstring."""
     if sub is g:

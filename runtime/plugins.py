@@ -10,7 +10,7 @@ import inspect
 import sys
 import types
 from importlib.metadata import entry_points
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 from megaloom.runtime.errors import ConfigError, MegaloomError
 
@@ -53,13 +53,11 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         """The object registered as ``name``; an unknown name raises ``error`` listing the known ones."""
-        obj = self._items.get(name)
-        if obj is None:
+        if name not in self._items:
             self._load_plugins()
-            obj = self._items.get(name)
-        if obj is None:
-            raise self.error(f"unknown {self.what} {name!r}; known: {', '.join(self.names()) or 'none'}")
-        return obj
+            if name not in self._items:
+                raise self.error(f"unknown {self.what} {name!r}; known: {', '.join(self.names()) or 'none'}")
+        return self._items[name]
 
     def names(self) -> list[str]:
         """Every registered name, plug-ins included, sorted."""
@@ -110,7 +108,7 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def parse_options(text: str, value: Callable[[str], Any] = _value, what: str = "option") -> dict[str, Any]:
+def parse_options(text: str, what: str = "option") -> dict[str, Any]:
     """``"k=v,k2=v2"`` as ``{"k": v, ...}``; numbers and booleans converted. A malformed
     item raises ConfigError naming it as a bad ``what``."""
     opts: dict[str, Any] = {}
@@ -118,13 +116,13 @@ def parse_options(text: str, value: Callable[[str], Any] = _value, what: str = "
         k, sep, v = item.partition("=")
         if not sep or not k.strip():
             raise ConfigError(f"bad {what} {item!r} in {text!r}: expected key=value")
-        opts[k.strip()] = value(v.strip())
+        opts[k.strip()] = _value(v.strip())
     return opts
 
 
-def parse_spec(spec: str, value: Callable[[str], Any] = _value) -> tuple[str, dict[str, Any]]:
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"name:k=v,k2=v2"`` as ``("name", {"k": v, ...})``; numbers and booleans converted."""
     name, _, rest = spec.partition(":")
     if not name.strip():
         raise ConfigError(f"bad spec {spec!r}: expected name[:key=value,...]")
-    return name.strip(), parse_options(rest, value)
+    return name.strip(), parse_options(rest)

@@ -68,10 +68,9 @@ class Frontier:
 
     def gap(self, box: Box, writes: Entries) -> Box | None:
         """The first piece of ``box`` that none of ``writes`` (:meth:`writes_over` entries) covers."""
-        if writes and writes[0][0] == box:
+        if (writes and writes[0][0] == box) or not box_size(box):
             return None
-        gaps = [g for g in uncovered(box, [b for b, _ in writes]) if box_size(g)] if box_size(box) else ()
-        return gaps[0] if gaps else None
+        return next((g for g in uncovered(box, [b for b, _ in writes]) if box_size(g)), None)
 
 
 Gap = tuple[int, "Region", Box]

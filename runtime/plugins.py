@@ -90,13 +90,10 @@ def describe(obj: Any) -> str:
     paragraph of its docstring; a plug-in function (a graph builder) is described by its
     module's docstring, since the module is what it builds."""
     doc = getattr(obj, "doc", None)
-    if isinstance(doc, str):
-        return _paragraph(doc)
-    if inspect.isfunction(obj):
-        module = sys.modules.get(obj.__module__)
-        if module is not None and module.__doc__:
-            return _paragraph(module.__doc__)
-    return _paragraph(inspect.getdoc(obj))
+    if not isinstance(doc, str):
+        module = sys.modules.get(obj.__module__) if inspect.isfunction(obj) else None
+        doc = getattr(module, "__doc__", None) or inspect.getdoc(obj)
+    return _paragraph(doc)
 
 
 def _value(text: str) -> Any:

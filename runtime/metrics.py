@@ -185,11 +185,14 @@ def metrics(trace: Trace) -> Metrics:
                    critical_path=critical_path(c), tasks=len(c), device_span=_device_span(c))
 
 
+def time_unit(s: float) -> tuple[float, str]:
+    """The unit to show ``s`` seconds in: (seconds per unit, its name), the largest of s, ms, us, ns not above it."""
+    return next(((f, u) for f, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")) if abs(s) >= f), (1e-9, "ns"))
+
+
 def _fmt_time(s: float) -> str:
-    for unit, f in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(s) >= f:
-            return f"{s / f:.3f} {unit}"
-    return f"{s * 1e9:.1f} ns"
+    f, unit = time_unit(s)
+    return f"{s / f:.{1 if unit == 'ns' else 3}f} {unit}"
 
 
 def summary(trace: Trace) -> str:

@@ -14,6 +14,7 @@ from typing import Mapping
 from megaloom.runtime.dot import engine_colours
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import atomic_write
+from megaloom.runtime.metrics import time_unit
 from megaloom.runtime.perfetto import _ENGINE_ORDER
 from megaloom.runtime.trace import Trace
 
@@ -71,7 +72,7 @@ def plot_gantt(trace: Trace | Mapping[str, Trace], path: str | os.PathLike, titl
     if not panels:
         raise ConfigError("plot_gantt needs at least one trace")
     span = max(max(t.makespan for t in panels.values()), 1e-12)
-    scale, unit = next(((f, u) for f, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")) if span >= f), (1e-9, "ns"))
+    scale, unit = time_unit(span)
     heights = [max(1, len(_rows(t))) for t in panels.values()]
     fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights,
                              figsize=(12, 0.8 + 0.6 * len(panels) + 0.22 * sum(heights)))

@@ -46,8 +46,7 @@ def _panel(ax, trace: Trace, title: str, scale: float, colours: dict[str, str]) 
         bars.setdefault((e.engine, row_of[e.rank, e.engine, e.unit]), []).append(
             ((e.start - t0) / scale, e.duration / scale))
     for (engine, row), spans in bars.items():
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours[engine], edgecolor="white",
-                       linewidth=0.3)
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours[engine], edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(rows)))
     multi_rank = len({r for r, _, _ in rows}) > 1
     ax.set_yticklabels([f"{'r%d ' % r if multi_rank else ''}{e}.{u}" for r, e, u in rows], fontsize="small")

@@ -7,6 +7,7 @@ it only carries dependencies (the path is the longest chain of device work).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from graphlib import CycleError, TopologicalSorter
 
@@ -105,16 +106,15 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
         finish[key], via[key] = prev[0] + e.duration, prev[1]
         if finish[key] > best:
             best, best_key = finish[key], key
-    parts: dict[str, float] = {}
+    parts: Counter[str] = Counter()
     while best_key is not None:
         dur, gap = weight[best_key]
         kind = lane[best_key][1]
-        parts[kind] = parts.get(kind, 0.0) + dur
+        parts[kind] += dur
         if gap:
-            g = HOST if kind in HOST_ENGINES else "delay"
-            parts[g] = parts.get(g, 0.0) + gap
+            parts[HOST if kind in HOST_ENGINES else "delay"] += gap
         best_key = via[best_key]
-    return best, parts
+    return best, dict(parts)
 
 
 def _device_span(c: Columns) -> float:

@@ -92,7 +92,7 @@ def describe(obj: Any) -> str:
     doc = getattr(obj, "doc", None)
     if not isinstance(doc, str):
         module = sys.modules.get(obj.__module__) if inspect.isfunction(obj) else None
-        doc = getattr(module, "__doc__", None) or inspect.getdoc(obj)
+        doc = (module.__doc__ if module else None) or inspect.getdoc(obj)
     return _paragraph(doc)
 
 

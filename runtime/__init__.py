@@ -9,13 +9,12 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "compose": ["Composed"], "core": ["FIFO", "Core", "Policy"],
+    "compose": ["Composed"], "core": ["FIFO", "Core", "Policy"], "graph": ["Buffer", "Region", "Task", "TaskGraph"],
     "errors": ["CheckpointError", "CommError", "ConfigError", "DeadlockError", "ExecutionError", "GraphError",
                "MegaloomError", "ScheduleError", "TraceFormatError"],
     "executors": ["ExecContext", "Executor", "Observer", "ReferenceExecutor", "RunResult", "ThreadExecutor"],
-    "graph": ["Buffer", "Region", "Task", "TaskGraph"],
-    "perfetto": ["PerfettoObserver", "to_chrome", "write_chrome"],
-    "registry": ["Cost", "OpDef", "TensorSpec", "all_ops", "get_op", "register"], "trace": ["Trace", "TraceEvent", "merge"],
+    "perfetto": ["PerfettoObserver", "to_chrome", "write_chrome"], "trace": ["Trace", "TraceEvent", "merge"],
+    "registry": ["Cost", "OpDef", "TensorSpec", "all_ops", "get_op", "register"],
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = sorted([*_WHERE, "Metrics", "metrics", "summary"])

@@ -41,10 +41,10 @@ class Frontier:
             return [(box, slot)]
         if not box_size(box):
             return []  # an empty box overlaps nothing
-        found = [(b, self.slots[b]) for b, _ in self.tiles.overlapping(box)]
+        found = [(b, self.slots[b]) for b in self.tiles.overlapping(box)]
         if slot is None:
             self.disjoint = self.disjoint and not found
-            self.tiles.add(box, 0)
+            self.tiles.add(box)
             found.append((box, self.slots.setdefault(box, [-1])))
         return found
 
@@ -68,10 +68,9 @@ class Frontier:
 
     def gap(self, box: Box, writes: Entries) -> Box | None:
         """The first piece of ``box`` that none of ``writes`` (:meth:`writes_over` entries) covers."""
-        if writes and writes[0][0] == box:
+        if (writes and writes[0][0] == box) or not box_size(box):
             return None
-        gaps = [g for g in uncovered(box, [b for b, _ in writes]) if box_size(g)] if box_size(box) else ()
-        return gaps[0] if gaps else None
+        return next((g for g in uncovered(box, [b for b, _ in writes]) if box_size(g)), None)
 
 
 Gap = tuple[int, "Region", Box]

@@ -16,7 +16,7 @@ tasks as for any task, and the sub-graph's own edges (control edges too) are kep
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Union
+from typing import TYPE_CHECKING, Mapping
 
 from megaloom.runtime.errors import GraphError
 
@@ -38,17 +38,13 @@ class Composed:
         except KeyError:
             raise GraphError(f"the composed sub-graph has no buffer {name!r}") from None
 
-    @property
-    def sources(self) -> list[Task]:
-        """Tasks with no predecessor inside the unit."""
+    def _ends(self, side: str) -> list[Task]:
+        """The tasks none of whose ``side`` (predecessors or successors) is inside the unit."""
         mine = {t.id for t in self.tasks}
-        return [t for t in self.tasks if not any(p.id in mine for p in t.predecessors)]
+        return [t for t in self.tasks if not any(o.id in mine for o in getattr(t, side))]
 
-    @property
-    def sinks(self) -> list[Task]:
-        """Tasks with no successor inside the unit."""
-        mine = {t.id for t in self.tasks}
-        return [t for t in self.tasks if not any(s.id in mine for s in t.successors)]
+    sources = property(lambda self: self._ends("predecessors"), doc="Tasks with no predecessor inside the unit.")
+    sinks = property(lambda self: self._ends("successors"), doc="Tasks with no successor inside the unit.")
 
     def precede(self, *others: Task | Composed) -> Composed:
         """Make every task of ``others`` (or their sources) wait for this unit's sinks."""
@@ -64,10 +60,7 @@ class Composed:
         return self
 
 
-Bindable = Union["Buffer", "Region"]
-
-
-def compose(g: TaskGraph, sub: TaskGraph, prefix: str = "", bind: Mapping[str | Buffer, Bindable] | None = None,
+def compose(g: TaskGraph, sub: TaskGraph, prefix: str = "", bind: Mapping[str | Buffer, Buffer | Region] | None = None,
             ) -> Composed:
     """Add every buffer and task of ``sub`` to ``g``; see the module docstring."""
     if sub is g:

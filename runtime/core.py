@@ -74,11 +74,9 @@ class Core:
     def __init__(self, graph: TaskGraph, units: dict[str, int], policy: Policy | None = None):
         engines, unmet, roots = graph.cached("core_start", lambda: (
             graph.engines(), [len(p) for p in graph.pred], [t for t, p in enumerate(graph.pred) if not p]))
-        missing = [e for e in engines if units.get(e, 0) <= 0]
-        if missing:
+        if missing := [e for e in engines if units.get(e, 0) <= 0]:
             raise ScheduleError(f"graph {graph.name!r} uses engine kinds {missing} with no units; given {units}")
-        many = [e for e, n in units.items() if n > MAX_UNITS]
-        if many:
+        if many := [e for e, n in units.items() if n > MAX_UNITS]:
             raise ScheduleError(f"engine kinds {many} have more than {MAX_UNITS} units; given {units}")
         self.graph = graph
         self.policy = policy if policy is not None else FIFO()

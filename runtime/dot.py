@@ -43,7 +43,5 @@ def to_dot(graph: TaskGraph) -> str:
         label = f"{t.name}\n{t.op}"
         lines.append(f"  t{t.id} [label={quote(label)}, fillcolor={quote(colours[t.engine])}, "
                      f"tooltip={quote(t.engine)}];")
-    for b, preds in enumerate(graph.pred):
-        lines += [f"  t{a} -> t{b};" for a in preds]
-    lines.append("}")
-    return "\n".join(lines) + "\n"
+    lines += [f"  t{a} -> t{b};" for b, preds in enumerate(graph.pred) for a in preds]
+    return "\n".join(lines) + "\n}\n"

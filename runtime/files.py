@@ -82,8 +82,7 @@ def check_outputs(outputs: Iterable[str | None], inputs: Iterable[str] = (), for
     if "-" in outputs:
         sys.stdout = sys.stderr
     for out in filter(os.path.isfile, outputs):  # what else is at an output path is written, never replaced
-        same = [i for i in inputs if os.path.exists(i) and os.path.samefile(out, i)]
-        if same:
+        if same := [i for i in inputs if os.path.exists(i) and os.path.samefile(out, i)]:
             raise ConfigError(f"output {out!r} is the input {same[0]!r}; refused (name another output)")
         with open(out, "rb") as f:
             head = f.read(64)

@@ -7,6 +7,7 @@ it only carries dependencies (the path is the longest chain of device work).
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from graphlib import CycleError, TopologicalSorter
 
@@ -45,22 +46,23 @@ def intersect(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> flo
     return total
 
 
-def critical_path(events: list[TraceEvent]) -> float:
+def _host(c: Columns) -> np.ndarray:
+    """Per event, whether it is host work (not device work)."""
+    return np.isin(c.engine.index, [k for k, e in enumerate(c.engine.values) if e in HOST_ENGINES])
+
+
+def critical_path(events: list[TraceEvent] | Columns) -> float:
     """Longest chain of device task durations along recorded dependencies (per rank); host
-    tasks lie on chains but add no time, so the path is at most the device span."""
-    return _critical_path(Columns.of_events(events))
+    tasks lie on chains but add no time, so the path is at most the device span.
 
-
-def _critical_path(c: Columns) -> float:
-    """:func:`critical_path` of columns: the events of each rank in task id order when every
-    dependency is an earlier task (as executors and the simulator record them), else in an
-    order of the dependencies (a cycle raises TraceFormatError)."""
+    The events of each rank are taken in task id order when every dependency is an earlier
+    task (as executors and the simulator record them), else in an order of the dependencies
+    (a cycle raises TraceFormatError)."""
+    c = events if isinstance(events, Columns) else Columns.of_events(events)
     keys = list(zip(c.column("rank"), c.column("task_id")))
     row = dict(zip(keys, range(len(keys))))
     deps = [[(k[0], d) for d in ds if (k[0], d) in row] for k, ds in zip(keys, c.column("deps"))]
-    names, eng = c.engine.values, c.engine.index
-    host = np.isin(eng, [k for k, e in enumerate(names) if e in HOST_ENGINES])
-    weight = np.where(host, 0.0, c.end - c.start).tolist()  # host work carries dependencies only
+    weight = np.where(_host(c), 0.0, c.end - c.start).tolist()  # host work carries dependencies only
     if all(d < k for k, ds in zip(keys, deps) for d in ds):
         order = sorted(row)
     else:
@@ -104,22 +106,20 @@ def busy_path(events: list[TraceEvent]) -> tuple[float, dict[str, float]]:
         finish[key], via[key] = prev[0] + e.duration, prev[1]
         if finish[key] > best:
             best, best_key = finish[key], key
-    parts: dict[str, float] = {}
+    parts: Counter[str] = Counter()
     while best_key is not None:
         dur, gap = weight[best_key]
         kind = lane[best_key][1]
-        parts[kind] = parts.get(kind, 0.0) + dur
+        parts[kind] += dur
         if gap:
-            g = HOST if kind in HOST_ENGINES else "delay"
-            parts[g] = parts.get(g, 0.0) + gap
+            parts[HOST if kind in HOST_ENGINES else "delay"] += gap
         best_key = via[best_key]
-    return best, parts
+    return best, dict(parts)
 
 
 def _device_span(c: Columns) -> float:
     """First device task start to last device task end (the makespan when there is no host work)."""
-    names, eng = c.engine.values, c.engine.index
-    dev = ~np.isin(eng, [i for i, e in enumerate(names) if e in HOST_ENGINES])
+    dev = ~_host(c)
     return float(c.end[dev].max() - c.start[dev].min()) if dev.any() else 0.0
 
 
@@ -182,32 +182,32 @@ def metrics(trace: Trace) -> Metrics:
         overlap += intersect(per[CUBE], per[VECTOR])
     return Metrics(makespan=span, busy=busy, utilisation=util, comm_time=comm_total / ranks,
                    comm_hidden=hidden / comm_total if comm_total > 0 else 0.0, cube_vector_overlap=overlap / ranks,
-                   critical_path=_critical_path(c), tasks=len(c), device_span=_device_span(c))
+                   critical_path=critical_path(c), tasks=len(c), device_span=_device_span(c))
+
+
+def time_unit(s: float) -> tuple[float, str]:
+    """The unit to show ``s`` seconds in: (seconds per unit, its name), the largest of s, ms, us, ns not above it."""
+    return next(((f, u) for f, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")) if abs(s) >= f), (1e-9, "ns"))
 
 
 def _fmt_time(s: float) -> str:
-    for unit, f in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(s) >= f:
-            return f"{s / f:.3f} {unit}"
-    return f"{s * 1e9:.1f} ns"
+    f, unit = time_unit(s)
+    return f"{s / f:.{1 if unit == 'ns' else 3}f} {unit}"
 
 
 def summary(trace: Trace) -> str:
     """A text table of the trace's metrics."""
     m = metrics(trace)
     meta = trace.meta
-    head = f"trace of {meta.get('graph', '?')!r} ({meta.get('mode', '?')}, {meta.get('clock', '?')} clock"
-    if meta.get("profile"):
-        head += f", profile {meta['profile']}"
+    profile = f", profile {meta['profile']}" if meta.get("profile") else ""
     lines = [
-        head + ")",
+        f"trace of {meta.get('graph', '?')!r} ({meta.get('mode', '?')}, {meta.get('clock', '?')} clock{profile})",
         f"  tasks               {m.tasks}",
         f"  makespan            {_fmt_time(m.makespan)}",
         f"  critical path       {_fmt_time(m.critical_path)}",
         f"  {'engine':<10}{'busy':>14}{'utilisation':>14}",
     ]
-    for k in sorted(m.busy):
-        lines.append(f"  {k:<10}{_fmt_time(m.busy[k]):>14}{m.utilisation[k] * 100:>13.1f}%")
+    lines += [f"  {k:<10}{_fmt_time(m.busy[k]):>14}{m.utilisation[k] * 100:>13.1f}%" for k in sorted(m.busy)]
     lines.append(f"  comm time           {_fmt_time(m.comm_time)} ({m.comm_hidden * 100:.1f}% hidden under compute)")
     lines.append(f"  cube/vector overlap {_fmt_time(m.cube_vector_overlap)}")
     return "\n".join(lines)

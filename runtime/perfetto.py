@@ -28,22 +28,23 @@ def _track_ids(tracks: list[tuple[int, str, int]]) -> dict[tuple[str, int], int]
     return {(e, u): 1 + kinds.index(e) * width + u for _, e, u in tracks}
 
 
+def _named(pid: int, tid: int, name: str, sort_index: int) -> list[dict[str, Any]]:
+    """The metadata events that name a process (``tid`` 0) or a thread track, and place it."""
+    kind = "thread" if tid else "process"
+    return [{"ph": "M", "name": f"{kind}_name", "pid": pid, "tid": tid, "args": {"name": name}},
+            {"ph": "M", "name": f"{kind}_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": sort_index}}]
+
+
 def to_chrome(trace: Trace) -> dict[str, Any]:
     """The trace as a Chrome Trace Event JSON object (timestamps in microseconds, to 1 ns)."""
     c = trace.columns
     rank, unit, task_id = c.column("rank"), c.column("unit"), c.column("task_id")
     engine, start, end = c.column("engine"), c.column("start"), c.column("end")
     t0 = min(start, default=0.0)
-    out: list[dict[str, Any]] = []
     tracks = sorted(set(zip(rank, engine, unit)))
     tid_of = _track_ids(tracks)
-    for r in sorted({r for r, _, _ in tracks}):
-        out.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "args": {"name": f"rank {r}"}})
-        out.append({"ph": "M", "name": "process_sort_index", "pid": r, "tid": 0, "args": {"sort_index": r}})
-    for r, e, u in tracks:
-        tid = tid_of[e, u]
-        out.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid, "args": {"name": f"{e}.{u}"}})
-        out.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
+    out = [m for r in sorted({r for r, _, _ in tracks}) for m in _named(r, 0, f"rank {r}", r)]
+    out += [m for r, e, u in tracks for m in _named(r, tid_of[e, u], f"{e}.{u}", tid_of[e, u])]
     work = [c.column(k) for k in ("flops", "bytes", "comm_bytes")]
     for i, (name, op, tags) in enumerate(zip(c.column("task"), c.column("op"), c.column("tags"))):
         args: dict[str, Any] = {"task_id": task_id[i], "op": op, **{str(k): v for k, v in tags.items()}}

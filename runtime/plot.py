@@ -11,14 +11,12 @@ import io
 import os
 from typing import Mapping
 
+from megaloom.runtime.dot import engine_colours
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.perfetto import _ENGINE_ORDER
 from megaloom.runtime.files import atomic_write
-from megaloom.runtime.registry import COMM, CUBE, VECTOR
+from megaloom.runtime.metrics import time_unit
+from megaloom.runtime.perfetto import _ENGINE_ORDER
 from megaloom.runtime.trace import Trace
-
-COLOURS = {CUBE: "#1f77b4", VECTOR: "#2ca02c", COMM: "#d62728"}
-OTHER = "#7f7f7f"
 
 
 def _pyplot():
@@ -38,8 +36,8 @@ def _rows(trace: Trace) -> list[tuple[int, str, int]]:
                   key=lambda r: (r[0], _ENGINE_ORDER.get(r[1], len(_ENGINE_ORDER)), r[1], r[2]))
 
 
-def _panel(ax, trace: Trace, title: str, scale: float) -> set[str]:
-    """Draw ``trace`` on ``ax`` (times from its first start, divided by ``scale``); its engine kinds."""
+def _panel(ax, trace: Trace, title: str, scale: float, colours: dict[str, str]) -> None:
+    """Draw ``trace`` on ``ax`` (times from its first start, divided by ``scale``), bars coloured by engine kind."""
     rows = _rows(trace)
     row_of = {r: i for i, r in enumerate(rows)}
     t0 = min((e.start for e in trace.events), default=0.0)
@@ -48,14 +46,12 @@ def _panel(ax, trace: Trace, title: str, scale: float) -> set[str]:
         bars.setdefault((e.engine, row_of[e.rank, e.engine, e.unit]), []).append(
             ((e.start - t0) / scale, e.duration / scale))
     for (engine, row), spans in bars.items():
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLOURS.get(engine, OTHER), edgecolor="white",
-                       linewidth=0.3)
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=colours[engine], edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(rows)))
     multi_rank = len({r for r, _, _ in rows}) > 1
     ax.set_yticklabels([f"{'r%d ' % r if multi_rank else ''}{e}.{u}" for r, e, u in rows], fontsize="small")
     ax.set_ylim(len(rows) - 0.5, -0.5)  # first row on top
     ax.set_title(title)
-    return {engine for engine, _ in bars}
 
 
 def plot_gantt(trace: Trace | Mapping[str, Trace], path: str | os.PathLike, title: str | None = None,
@@ -75,18 +71,18 @@ def plot_gantt(trace: Trace | Mapping[str, Trace], path: str | os.PathLike, titl
     if not panels:
         raise ConfigError("plot_gantt needs at least one trace")
     span = max(max(t.makespan for t in panels.values()), 1e-12)
-    scale, unit = next(((f, u) for f, u in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")) if span >= f), (1e-9, "ns"))
+    scale, unit = time_unit(span)
     heights = [max(1, len(_rows(t))) for t in panels.values()]
     fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights,
                              figsize=(12, 0.8 + 0.6 * len(panels) + 0.22 * sum(heights)))
-    engines: set[str] = set()
+    colours = engine_colours(sorted({e.engine for t in panels.values() for e in t.events}))  # as in DOT files
     for ax, (name, t) in zip(axes[:, 0], panels.items()):
-        engines |= _panel(ax, t, name, scale)
+        _panel(ax, t, name, scale, colours)
     axes[-1, 0].set_xlabel(f"time ({unit})")
     axes[-1, 0].set_xlim(0, span / scale)
-    for engine in sorted(engines):
-        axes[0, 0].plot([], [], color=COLOURS.get(engine, OTHER), linewidth=6, label=engine)
-    if engines:
+    for engine, colour in colours.items():
+        axes[0, 0].plot([], [], color=colour, linewidth=6, label=engine)
+    if colours:
         axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     if title:
         fig.suptitle(title)

@@ -10,7 +10,7 @@ import inspect
 import sys
 import types
 from importlib.metadata import entry_points
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 from megaloom.runtime.errors import ConfigError, MegaloomError
 
@@ -53,13 +53,11 @@ class Registry(Generic[T]):
 
     def get(self, name: str) -> T:
         """The object registered as ``name``; an unknown name raises ``error`` listing the known ones."""
-        obj = self._items.get(name)
-        if obj is None:
+        if name not in self._items:
             self._load_plugins()
-            obj = self._items.get(name)
-        if obj is None:
-            raise self.error(f"unknown {self.what} {name!r}; known: {', '.join(self.names()) or 'none'}")
-        return obj
+            if name not in self._items:
+                raise self.error(f"unknown {self.what} {name!r}; known: {', '.join(self.names()) or 'none'}")
+        return self._items[name]
 
     def names(self) -> list[str]:
         """Every registered name, plug-ins included, sorted."""
@@ -92,13 +90,10 @@ def describe(obj: Any) -> str:
     paragraph of its docstring; a plug-in function (a graph builder) is described by its
     module's docstring, since the module is what it builds."""
     doc = getattr(obj, "doc", None)
-    if isinstance(doc, str):
-        return _paragraph(doc)
-    if inspect.isfunction(obj):
-        module = sys.modules.get(obj.__module__)
-        if module is not None and module.__doc__:
-            return _paragraph(module.__doc__)
-    return _paragraph(inspect.getdoc(obj))
+    if not isinstance(doc, str):
+        module = sys.modules.get(obj.__module__) if inspect.isfunction(obj) else None
+        doc = (module.__doc__ if module else None) or inspect.getdoc(obj)
+    return _paragraph(doc)
 
 
 def _value(text: str) -> Any:
@@ -110,7 +105,7 @@ def _value(text: str) -> Any:
     return {"true": True, "false": False}.get(text.lower(), text)
 
 
-def parse_options(text: str, value: Callable[[str], Any] = _value, what: str = "option") -> dict[str, Any]:
+def parse_options(text: str, what: str = "option") -> dict[str, Any]:
     """``"k=v,k2=v2"`` as ``{"k": v, ...}``; numbers and booleans converted. A malformed
     item raises ConfigError naming it as a bad ``what``."""
     opts: dict[str, Any] = {}
@@ -118,13 +113,13 @@ def parse_options(text: str, value: Callable[[str], Any] = _value, what: str = "
         k, sep, v = item.partition("=")
         if not sep or not k.strip():
             raise ConfigError(f"bad {what} {item!r} in {text!r}: expected key=value")
-        opts[k.strip()] = value(v.strip())
+        opts[k.strip()] = _value(v.strip())
     return opts
 
 
-def parse_spec(spec: str, value: Callable[[str], Any] = _value) -> tuple[str, dict[str, Any]]:
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"name:k=v,k2=v2"`` as ``("name", {"k": v, ...})``; numbers and booleans converted."""
     name, _, rest = spec.partition(":")
     if not name.strip():
         raise ConfigError(f"bad spec {spec!r}: expected name[:key=value,...]")
-    return name.strip(), parse_options(rest, value)
+    return name.strip(), parse_options(rest)

@@ -31,13 +31,13 @@ class Observer:
     """Hooks every executor calls alike; override what you need."""
 
     def on_run_start(self, graph: TaskGraph, meta: dict[str, Any]) -> None:
-        pass
+        """A run of ``graph`` starts; ``meta`` is the run's (see :class:`Recorder`)."""
 
     def on_task(self, event: TraceEvent) -> None:
-        pass
+        """A task ran (any worker thread may call this)."""
 
     def on_run_end(self, trace: Trace) -> None:
-        pass
+        """The run ended; ``trace`` is its trace."""
 
 
 class _ByID:

@@ -67,7 +67,7 @@ def to_slices(box: Box) -> tuple[slice, ...]:
 
 
 class BoxIndex:
-    """Boxes of one buffer, each with a task id, found by overlap in O(log n + hits).
+    """Boxes of one buffer, found by overlap in O(log n + hits).
 
     Entries are kept sorted by their start along one key dim; a query for ``[a, b)`` along
     it looks only at entries starting in ``[a - longest + 1, b)``, where ``longest`` is the
@@ -75,7 +75,7 @@ class BoxIndex:
     chosen again (and the entries re-sorted): the dim along which boxes are narrowest for the
     range they cover, rows for row tiles, columns for column tiles, so tiles along any one
     dim stay cheap. A box spanning the key dim (a whole-buffer access) widens every later
-    query of this index, which is why readers and writers are indexed apart.
+    query of this index.
     """
 
     __slots__ = ("dim", "starts", "entries", "longest", "_rekey_at")
@@ -83,16 +83,13 @@ class BoxIndex:
     def __init__(self) -> None:
         self.dim, self.longest, self._rekey_at = 0, 0, 8
         self.starts: list[int] = []
-        self.entries: list[tuple[Box, int]] = []
+        self.entries: list[Box] = []
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def add(self, box: Box, tid: int) -> None:
+    def add(self, box: Box) -> None:
         s, e = box[self.dim] if box else (0, 1)
         i = bisect_right(self.starts, s)
         self.starts.insert(i, s)
-        self.entries.insert(i, (box, tid))
+        self.entries.insert(i, box)
         self.longest = max(self.longest, e - s)
         if len(self.entries) >= self._rekey_at and box:
             self._rekey_at *= 2
@@ -100,14 +97,14 @@ class BoxIndex:
 
     def _rekey(self, ndim: int) -> None:
         """Key on the dim where boxes are narrowest for the range they cover."""
-        spans = [[box[d] for box, _ in self.entries] for d in range(ndim)]
+        spans = [[box[d] for box in self.entries] for d in range(ndim)]
         longest = [max(b - a for a, b in s) for s in spans]
         spread = [longest[d] / max(1, max(b for _, b in s) - min(a for a, _ in s)) for d, s in enumerate(spans)]
         best = min(range(ndim), key=spread.__getitem__)
         if spread[best] < spread[self.dim]:
             self.dim, self.longest = best, longest[best]
-            self.entries.sort(key=lambda e: e[0][best][0])
-            self.starts = [box[best][0] for box, _ in self.entries]
+            self.entries.sort(key=lambda box: box[best][0])
+            self.starts = [box[best][0] for box in self.entries]
 
     def _span(self, box: Box) -> range:
         if not box:
@@ -115,7 +112,7 @@ class BoxIndex:
         a, b = box[self.dim]
         return range(bisect_left(self.starts, a - max(self.longest, 1) + 1), bisect_left(self.starts, b))
 
-    def overlapping(self, box: Box) -> list[tuple[Box, int]]:
-        """Entries whose box shares at least one element with ``box``."""
+    def overlapping(self, box: Box) -> list[Box]:
+        """The boxes sharing at least one element with ``box``."""
         entries = self.entries
-        return [entries[i] for i in self._span(box) if overlaps(entries[i][0], box)]
+        return [entries[i] for i in self._span(box) if overlaps(entries[i], box)]

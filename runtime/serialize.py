@@ -31,20 +31,15 @@ def _region(r: Region) -> list[Any]:
 
 
 def graph_to_dict(g: TaskGraph) -> dict[str, Any]:
-    return {
-        "format": GRAPH_FORMAT,
-        "version": GRAPH_VERSION,
-        "name": g.name,
-        "buffers": [[b.name, list(b.shape), b.dtype, b.is_input, b.is_output] for b in g.buffers.values()],
-        "tasks": [
-            {"name": t.name, "op": t.op, "engine": t.engine, "in": [_region(r) for r in t.inputs],
-             "out": [_region(r) for r in t.outputs], "attrs": g.task_attrs.get(t.id, {}),
-             "priority": t.priority, "tags": g.task_tags.get(t.id, {}),
-             "cost": None if t.cost is None else [t.cost.flops, t.cost.bytes, t.cost.comm_bytes, t.cost.precision]}
-            for t in g.tasks
-        ],
-        "pred": g.pred,
-    }
+    """The stored form of ``g``: its buffers, its tasks (regions, attrs, tags, cost) and every edge."""
+    tasks = [{"name": t.name, "op": t.op, "engine": t.engine, "in": [_region(r) for r in t.inputs],
+              "out": [_region(r) for r in t.outputs], "attrs": g.task_attrs.get(t.id, {}),
+              "priority": t.priority, "tags": g.task_tags.get(t.id, {}),
+              "cost": None if t.cost is None else [t.cost.flops, t.cost.bytes, t.cost.comm_bytes, t.cost.precision]}
+             for t in g.tasks]
+    buffers = [[b.name, list(b.shape), b.dtype, b.is_input, b.is_output] for b in g.buffers.values()]
+    return {"format": GRAPH_FORMAT, "version": GRAPH_VERSION, "name": g.name, "buffers": buffers, "tasks": tasks,
+            "pred": g.pred}
 
 
 def save_graph(g: TaskGraph, path: str | os.PathLike) -> None:

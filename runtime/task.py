@@ -52,8 +52,7 @@ class Task:
     @property
     def cost(self) -> Cost | None:
         """The cost given when the task was added (None: the op's cost function decides)."""
-        g = self.graph
-        return g._cost_table[g._cost[self.id]]
+        return self.graph._cost_table[self.graph._cost[self.id]]
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Task) and other.id == self.id and other.graph is self.graph

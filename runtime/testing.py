@@ -14,8 +14,7 @@ from megaloom.runtime.registry import OpDef, TensorSpec, all_ops, get_op, run_re
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative L2 error ``|actual - expected| / |expected|`` in float64 (0 when both are zero)."""
     a, e = actual.detach().double(), expected.detach().double()
-    den = e.norm().item()
-    return (a - e).norm().item() / den if den else (a - e).norm().item()
+    return (a - e).norm().item() / (e.norm().item() or 1.0)
 
 
 def _poisoned(shape: tuple[int, ...], dtype: torch.dtype, strided: bool) -> torch.Tensor:
@@ -49,8 +48,7 @@ def _check_kernel(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], 
             else:
                 assert torch.equal(o, r), f"{where}: kernel differs from the reference"
     c = op.cost(in_specs, specs, attrs)
-    figures = (c.flops, c.bytes, c.comm_bytes)
-    assert all(0 <= f < float("inf") for f in figures) and sum(figures) > 0, f"{name}: cost {c} is not finite and positive"
+    assert c.valid() and c.flops + c.bytes + c.comm_bytes > 0, f"{name}: cost {c} is not finite and positive"
     return list(ref), kernel_outs
 
 
@@ -94,14 +92,13 @@ def check_grads(name: str, inputs: list[torch.Tensor], attrs: dict[str, Any], to
         operands, dy, dx = [], {}, {}
         for sym in bwd.grad_of.inputs:
             kind, i = sym.rstrip("0123456789"), int(sym.lstrip("xyd"))
+            like = (ys if kind in ("y", "dy") else inputs)[i]
             if kind in ("x", "y"):
-                operands.append((inputs if kind == "x" else ys)[i].detach())
+                operands.append(like.detach())
                 continue
-            like = ys[i] if kind == "dy" else inputs[i]
-            g = torch.randn(like.shape, generator=gen, dtype=torch.float64).to(like.dtype)
-            operands.append(g)
+            operands.append(torch.randn(like.shape, generator=gen, dtype=torch.float64).to(like.dtype))
             into = dy if kind == "dy" else dx
-            into[i] = into[i] + g.double() if i in into else g.double()
+            into[i] = into.get(i, 0.0) + operands[-1].double()
         wrt = [int(s[2:]) for s in bwd.grad_of.outputs]
         got = torch.autograd.grad([ys[j] for j in dy], [leaves[i] for i in wrt],
                                   [dy[j].to(ys[j].dtype) for j in dy], allow_unused=True)

@@ -14,7 +14,7 @@ of that while a comm task runs (Echo fits 37.76% for kernels overlapped with com
 GPUs). A cost-model duration is a task's work at full speed: the task ends when that work is
 done, so every start or end of another task moves its end. Durations measured on a real run
 (``attrs['duration']``, as replay builds them) already hold whatever slowed them: those tasks
-run as measured and are not counted.
+run as measured and are not counted, unless marked as full-speed work (:data:`FULL_SPEED_ATTR`).
 
 The compiled loop has no such clock: a run whose contention can slow a task (:func:`applies`)
 takes the simulator's Python loop, which calls :func:`rescale` at every instant to set the
@@ -38,10 +38,16 @@ from megaloom.scheduler.cost import DURATION_ATTR
 from megaloom.scheduler.profile import Contention
 
 
+FULL_SPEED_ATTR = "full_speed"
+"""Task attribute: its ``attrs['duration']`` is its work at full speed, which contention slows
+(replay sets it when ranks share a host's cores other than as recorded)."""
+
+
 def measured(graph: TaskGraph) -> list[bool]:
     """Per task, whether it carries a measured duration (which contention leaves as it is)."""
     attrs = graph.task_attrs
-    return graph.cached("measured", lambda: [DURATION_ATTR in attrs.get(tid, ()) for tid in range(len(graph))])
+    return graph.cached("measured", lambda: [DURATION_ATTR in (a := attrs.get(tid, {})) and not a.get(FULL_SPEED_ATTR)
+                                             for tid in range(len(graph))])
 
 
 def applies(c: Contention | None, units: dict[str, int], graph: TaskGraph) -> bool:

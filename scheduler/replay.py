@@ -10,9 +10,10 @@ the recording back: every task starts when its dependencies and its delay allow.
 Ranks: a trace of several ranks whose events include collectives replays them together
 (:mod:`megaloom.scheduler.world`): collectives are matched across ranks (by process group and
 sequence number where the trace has them, else by order; send/recv by peer and tag), each
-rank's copy starts when that rank reaches it and ends when the slowest rank has arrived plus
-the time the copy took in the recording after the last rank arrived (its transfer, scaled by
-a what-if that changes it), so a slow rank shows as exposed comm on the others. Other
+rank's copy starts when that rank reaches it (its dependencies met) and ends when the slowest
+rank has arrived plus the time the copy took in the recording after the last rank was ready
+(its transfer, and for a collective run by a backend thread such as gloo's, the hand-over its
+recorded delay holds; scaled by a what-if that changes it), so a slow rank shows as exposed comm on the others. Other
 multi-rank traces replay rank by rank.
 
 What-ifs: another device (``profile``; each task scaled by the cost model's ratio between
@@ -21,6 +22,7 @@ before they are replayed (on the recorded device's figures).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Mapping
 
 from megaloom.runtime.core import Policy
@@ -29,8 +31,9 @@ from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 from megaloom.runtime.registry import Cost
 from megaloom.runtime.trace import Trace, TraceEvent, merge
+from megaloom.scheduler.contention import FULL_SPEED_ATTR, work
 from megaloom.scheduler.cost import DURATION_ATTR, CostModel
-from megaloom.scheduler.profile import HardwareProfile, load_profile
+from megaloom.scheduler.profile import Contention, HardwareProfile, load_profile
 from megaloom.scheduler.simulator import Simulator, gc_paused
 from megaloom.scheduler.whatif import WhatIf, event_width, recost
 from megaloom.scheduler.world import COLLECTIVE_OPS, P2P_OPS, match_collectives, simulate_world
@@ -42,7 +45,7 @@ JOINED = COLLECTIVE_OPS | P2P_OPS
 DELAY_TAG = "delay"
 """Event tag: seconds of untraced time between the moment its dependencies were met and its start."""
 DELAY_ENGINE = "delay"
-"""Engine of the explicit delay tasks put before collectives in a world replay (never queues)."""
+"""Engine of the explicit delay tasks put before device collectives in a world replay (never queues)."""
 Scale = Callable[[TraceEvent], float]
 
 
@@ -52,11 +55,13 @@ def delay_of(e: TraceEvent) -> float:
 
 
 def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Scale | None = None,
-                      durations: Mapping[int, float] | None = None, unfold: frozenset[int] = frozenset()) -> TaskGraph:
+                      durations: Mapping[int, float] | None = None, unfold: frozenset[int] = frozenset(),
+                      full_speed: bool = False) -> TaskGraph:
     """A graph of one rank's events: each task lasts its delay plus its measured duration (times
     ``scale(event)``, or ``durations[tid]``); recorded dependencies become edges. Events in
     ``unfold`` get their delay as a separate task on the ``delay`` engine instead (added after
-    the events' tasks, which keep their ids when the trace's ids are ``0..n-1``)."""
+    the events' tasks, which keep their ids when the trace's ids are ``0..n-1``). ``full_speed``:
+    the durations are work at full speed, which the profile's contention slows."""
     by_tid = {}
     for e in events:
         if e.task_id in by_tid:
@@ -70,7 +75,8 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Sca
         d = durations[tid] if durations is not None and tid in durations else \
             max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
-                           attrs={DURATION_ATTR: d + (0.0 if tid in unfold else delay_of(e))},
+                           attrs={DURATION_ATTR: d + (0.0 if tid in unfold else delay_of(e)),
+                                  **({FULL_SPEED_ATTR: True} if full_speed else {})},
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes, precision=e.precision))
     delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
                           attrs={DURATION_ATTR: delay_of(by_tid[tid])}) for tid in sorted(unfold) if tid in by_tid}
@@ -111,6 +117,36 @@ def device_ratio(recorded: HardwareProfile, target: HardwareProfile, whole_chip:
     return lambda e: recost(a, e, whole_chip, on=b)
 
 
+def _shared_host(recording: Trace, asked: Trace, prof: HardwareProfile, ranks: int) -> tuple[Contention, HardwareProfile]:
+    """Ranks sharing a host's cores (the profile's ``contention.cores``) as recorded, and the
+    profile whose contention gives each of ``ranks`` its share: every engine of a host thread
+    shares them in ``asked``, the run asked about (the ranks run alike: one rank's replay stands for each)."""
+    c = prof.contention
+    if c is None:
+        raise ConfigError(f"host ranks: profile {prof.name!r} has no contention section (the cores ranks share): "
+                          "run `megaloom calibrate` or add one")
+    if len(recording.ranks or [0]) > 1:
+        raise ConfigError("host ranks: the trace holds several ranks; this what-if re-shares one rank's host")
+    engines = tuple(sorted({e.engine for e in asked.events if "stream" not in e.tags}))
+    recorded = Contention(c.cores, engines, c.overlap)
+    return recorded, replace(prof, contention=Contention(c.cores / ranks, engines, c.overlap))
+
+
+def _full_speed(events: list[TraceEvent], recording: Trace, rank: int, c: Contention, scale: Scale | None) -> dict:
+    """Each event's duration at full speed: as recorded under ``c`` (:func:`~megaloom.scheduler.contention.work`),
+    tasks a what-if added as they are."""
+    rec = [e for e in recording.events if e.rank == rank]
+    speed = {e.task_id: w / (e.end - e.start) for e, w in zip(rec, work(rec, c)) if e.end > e.start}
+    return {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) * speed.get(e.task_id, 1.0)
+            for e in events}
+
+
+def _handover(e: TraceEvent) -> float:
+    """The recorded delay of a collective run by a backend thread (gloo): the hand-over from the
+    thread that issued it, part of the collective; a device collective's delay precedes its rank's arrival."""
+    return delay_of(e) if "stream" not in e.tags else 0.0
+
+
 def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
     """Replayed events start after their delay (the simulator ran delay and op as one task)."""
     for e in events:
@@ -131,7 +167,10 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
     Units: ``units``, else those recorded in the trace, else the target profile's; an
     imported trace always keeps one unit per recorded thread or stream (more or fewer cannot
     change what its dependencies serialise). ``policy`` defaults to the recorded policy name,
-    else FIFO. ``whatif`` applies :class:`WhatIf` knobs.
+    else FIFO. ``whatif`` applies :class:`WhatIf` knobs; with ``host_ranks``, each duration of a
+    single-rank trace becomes the work it did at full speed (the recording's own sharing of the
+    profile's ``contention.cores`` taken out) and runs under its share of the cores beside the
+    other ranks of its host: its own threads, the data-parallel all-reduces overlapping them.
     """
     meta = trace.meta
     recorded = load_profile(recorded_profile if recorded_profile is not None else meta.get("profile") or "cpu")
@@ -151,9 +190,11 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
         out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in recording.events})
     else:
         results = []
+        host = _shared_host(recording, trace, prof, whatif.host_ranks) if whatif and whatif.host_ranks else None
         for rank, events in per_rank.items():
-            graph = graph_from_events(events, name, scale)
-            res = Simulator(prof, chosen, pol).run(graph, validate=False)
+            durations = _full_speed(events, recording, rank, host[0], scale) if host else None
+            graph = graph_from_events(events, name, scale, durations, full_speed=host is not None)
+            res = Simulator(host[1] if host else prof, chosen, pol).run(graph, validate=False)
             _shift(res.trace.events, {e.task_id: e for e in events})
             for ev in res.trace.events:
                 ev.rank = rank
@@ -174,16 +215,18 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
     colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
     durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
     plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
-    for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank arrived
+    for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank was ready
         tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
         by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
         members = [(r, by_name[r][n]) for r, n in tids]
         if all((r, t) in recorded for r, t in members):
-            last = max(recorded[r, t].start for r, t in members)
+            last = max(recorded[r, t].start - _handover(recorded[r, t]) for r, t in members)
             for r, t in members:
                 e = recorded[r, t]
                 durs[r][t] = max(e.end - last, 0.0) * (durs[r][t] / (e.end - e.start) if e.end > e.start else 1.0)
-    graphs = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
+    undelayed = {r: [replace(e, tags={**e.tags, DELAY_TAG: 0.0}) if e.task_id in colls[r] and _handover(e) else e
+                     for e in per_rank[r]] for r in ranks}  # in the copy's time after the last rank was ready
+    graphs = [graph_from_events(undelayed[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
     world_units = {**units, DELAY_ENGINE: max(1, max(len(c) for c in colls.values()))}
     res = simulate_world(graphs, prof, world_units, policy, validate=False, sync_end=False)
     out: list[TraceEvent] = []
@@ -195,8 +238,8 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
                   for e in kept if e.task_id in colls[r]}  # a collective's copy runs from this rank's arrival
         _shift([e for e in kept if e.task_id not in colls[r]], by_tid)
         for e in kept:
-            if e.task_id in arrive:
-                e.start = min(arrive[e.task_id], e.start)
+            if e.task_id in arrive:  # from this rank's arrival (a backend thread's: after its own hand-over)
+                e.start = min(arrive[e.task_id] + _handover(by_tid[e.task_id]), e.end)
             e.rank = r
             e.deps = list(by_tid[e.task_id].deps)
         out.extend(kept)

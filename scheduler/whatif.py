@@ -31,7 +31,7 @@ from megaloom.scheduler.profile import HardwareProfile
 
 KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "cuda_graphs": "op_speed", "dims": "shape", "layers": "shape",
            "hot_experts": "moe", "comm_speedup": "comm", "link_bandwidth": "comm", "comm_bytes": "comm",
-           "dp": "parallelism", "ep": "parallelism"}
+           "dp": "parallelism", "ep": "parallelism", "host_ranks": "parallelism"}
 """The fidelity kind (benchmarks/whatif_fidelity.py) of each knob: its error bar is printed beside it."""
 BUCKET_BYTES, FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
 """DistributedDataParallel's gradient buckets: the first of 1 MiB, the others of 25 MiB."""
@@ -89,7 +89,9 @@ class WhatIf:
     ``hot_experts``: (annotation glob, factor) the first expert gets that many times the mean
     tokens, the others share the rest; ``comm_bytes``: messages that many times larger;
     ``dp`` / ``ep``: the data- / expert-parallel degree (gradient all-reduces re-costed, or
-    added to a single-rank CPU trace; all-to-alls and the expert work in ``scope`` re-costed).
+    added to a single-rank CPU trace; all-to-alls and the expert work in ``scope`` re-costed);
+    ``host_ranks``: ranks that share one host's cores in the asked-for run (a single-rank trace
+    replayed under the profile's ``contention``: see :func:`megaloom.scheduler.replay.replay`).
     """
 
     comm_speedup: float = 1.0
@@ -104,13 +106,14 @@ class WhatIf:
     comm_bytes: float = 1.0
     dp: int | None = None
     ep: int | None = None
+    host_ranks: int | None = None
 
     def check(self) -> None:
         """Every figure a positive finite number, counts and dimensions whole: before a long import."""
         hot, layers = self.hot_experts and self.hot_experts[1], self.layers and self.layers[1]
         for name, x, whole in [("comm speedup", self.comm_speedup, False), ("link bandwidth", self.link_bandwidth, False),
                                ("comm bytes", self.comm_bytes, False), ("hot experts", hot, False), ("dp", self.dp, True),
-                               ("ep", self.ep, True), ("layers", layers, True),
+                               ("ep", self.ep, True), ("host ranks", self.host_ranks, True), ("layers", layers, True),
                                *((f"speedup of {k!r}", v, False) for k, v in self.speedup.items()),
                                *((f"dimension {k} -> {v}", x, True) for k, v in self.dims.items() for x in (k, v))]:
             if x is not None and (isinstance(x, bool) or not isinstance(x, int if whole else (int, float))

@@ -1,6 +1,7 @@
 """Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, and
-a second data-parallel rank. B is predicted from A's profiler traces alone, with the link's
-alpha-beta model measured once on these ranks (as ``megaloom calibrate`` would).
+a second data-parallel rank on the same machine. B is predicted from A's profiler traces alone,
+with the link's alpha-beta model measured once on these ranks and the cores the machine's
+threads share measured as ``megaloom calibrate`` does.
 
 The two ranks live in a pool of worker processes that stay up for the whole suite: each
 command (time a workload, record it, measure the link) runs on both at once.
@@ -20,7 +21,8 @@ from torch import nn
 
 from benchmarks.whatif.pair import Pair
 from benchmarks.whatif.record import STEPS, TRACE_DIR, predicted_ratio, profile_steps, timed
-from megaloom.scheduler.profile import load_profile
+from megaloom.scheduler.calibrate import shared_cores
+from megaloom.scheduler.profile import Contention, load_profile
 from megaloom.scheduler.replay import WhatIf
 
 BUCKET = 1 << 21
@@ -77,8 +79,14 @@ def _worker(rank: int, port: int, conn) -> None:
                 timed(step, arg)
                 dist.barrier()
                 conn.send(time.perf_counter() - t)
-            elif cmd == "record":
-                conn.send(profile_steps(step, f"{arg}.rank{rank}", tries=1))  # both ranks: one recording
+            elif cmd == "record":  # three recordings, each of both ranks at once, and how long each took
+                timed(step, 2)
+                tries = []
+                for k in range(3):
+                    dist.barrier()
+                    t = time.perf_counter()
+                    tries.append((profile_steps(step, f"{arg}.{k}.rank{rank}", warmup=0, tries=1), time.perf_counter() - t))
+                conn.send(tries)
             else:  # the link: median all-reduce time per size
                 out = []
                 for n in arg:
@@ -137,14 +145,17 @@ def close() -> None:
 
 
 def link_profile():
-    """The ``cpu`` profile with the gloo link these ranks measured: alpha and beta from two sizes."""
+    """The ``cpu`` profile with the gloo link these ranks measured (alpha and beta from two sizes)
+    and the cores the machine's threads really share (as ``megaloom calibrate`` measures them)."""
     if "profile" not in _link:
         small, large = 1 << 14, 1 << 22
         t = [max(x) for x in zip(*pool().ask("link", "", [small, large]))]
         beta = 4 * (large - small) / (t[1] - t[0])  # a ring all-reduce of 2 ranks puts the message on the wire once
         alpha = max(t[0] - 4 * small / beta, 0.0)
         base = load_profile("cpu")
-        _link["profile"] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)})
+        cores = Contention(shared_cores(os.cpu_count() or 1, 128, 1.0), base.contention.engines)
+        _link["profile"] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)},
+                                               contention=cores)
     return _link["profile"]
 
 
@@ -156,8 +167,9 @@ def pairs() -> list[Pair]:
     traces: dict = {}
     local: dict = {}
 
-    def record_bucket() -> None:
-        traces["bucket"] = pool().ask("record", f"bucket:{BUCKET}", "bucket")
+    def record_bucket() -> None:  # the recording both ranks took least time in: the least disturbed
+        tries = list(zip(*pool().ask("record", f"bucket:{BUCKET}", "bucket")))
+        traces["bucket"] = [path for path, _ in min(tries, key=lambda ranks: max(t for _, t in ranks))]
 
     def record_single() -> None:
         torch.set_num_threads(1)
@@ -175,7 +187,7 @@ def pairs() -> list[Pair]:
              _ranks(f"bucket:{BUCKET}"), _ranks(f"bucket:{BUCKET // 2}"),
              lambda: predicted_ratio(traces["bucket"], WhatIf(comm_bytes=0.5), link_profile()), record_bucket),
         Pair("parallelism", "MLP step, data-parallel degree 1 -> 2 gloo ranks (DDP)", single, _ranks("ddp"),
-             lambda: predicted_ratio(traces["mlp"], WhatIf(dp=2), link_profile()), record_single),
+             lambda: predicted_ratio(traces["mlp"], WhatIf(dp=2, host_ranks=2), link_profile()), record_single),
     ]
 
 

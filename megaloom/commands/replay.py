@@ -44,6 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       "(or added to a one-rank CPU trace)")
     what.add_argument("--ep", type=int, metavar="N", help="expert-parallel degree: all-to-alls re-costed, the expert "
                       "work in --scope shared among N ranks")
+    what.add_argument("--host-ranks", type=int, metavar="N", help="ranks sharing the host's cores (the profile's "
+                      "contention.cores) in the run asked about; one-rank traces")
     p.add_argument("--max-json-mib", type=int, default=512, metavar="MIB",
                    help="the most a gzipped profiler trace may expand to (default 512 MiB)")
     add_common(p)
@@ -71,7 +73,7 @@ def _whatif(args: argparse.Namespace):
     w = WhatIf(args.comm_speedup, args.link_bandwidth * 1e9 if args.link_bandwidth is not None else None,
                _pairs(args.speedup, "--speedup"), tuple(args.scope), tuple(args.remove), args.cuda_graphs,
                _pairs(args.dim, "--dim", int, int), one(args.layers, "--layers", int),
-               one(args.hot_experts, "--hot-experts", float), args.comm_bytes, args.dp, args.ep)
+               one(args.hot_experts, "--hot-experts", float), args.comm_bytes, args.dp, args.ep, args.host_ranks)
     w.check()
     return w
 

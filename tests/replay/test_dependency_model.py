@@ -264,3 +264,16 @@ def test_host_thread_woken_by_another_threads_end_waits_for_it(tmp_path):
     assert ev["aten::mm"].task_id in ev["aten::sum"].deps and ev["aten::sum"].tags["delay"] == pytest.approx(80e-6)
     out = by_name(replay(trace, whatif=WhatIf(speedup={"aten::mm": 2})).trace)
     assert out["aten::sum"] == (550, 560)
+
+
+def test_host_idle_after_handing_a_collective_over_waits_for_it_however_late_it_woke(tmp_path):
+    gloo = {"cat": "user_annotation", "pid": 1, "tid": 2, "ph": "X"}
+    trace, rep, ev = load(tmp_path, [
+        cpu("aten::add", 0, 10), cpu("c10d::allreduce_", 20, 300),          # issues the all-reduce, returns at 320
+        dict(gloo, name="gloo:all_reduce", ts=100, dur=900),                   # gloo's thread runs it until 1000
+        cpu("aten::sum", 3000, 10),                                            # the host wakes 2 ms late (a loaded machine)
+    ])
+    assert rep.inferred == {"host waits for the collective it handed over (from timing)": 1}
+    assert ev["gloo:all_reduce"].task_id in ev["aten::sum"].deps and ev["aten::sum"].tags["delay"] == pytest.approx(2000e-6)
+    out = by_name(replay(trace, whatif=WhatIf(comm_speedup=3)).trace)
+    assert out["aten::sum"] == (2400, 2410)  # the collective lasts 300 us of its 900: the host wakes 600 us earlier

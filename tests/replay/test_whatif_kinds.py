@@ -3,6 +3,8 @@ torch.profiler on the CPU): the what-if applied to side A's trace must reproduce
 own trace records (work figures, task counts), and move the replay where it says."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -145,3 +147,14 @@ def test_removing_an_op_removes_its_backward_nodes_too(tmp_path):
     assert any("MulBackward0" in e.op for e in mine)
     removed = {e.task_id: e for e in WhatIf(remove=("*dropout*",)).apply(trace, load_profile("cpu"), False).events}
     assert all(removed[e.task_id].end == removed[e.task_id].start for e in mine)
+
+
+def test_ranks_sharing_the_host_share_its_cores(a):
+    """The ``cpu`` profile's 2 cores: one rank alone, or two (each its own), replay as before;
+    four on the host give each half a core, so every task of the step takes twice as long."""
+    alone = replay(a, whatif=WhatIf(dp=2)).trace.makespan
+    for n, slower in [(1, 1.0), (2, 1.0), (4, 2.0)]:
+        assert replay(a, whatif=WhatIf(dp=2, host_ranks=n)).trace.makespan == pytest.approx(alone * slower, rel=0.02)
+    no_cores = dataclasses.replace(load_profile("cpu"), contention=None)
+    with pytest.raises(ConfigError, match="has no contention section"):
+        replay(a, recorded_profile=no_cores, whatif=WhatIf(host_ranks=2))

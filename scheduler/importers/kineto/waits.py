@@ -18,7 +18,9 @@ stays a fixed delay (the frozen share each replay reports).
   no record, the next op the thread launches waits for the op of another stream of its device
   that ended last before it started, if that end came after its own dependencies were met; a
   host thread that sat idle and woke just after a collective or another thread's last task
-  ended waited for it (``work.wait()``, the autograd engine's join).
+  ended waited for it (``work.wait()``, the autograd engine's join); a host thread idle right
+  after handing a collective over, until after that collective ended, waited for it however
+  late it woke (a synchronous ``all_reduce`` on a loaded machine).
 """
 from __future__ import annotations
 
@@ -142,9 +144,10 @@ def _implicit(m: Model) -> None:
             _wait(call, [ops[k]], f"implicit sync: {implicit_sync(s.name)}", inferred=True)
 
 
-def handed_over(m: Model) -> None:
+def handed_over(m: Model) -> dict[int, int]:
     """A backend thread's collective waits for the ``c10d::`` op that handed it over (the k-th
-    of each kind issued, in start order, with the k-th that ran)."""
+    of each kind issued, in start order, with the k-th that ran); returns op -> collective."""
+    handed: dict[int, int] = {}
     issued, ran = {}, {}  # collective kind -> the c10d ops issuing it / the backend's tasks running it
     for i, t in enumerate(m.tasks):
         if t.engine == HOST and t.op.startswith("c10d::") and (kind := collective(t.op)):
@@ -153,16 +156,19 @@ def handed_over(m: Model) -> None:
             ran.setdefault(t.op, []).append(i)
     for kind, ids in ran.items():
         ids.sort(key=lambda i: m.tasks[i].start)
-        for q, p in zip(ids, sorted(issued.get(kind, ()), key=lambda i: m.tasks[i].start)):
-            p = m.consistent(p, m.tasks[q].start, "collective handed over")
+        for q, op in zip(ids, sorted(issued.get(kind, ()), key=lambda i: m.tasks[i].start)):
+            handed[op] = q
+            p = m.consistent(op, m.tasks[q].start, "collective handed over")
             if p is not None and m.tasks[p].track != m.tasks[q].track:
                 m.tasks[q].deps.append(p)
                 m.report.count("deps", "collective handed over")
+    return handed
 
 
 def explain(m: Model) -> None:
     """Unrecorded waits of device ops and host threads (see the module docstring)."""
-    handed_over(m)
+    handed = handed_over(m)
+    prev = {b: a for ids in m.track_tasks.values() for a, b in zip(ids, ids[1:])}
     by_end = {track: index((m.tasks[i].end, i) for i in ids) for track, ids in m.track_tasks.items()}
     next_start = {a: m.tasks[b].start for ids in m.track_tasks.values() for a, b in zip(ids, ids[1:])}
     waited = {m.ops[i].task for i in m.after_wait}
@@ -177,6 +183,10 @@ def explain(m: Model) -> None:
             else:
                 m.report.count("skipped", "stream wait with nothing to wait for")
         elif "stream" not in t.tags and t.start - ready > HOST_WAIT_US:
+            q = handed.get(prev.get(i, -1))
+            if q is not None and m.tasks[prev[i]].end < m.tasks[q].end <= t.start:  # a synchronous collective
+                m.infer(i, q, "host waits for the collective it handed over (from timing)")
+                continue
             marks = m.thread_marks.get(t.track, [])
             lo, hi = bisect.bisect_right(marks, ready), bisect.bisect_left(marks, t.start)
             times = [ready, *marks[lo:hi], t.start]

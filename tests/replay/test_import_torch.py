@@ -77,6 +77,13 @@ def test_missing_end_is_kept_and_tagged(tmp_path):
     assert ev["open"].tags["truncated"] and ev["open"].duration == 0 and report.truncated == 1
 
 
+def test_missing_end_lasts_to_the_last_timestamp_of_its_track(tmp_path):
+    events = [{"ph": "B", "name": "open", "pid": 1, "tid": 1, "ts": 0, "cat": "cpu_op"}, _x("inner", 2, 8),
+              _x("other", 5, 20, tid=2)]
+    trace, _ = import_torch_profiler(_write(tmp_path, events))
+    assert {e.op: e for e in trace.events}["open"].duration == pytest.approx(10e-6)
+
+
 def test_begin_end_pairs(tmp_path):
     events = [{"ph": "B", "name": "mm", "pid": 1, "tid": 1, "ts": 0, "cat": "cpu_op"},
               {"ph": "E", "pid": 1, "tid": 1, "ts": 4}]

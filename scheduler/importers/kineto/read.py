@@ -148,7 +148,6 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
     slices, flows, syncs = [], [], []  # Slice, flow event, sync record
     skipped: Counter[str] = Counter()
     open_b: dict[tuple, list[tuple[int, Slice]]] = {}  # begun slices by track, ended by their ``E``
-    last_ts: dict[tuple, float] = {}
     for i, e in enumerate(events):
         if type(e) is not dict:
             raise _bad(i, f"expected an object, got {type(e).__name__}")
@@ -179,15 +178,13 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             if cat == "Trace":  # the profiler's own span
                 skipped["profiler span"] += 1
                 continue
-            end = ts + dur
-            slices.append(_slice(i, e, cat, float(ts), float(end), len(slices)))
+            slices.append(_slice(i, e, cat, float(ts), float(ts + dur), len(slices)))
         elif ph in ("s", "t", "f"):
             _time(e, "ts", i)
             if cat == "ac2g":  # launch flows: the correlation ids say the same
                 skipped["launch flow (by correlation id)"] += 1
             else:
                 flows.append(e)
-            continue
         elif ph == "B":
             end = _time(e, "ts", i)
             open_b.setdefault((pid, tid), []).append((i, _slice(i, e, cat, end, end, -1)))
@@ -202,11 +199,9 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             slices.append(b)
         else:
             skipped[f"phase {ph!r:.12}"] += 1
-            continue
-        if end > last_ts.get((pid, tid), -math.inf):
-            last_ts[(pid, tid)] = end
     for track, begun in open_b.items():
         for _, b in begun:  # a begin without its end: kept up to the track's last timestamp
-            b.end, b.seq, b.truncated = max(b.start, last_ts.get(track, b.start)), len(slices), True
+            last = max([s.end for s in slices if (s.pid, s.tid) == track] + [o.start for _, o in begun])
+            b.end, b.seq, b.truncated = last, len(slices), True
             slices.append(b)
     return RawTrace(path, slices, flows, syncs, header, skipped)

@@ -12,12 +12,12 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
-from megaloom.commands import write_file
+from megaloom.commands import pairs, write_file
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import check_outputs
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.runtime.plugins import parse_options, parse_spec
+from megaloom.runtime.plugins import parse_spec
 from megaloom.runtime.trace import Trace
 
 if TYPE_CHECKING:
@@ -38,9 +38,9 @@ def resolve_graph(spec: str) -> TaskGraph:
     return _build(name, builders.get(name), opts)
 
 
-def progress_bar(stream=None, width: int = 30) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback drawing a one-line bar on ``stream`` (default: stderr)."""
-    stream = stream or sys.stderr
+def progress_bar(width: int = 30) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback drawing a one-line bar on stderr."""
+    stream = sys.stderr
 
     def draw(done: int, total: int) -> None:
         frac = done / total if total else 1.0
@@ -95,7 +95,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_common(p)
     p.add_argument("--world", action="store_true",
                    help="simulate every rank of a builder with a world hook (e.g. megamoe:...,ep=N), collectives synchronised")
-    p.add_argument("--slowdown", default=None, metavar="RANK=FACTOR,...",
+    p.add_argument("--slowdown", action="append", metavar="RANK=FACTOR,...",
                    help="with --world: multiply every duration of these ranks, e.g. 3=1.5")
     bar = p.add_mutually_exclusive_group()
     bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
@@ -145,11 +145,7 @@ def run_world(args: argparse.Namespace) -> int:
 
     if not args.world or args.graph is None:
         raise ConfigError("--world takes --graph NAME[:key=value,...] of a builder with a world hook; --slowdown needs --world")
-    slowdown = {}
-    for k, v in parse_options(args.slowdown or "").items():
-        if not isinstance(k, str) or not k.isdigit():
-            raise ConfigError(f"bad --slowdown item {k}={v}: expected RANK=FACTOR")
-        slowdown[int(k)] = v
+    slowdown = pairs(args.slowdown, "--slowdown", int)
     policy, units = policy_and_units(args)
     graphs = resolve_world(args.graph)
     check_units(units, [e for g in graphs for e in g.engines()])

@@ -253,28 +253,27 @@ def validate(raw: dict[str, Any] | None) -> Config:
 
 
 def _cross_checks(cfg: Config) -> list[str]:
-    problems = []
-    m, d = cfg["model"], cfg["data"]
-    if m.get("kind") == "path" and not m.get("path"):
-        problems.append("model.path: required when model.kind is 'path'")
-    if m.get("kind") == "path" and m.get("config"):
-        problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
-    if d.get("source") == "files" and not d.get("path"):
-        problems.append("data.path: required when data.source is 'files'")
-    ev = cfg["eval"]
-    if d.get("source") == "files" and ev.get("interval") and not (ev.get("path") or ev.get("holdout_docs")):
-        problems.append("eval.interval: evaluating files needs eval.path or eval.holdout_docs")
-    par, lp = cfg["parallel"], cfg["low_precision"]
-    cp, seq = par.get("cp_size"), d.get("seq_len")
-    if isinstance(cp, int) and isinstance(seq, int) and cp > 0 and seq % cp:
-        problems.append(f"parallel.cp_size: {cp} does not divide data.seq_len={seq} (each rank takes an equal part)")
-    if isinstance(par.get("tp_size"), int) and par["tp_size"] > 1 and (lp.get("linear") or lp.get("format")) == "mxfp8":
-        problems.append("parallel.tp_size: tensor parallelism splits nn.Linear layers, which low_precision.format=mxfp8 "
-                        "replaces; use one or the other")
-    for i, step in enumerate(cfg["trace"].get("steps") or []):
-        if isinstance(step, int) and isinstance(cfg["schedule"].get("steps"), int) and not 1 <= step <= cfg["schedule"]["steps"]:
-            problems.append(f"trace.steps[{i}]: step {step} outside 1..{cfg['schedule']['steps']} (schedule.steps)")
-    return problems
+    """Problems between keys (a value of the wrong type is reported already, and is skipped here)."""
+    m, d, ev, par, lp = (cfg[s] for s in ("model", "data", "eval", "parallel", "low_precision"))
+    cp, seq, steps = par["cp_size"], d["seq_len"], cfg["schedule"]["steps"]
+    files, ints = d["source"] == "files", isinstance(cp, int) and isinstance(seq, int) and isinstance(steps, int)
+    rules = [
+        (m["kind"] == "path" and not m["path"], "model.path: required when model.kind is 'path'"),
+        (m["kind"] == "path" and m["config"],
+         "model.config: not used when model.kind is 'path' (the directory's config.json is)"),
+        (files and not d["path"], "data.path: required when data.source is 'files'"),
+        (files and ev["interval"] and not (ev["path"] or ev["holdout_docs"]),
+         "eval.interval: evaluating files needs eval.path or eval.holdout_docs"),
+        (ints and cp > 0 and seq % cp,
+         f"parallel.cp_size: {cp} does not divide data.seq_len={seq} (each rank takes an equal part)"),
+        (isinstance(par["tp_size"], int) and par["tp_size"] > 1 and (lp["linear"] or lp["format"]) == "mxfp8",
+         "parallel.tp_size: tensor parallelism splits nn.Linear layers, which low_precision.format=mxfp8 replaces; "
+         "use one or the other"),
+    ]
+    rules += [(ints and isinstance(step, int) and not 1 <= step <= steps,
+               f"trace.steps[{i}]: step {step} outside 1..{steps} (schedule.steps)")
+              for i, step in enumerate(cfg["trace"]["steps"] if isinstance(cfg["trace"]["steps"], list) else [])]
+    return [problem for bad, problem in rules if bad]
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

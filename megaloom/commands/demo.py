@@ -51,13 +51,10 @@ def rank_graphs(options: dict) -> dict[str, list]:
 
     ids = problem(options)["ids"].split(options["tokens"])
     counts = tuple(tuple(local_counts(i, options["experts"])) for i in ids)
-    out = {}
-    for schedule in SCHEDULES:
-        spec = MegaMoESpec(**options, schedule=schedule)
-        out[schedule] = [MEGAMOE.build(spec, "fwd", Counts(r, spec.ep, spec.experts_local, counts), save=False,
-                                     dynamic=True)
-                         for r in range(spec.ep)]
-    return out
+    specs = {schedule: MegaMoESpec(**options, schedule=schedule) for schedule in SCHEDULES}
+    return {schedule: [MEGAMOE.build(spec, "fwd", Counts(r, spec.ep, spec.experts_local, counts), save=False,
+                                     dynamic=True) for r in range(spec.ep)]
+            for schedule, spec in specs.items()}
 
 
 def execute_rank(comm, options: dict, out_dir: str) -> dict:

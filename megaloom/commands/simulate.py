@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from megaloom.commands import pairs, write_file
 from megaloom.runtime.errors import ConfigError
@@ -20,22 +20,26 @@ from megaloom.runtime.perfetto import write_chrome
 from megaloom.runtime.plugins import parse_spec
 from megaloom.runtime.trace import Trace
 
-if TYPE_CHECKING:
-    from megaloom.runtime.graph import TaskGraph
 
-
-def resolve_graph(spec: str) -> TaskGraph:
-    """A graph from a file path, or from a named builder with options."""
+def resolve_graph(spec: str, world: bool = False) -> Any:
+    """A graph from a file path, or from a named builder with options; ``world``: every rank's graph from the
+    builder's ``world(**options)`` hook (MegaMoE's). Options a builder does not take are a ConfigError."""
     from megaloom.graphs.common.builder import GRAPH_BUILDERS as builders
     from megaloom.runtime.graph import TaskGraph
 
-    if os.path.exists(spec):
+    if os.path.exists(spec) and not world:
         return TaskGraph.load(spec)
     name, opts = parse_spec(spec)
     if name not in builders:
         known = ", ".join(builders.names()) or "none registered"
         raise ConfigError(f"graph {spec!r} is neither a file nor a known graph builder (builders: {known})")
-    return _build(name, builders.get(name), opts)
+    builder = getattr(builders.get(name), "world", None) if world else builders.get(name)
+    if builder is None:
+        raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
+    try:
+        return builder(**opts)
+    except TypeError as e:
+        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
 
 
 def progress_bar(width: int = 30) -> Callable[[int, int], None]:
@@ -121,25 +125,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_world(spec: str) -> list[TaskGraph]:
-    """Every rank's graph from a builder with a ``world(**options)`` hook (MegaMoE's)."""
-    from megaloom.graphs.common.builder import GRAPH_BUILDERS
-
-    name, opts = parse_spec(spec)
-    hook = getattr(GRAPH_BUILDERS.items().get(name), "world", None)
-    if hook is None:
-        raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
-    return _build(name, hook, opts)
-
-
-def _build(name: str, builder: Callable[..., Any], opts: dict) -> Any:
-    """``builder(**opts)``; options it does not take are a ConfigError naming the builder."""
-    try:
-        return builder(**opts)
-    except TypeError as e:
-        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
-
-
 def run_world(args: argparse.Namespace) -> int:
     from megaloom.scheduler.world import simulate_world, world_summary
 
@@ -147,7 +132,7 @@ def run_world(args: argparse.Namespace) -> int:
         raise ConfigError("--world takes --graph NAME[:key=value,...] of a builder with a world hook; --slowdown needs --world")
     slowdown = pairs(args.slowdown, "--slowdown", int)
     policy, units = policy_and_units(args)
-    graphs = resolve_world(args.graph)
+    graphs = resolve_graph(args.graph, world=True)
     check_units(units, [e for g in graphs for e in g.engines()])
     result = simulate_world(graphs, args.profile, units, policy, slowdown=slowdown)
     print(world_summary(result.trace))

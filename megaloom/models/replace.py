@@ -165,13 +165,10 @@ class ReplacementPlan:
                 problems += [f"module {ps[0]!r} ({_describe(mod)}): {p}" for p in (rule.check(mod) if rule.check else [])]
         selected = [(tuple(paths[i]), rule, modules[i]) for i, rule in chosen.items()]
         names = {p for ps, _, _ in selected for p in ps}
-        for ps, rule, _ in selected:
-            for p in ps:
-                if p == "":
-                    problems.append(f"rule {rule.name!r} matches the root module, which cannot be replaced in place")
-                outer = _ancestor(p, names)
-                if outer is not None:
-                    problems.append(f"module {p!r} lies inside {outer!r}, which is replaced too")
+        problems += [f"rule {rule.name!r} matches the root module, which cannot be replaced in place"
+                     for ps, rule, _ in selected if "" in ps]
+        problems += [f"module {p!r} lies inside {outer!r}, which is replaced too"
+                     for ps, _, _ in selected for p in ps if (outer := _ancestor(p, names)) is not None]
         if problems:
             raise ConfigError("module replacement plan is invalid:\n  " + "\n  ".join(problems))
         return selected

@@ -39,20 +39,20 @@ _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "tru
 
 
 def _finite_numbers(v: Any, where: str = "") -> str | None:
-    """The first non-finite number inside a (nested) value, as a problem, or None."""
+    """The first non-finite number inside a (nested) value, as a problem (naming where it sits), or None."""
     if isinstance(v, float) and not math.isfinite(v):
-        return f"{where or 'the value'} is {v!r}, numbers must be finite"
+        return f"{where} is {v!r}, numbers must be finite" if where else "numbers must be finite"
     items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
     return next(filter(None, (_finite_numbers(x, f"{where}.{k}" if where else str(k)) for k, x in items)), None)
 
 
 def _model_config(v: dict) -> str | None:
-    """Non-finite numbers, and sizes (``*_size``, ``*_dim``, ``num_*``, ``n_*``, ...) outside [0, 2**24]."""
+    """Sizes (``*_size``, ``*_dim``, ``num_*``, ``n_*``, ...) outside [0, 2**24]."""
     sizes = {k: x for k, x in v.items() if str(k).endswith(("_size", "_dim", "_layers", "_heads", "_experts"))
              or str(k).startswith(("num_", "n_"))}
     bad = [f"{k} is {x!r}, a size must be within [0, 2**24]" for k, x in sizes.items()
            if isinstance(x, int) and not isinstance(x, bool) and not 0 <= x <= 1 << 24]
-    return _finite_numbers(v) or (bad[0] if bad else None)
+    return bad[0] if bad else None
 
 
 def _check(ok: Callable[[Any], bool], problem: str) -> Callable[[Any], str | None]:
@@ -205,13 +205,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 
 
 class Config(dict):
-    """A validated config: ``cfg["section"]["key"]``, or ``cfg.section.key``-style via :meth:`get`."""
-
-    def __getattr__(self, name: str) -> dict[str, Any]:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    """A validated config: ``cfg["section"]["key"]``."""
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dict(self), sort_keys=False)
@@ -223,9 +217,7 @@ def _check_value(section: str, name: str, key: Key, value: Any) -> str | None:
     typed = number or (isinstance(value, key.types) and (bool in key.types or not isinstance(value, bool)))
     if not typed or (key.choices is not None and value not in key.choices):
         return f"{where}: got {value!r}, expected {key.allowed()}"
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{where}: got {value!r}, numbers must be finite"
-    problem = key.check(value) if key.check is not None and value is not None else None
+    problem = _finite_numbers(value) or (key.check(value) if key.check is not None and value is not None else None)
     return f"{where}: got {value!r}, {problem}" if problem else None
 
 

@@ -35,9 +35,8 @@ class SyntheticTokens:
     """
 
     def __init__(self, vocab: int, seq_len: int, batch_size: int, seed: int, branching: int = 2):
-        gen = torch.Generator().manual_seed(seed)
         self.vocab, self.seq_len, self.batch_size, self.seed, self.row = vocab, seq_len, batch_size, seed, 0
-        self.successors = torch.randint(0, vocab, (vocab, branching), generator=gen)
+        self.successors = torch.randint(0, vocab, (vocab, branching), generator=torch.Generator().manual_seed(seed))
 
     def rows(self, start: int, count: int) -> torch.Tensor:
         """Token ids of rows ``start .. start + count - 1``: ``[count, seq_len + 1]``."""

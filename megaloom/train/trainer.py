@@ -41,7 +41,7 @@ from megaloom.train.data import make_stream
 from megaloom.train.flops import flops_per_token, peak_flops
 from megaloom.train.optim import make_optimizer
 from megaloom.train.parallel import mesh as meshes
-from megaloom.train.parallel import setup
+from megaloom.train.parallel.setup import setup
 from megaloom.train.parallel.clock import CommClock, TimedCommunicator
 from megaloom.train.parallel.context import split
 from megaloom.train.parallel.recompute import decoder_layers
@@ -327,7 +327,6 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     def _write_trace(self) -> None:
-        os.makedirs(self.trace_dir, exist_ok=True)
         trace = self.tracer.trace(self.step)
         base = os.path.join(self.trace_dir, f"step{self.step}.rank{self.rank}")
         trace.save(base + ".trace")

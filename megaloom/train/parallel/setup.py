@@ -121,8 +121,7 @@ def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, "sum")
-    if divide != 1:
-        flat.div_(divide)
+    flat.div_(divide)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 

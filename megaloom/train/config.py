@@ -28,11 +28,6 @@ class Key:
     choices: tuple[Any, ...] | None = None
     check: Callable[[Any], str | None] | None = None  # returns a problem description or None
 
-    def allowed(self) -> str:
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in self.types)
-
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
                list: "a list", dict: "a mapping", type(None): "null"}
@@ -216,7 +211,9 @@ def _check_value(section: str, name: str, key: Key, value: Any) -> str | None:
     number = isinstance(value, int) and not isinstance(value, bool) and float in key.types  # an int is a number
     typed = number or (isinstance(value, key.types) and (bool in key.types or not isinstance(value, bool)))
     if not typed or (key.choices is not None and value not in key.choices):
-        return f"{where}: got {value!r}, expected {key.allowed()}"
+        allowed = ("one of " + ", ".join(map(repr, key.choices)) if key.choices is not None
+                   else " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in key.types))
+        return f"{where}: got {value!r}, expected {allowed}"
     problem = _finite_numbers(value) or (key.check(value) if key.check is not None and value is not None else None)
     return f"{where}: got {value!r}, {problem}" if problem else None
 

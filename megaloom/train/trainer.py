@@ -100,8 +100,7 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, positi
             autocast: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross entropy, number of targets) of ``model``'s logits for ``inputs`` against ``labels``
     (-100: no target), run under ``torch.autocast`` to the dtype named ``autocast`` if given."""
-    device = inputs.device.type
-    with torch.autocast(device, getattr(torch, autocast)) if autocast else nullcontext():
+    with torch.autocast(inputs.device.type, getattr(torch, autocast)) if autocast else nullcontext():
         logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     return loss, (labels != -100).sum()

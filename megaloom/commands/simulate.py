@@ -44,15 +44,13 @@ def resolve_graph(spec: str, world: bool = False) -> Any:
 
 def progress_bar(width: int = 30) -> Callable[[int, int], None]:
     """A ``progress(done, total)`` callback drawing a one-line bar on stderr."""
-    stream = sys.stderr
-
     def draw(done: int, total: int) -> None:
         frac = done / total if total else 1.0
         fill = int(frac * width)
-        stream.write(f"\rsimulating [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {done}/{total} tasks")
+        sys.stderr.write(f"\rsimulating [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {done}/{total} tasks")
         if done >= total:
-            stream.write("\n")
-        stream.flush()
+            sys.stderr.write("\n")
+        sys.stderr.flush()
     return draw
 
 

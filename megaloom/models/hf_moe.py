@@ -99,8 +99,7 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
         except Exception as e:  # transformers validates fields with its own exception types
             raise ConfigError(f"model.config: {config_cls.__name__} rejected the values: {e}") from None
         model = model_cls._from_config(config, dtype=dtype)
-    model.train()
-    return model
+    return model.train()
 
 
 @dataclass(slots=True)
@@ -271,7 +270,8 @@ def is_silu(act: Callable[[torch.Tensor], torch.Tensor]) -> bool:
 
 def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """Largest absolute difference over the largest magnitude of ``want`` (the parity metric)."""
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))  # float() of a grad tensor is fine
+    got, want = got.detach(), want.detach()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
 
 
 def block_forward(parts: MoEBlockParts, hidden: torch.Tensor, block: nn.Module | None = None,

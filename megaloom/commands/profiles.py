@@ -13,9 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _rate(profile, engine: str, precision: str) -> str:
-    if engine not in profile.peaks:
-        return "-"
-    return f"{profile.peak(engine, precision) / 1e12:.4g}"
+    return f"{profile.peak(engine, precision) / 1e12:.4g}" if engine in profile.peaks else "-"
 
 
 def run(args: argparse.Namespace) -> int:

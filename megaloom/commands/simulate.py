@@ -99,9 +99,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="simulate every rank of a builder with a world hook (e.g. megamoe:...,ep=N), collectives synchronised")
     p.add_argument("--slowdown", action="append", metavar="RANK=FACTOR,...",
                    help="with --world: multiply every duration of these ranks, e.g. 3=1.5")
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
-    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="always (--progress) or never (--no-progress) show a progress bar (default: on a terminal, "
+                        "for 100,000 tasks or more)")
     p.set_defaults(func=run)
 
 

@@ -17,6 +17,21 @@ def write_file(write: Callable[..., Any], obj: Any, path: str, **kw: Any) -> Non
         raise ConfigError(f"cannot write {path}: {e.strerror or e}") from e
 
 
+def pairs(items: list[str] | None, what: str, key: Callable[[str], Any] = str,
+          value: Callable[[str], Any] = float) -> dict:
+    """``KEY=VALUE`` items of option ``what`` (repeated or comma-separated); a bad one raises ConfigError."""
+    out = {}
+    for item in (x for text in items or () for x in text.split(",") if x.strip()):
+        k, sep, v = item.partition("=")
+        try:
+            if not sep or not k.strip():
+                raise ValueError(item)
+            out[key(k.strip())] = value(v.strip())
+        except ValueError:
+            raise ConfigError(f"bad {what} {item!r}: expected {what.lstrip('-').upper()}=VALUE") from None
+    return out
+
+
 def require_positive(args: Any, *names: str) -> None:
     """ConfigError naming every ``--option`` among ``names`` whose value is set and not > 0."""
     bad = [f"--{n.replace('_', '-')} must be > 0, got {getattr(args, n)}" for n in names

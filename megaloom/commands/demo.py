@@ -36,12 +36,6 @@ POLICY = "priority"  # expert group g has priority -g under `interleaved`; `sequ
 SCHEDULES = ("sequential", "interleaved")
 
 
-def spec_options(args: argparse.Namespace) -> dict:
-    """The MegaMoE spec of the demo (one rank's view)."""
-    return {"tokens": args.tokens, **SHAPE, "experts": EXPERTS_PER_RANK * args.ep, "ep": args.ep,
-            "tile_m": args.tile, "cube_split": CUBE_SPLIT, "group_size": GROUP_SIZE}
-
-
 def problem(options: dict) -> dict:
     """The seeded global problem (every rank's tokens, top-k ids and weights; every expert's weights)."""
     from megaloom.graphs.moe.ep import problem as moe_problem
@@ -57,13 +51,10 @@ def rank_graphs(options: dict) -> dict[str, list]:
 
     ids = problem(options)["ids"].split(options["tokens"])
     counts = tuple(tuple(local_counts(i, options["experts"])) for i in ids)
-    out = {}
-    for schedule in SCHEDULES:
-        spec = MegaMoESpec(**options, schedule=schedule)
-        out[schedule] = [MEGAMOE.build(spec, "fwd", Counts(r, spec.ep, spec.experts_local, counts), save=False,
-                                     dynamic=True)
-                         for r in range(spec.ep)]
-    return out
+    specs = {schedule: MegaMoESpec(**options, schedule=schedule) for schedule in SCHEDULES}
+    return {schedule: [MEGAMOE.build(spec, "fwd", Counts(r, spec.ep, spec.experts_local, counts), save=False,
+                                     dynamic=True) for r in range(spec.ep)]
+            for schedule, spec in specs.items()}
 
 
 def execute_rank(comm, options: dict, out_dir: str) -> dict:
@@ -144,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ep < 2:
         raise ConfigError(f"--ep must be at least 2 (one rank has no dispatch or combine), got {args.ep}")
     profile = load_profile(args.profile)
-    options = spec_options(args)
+    # the MegaMoE spec, one rank's view
+    options = {"tokens": args.tokens, **SHAPE, "experts": EXPERTS_PER_RANK * args.ep, "ep": args.ep,
+               "tile_m": args.tile, "cube_split": CUBE_SPLIT, "group_size": GROUP_SIZE}
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:

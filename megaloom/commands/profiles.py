@@ -13,9 +13,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _rate(profile, engine: str, precision: str) -> str:
-    if engine not in profile.peaks:
-        return "-"
-    return f"{profile.peak(engine, precision) / 1e12:.4g}"
+    return f"{profile.peak(engine, precision) / 1e12:.4g}" if engine in profile.peaks else "-"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,9 +29,7 @@ def run(args: argparse.Namespace) -> int:
         for k, (a, b) in p.links.items():
             print(f"  link {k:<9} alpha {a * 1e6:g} us, beta {b / 1e9:g} GB/s")
         print(f"  task_overhead  {p.task_overhead * 1e6:g} us")
-        print("  sources:")
-        for k, v in p.sources.items():
-            print(f"    {k}: {v}")
+        print("  sources:", *(f"    {k}: {v}" for k, v in p.sources.items()), sep="\n")
         return 0
     head = f"{'profile':<13}{'cube':>6}{'vector':>8}{'comm':>6}{'cube bf16':>11}{'cube mxfp8':>12}{'HBM GB/s':>10}{'intra GB/s':>12}{'inter GB/s':>12}"
     print(head + "\n" + "-" * len(head))

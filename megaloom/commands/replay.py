@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from megaloom.commands import pairs
 from megaloom.commands.simulate import add_common, check_units, policy_and_units, write_outputs
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import check_outputs
@@ -52,27 +53,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _pairs(items: list[str] | None, what: str, key=str, value=float) -> dict:
-    """``KEY=VALUE`` items (repeated or comma-separated); a bad one raises ConfigError."""
-    out = {}
-    for item in (x for text in items or () for x in text.split(",") if x.strip()):
-        k, sep, v = item.partition("=")
-        try:
-            if not sep or not k.strip():
-                raise ValueError(item)
-            out[key(k.strip())] = value(v.strip())
-        except ValueError:
-            raise ConfigError(f"bad {what} {item!r}: expected {what.lstrip('-').upper()}=VALUE") from None
-    return out
-
-
 def _whatif(args: argparse.Namespace):
     from megaloom.scheduler.whatif import WhatIf
 
-    one = lambda text, what, value: next(iter(_pairs([text], what, value=value).items())) if text else None  # noqa: E731
+    one = lambda text, what, value: next(iter(pairs([text], what, value=value).items())) if text else None  # noqa: E731
     w = WhatIf(args.comm_speedup, args.link_bandwidth * 1e9 if args.link_bandwidth is not None else None,
-               _pairs(args.speedup, "--speedup"), tuple(args.scope), tuple(args.remove), args.cuda_graphs,
-               _pairs(args.dim, "--dim", int, int), one(args.layers, "--layers", int),
+               pairs(args.speedup, "--speedup"), tuple(args.scope), tuple(args.remove), args.cuda_graphs,
+               pairs(args.dim, "--dim", int, int), one(args.layers, "--layers", int),
                one(args.hot_experts, "--hot-experts", float), args.comm_bytes, args.dp, args.ep, args.host_ranks)
     w.check()
     return w

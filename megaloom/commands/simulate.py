@@ -10,45 +10,47 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from megaloom.commands import write_file
+from megaloom.commands import pairs, write_file
 from megaloom.runtime.errors import ConfigError
 from megaloom.runtime.files import check_outputs
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
-from megaloom.runtime.plugins import parse_options, parse_spec
+from megaloom.runtime.plugins import parse_spec
 from megaloom.runtime.trace import Trace
 
-if TYPE_CHECKING:
-    from megaloom.runtime.graph import TaskGraph
 
-
-def resolve_graph(spec: str) -> TaskGraph:
-    """A graph from a file path, or from a named builder with options."""
+def resolve_graph(spec: str, world: bool = False) -> Any:
+    """A graph from a file path, or from a named builder with options; ``world``: every rank's graph from the
+    builder's ``world(**options)`` hook (MegaMoE's). Options a builder does not take are a ConfigError."""
     from megaloom.graphs.common.builder import GRAPH_BUILDERS as builders
     from megaloom.runtime.graph import TaskGraph
 
-    if os.path.exists(spec):
+    if os.path.exists(spec) and not world:
         return TaskGraph.load(spec)
     name, opts = parse_spec(spec)
     if name not in builders:
         known = ", ".join(builders.names()) or "none registered"
         raise ConfigError(f"graph {spec!r} is neither a file nor a known graph builder (builders: {known})")
-    return _build(name, builders.get(name), opts)
+    builder = getattr(builders.get(name), "world", None) if world else builders.get(name)
+    if builder is None:
+        raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
+    try:
+        return builder(**opts)
+    except TypeError as e:
+        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
 
 
-def progress_bar(stream=None, width: int = 30) -> Callable[[int, int], None]:
-    """A ``progress(done, total)`` callback drawing a one-line bar on ``stream`` (default: stderr)."""
-    stream = stream or sys.stderr
-
+def progress_bar(width: int = 30) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback drawing a one-line bar on stderr."""
     def draw(done: int, total: int) -> None:
         frac = done / total if total else 1.0
         fill = int(frac * width)
-        stream.write(f"\rsimulating [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {done}/{total} tasks")
+        sys.stderr.write(f"\rsimulating [{'#' * fill}{'.' * (width - fill)}] {frac * 100:5.1f}% {done}/{total} tasks")
         if done >= total:
-            stream.write("\n")
-        stream.flush()
+            sys.stderr.write("\n")
+        sys.stderr.flush()
     return draw
 
 
@@ -95,11 +97,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_common(p)
     p.add_argument("--world", action="store_true",
                    help="simulate every rank of a builder with a world hook (e.g. megamoe:...,ep=N), collectives synchronised")
-    p.add_argument("--slowdown", default=None, metavar="RANK=FACTOR,...",
+    p.add_argument("--slowdown", action="append", metavar="RANK=FACTOR,...",
                    help="with --world: multiply every duration of these ranks, e.g. 3=1.5")
-    bar = p.add_mutually_exclusive_group()
-    bar.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show a progress bar")
-    bar.add_argument("--no-progress", dest="progress", action="store_false", help="never show a progress bar")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="always (--progress) or never (--no-progress) show a progress bar (default: on a terminal, "
+                        "for 100,000 tasks or more)")
     p.set_defaults(func=run)
 
 
@@ -121,37 +123,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def resolve_world(spec: str) -> list[TaskGraph]:
-    """Every rank's graph from a builder with a ``world(**options)`` hook (MegaMoE's)."""
-    from megaloom.graphs.common.builder import GRAPH_BUILDERS
-
-    name, opts = parse_spec(spec)
-    hook = getattr(GRAPH_BUILDERS.items().get(name), "world", None)
-    if hook is None:
-        raise ConfigError(f"--world needs a graph builder with a world hook (a world method), got {spec!r}")
-    return _build(name, hook, opts)
-
-
-def _build(name: str, builder: Callable[..., Any], opts: dict) -> Any:
-    """``builder(**opts)``; options it does not take are a ConfigError naming the builder."""
-    try:
-        return builder(**opts)
-    except TypeError as e:
-        raise ConfigError(f"graph builder {name!r}: bad options {opts}: {e}") from None
-
-
 def run_world(args: argparse.Namespace) -> int:
     from megaloom.scheduler.world import simulate_world, world_summary
 
     if not args.world or args.graph is None:
         raise ConfigError("--world takes --graph NAME[:key=value,...] of a builder with a world hook; --slowdown needs --world")
-    slowdown = {}
-    for k, v in parse_options(args.slowdown or "").items():
-        if not isinstance(k, str) or not k.isdigit():
-            raise ConfigError(f"bad --slowdown item {k}={v}: expected RANK=FACTOR")
-        slowdown[int(k)] = v
+    slowdown = pairs(args.slowdown, "--slowdown", int)
     policy, units = policy_and_units(args)
-    graphs = resolve_world(args.graph)
+    graphs = resolve_graph(args.graph, world=True)
     check_units(units, [e for g in graphs for e in g.engines()])
     result = simulate_world(graphs, args.profile, units, policy, slowdown=slowdown)
     print(world_summary(result.trace))

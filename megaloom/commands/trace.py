@@ -14,6 +14,7 @@ from megaloom.runtime.errors import TraceFormatError
 from megaloom.runtime.files import check_outputs
 from megaloom.runtime.metrics import summary
 from megaloom.runtime.perfetto import write_chrome
+from megaloom.runtime.plot import plot_gantt
 from megaloom.runtime.trace import Trace
 
 
@@ -22,16 +23,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     s = actions.add_parser("summary", help="print the metrics table of a trace")
     s.add_argument("trace", help="megaloom trace file (msgpack, e.g. run.mlt)")
-    s.set_defaults(func=run_summary)
+    s.set_defaults(func=lambda args: print(summary(_load(args.trace))))
     c = actions.add_parser("convert", help="write Chrome Trace Event JSON that Perfetto opens")
     c.add_argument("trace", help="megaloom trace file (msgpack)")
     c.add_argument("-o", "--out", help="output JSON (default: the trace path with .json; -: standard output)")
-    c.set_defaults(func=run_convert)
+    c.set_defaults(func=lambda args: _write(args, ".json", write_chrome, "; open it in https://ui.perfetto.dev"))
     g = actions.add_parser("plot", help="write a PNG Gantt chart of engine units over time")
     g.add_argument("trace", help="megaloom trace file (msgpack)")
     g.add_argument("-o", "--out", help="output PNG (default: the trace path with .png)")
     g.add_argument("--title", help="chart title (default: graph name, mode and task count)")
-    g.set_defaults(func=run_plot)
+    g.set_defaults(func=lambda args: _write(args, ".png", plot_gantt, title=args.title))
     for verb in (c, g):
         verb.add_argument("--force", action="store_true", help="overwrite an existing file megaloom did not write")
 
@@ -61,17 +62,3 @@ def _write(args: argparse.Namespace, suffix: str, write, note: str = "", **kw) -
     print(f"wrote {out} ({len(trace.events)} tasks{note})")
     return 0
 
-
-def run_summary(args: argparse.Namespace) -> int:
-    print(summary(_load(args.trace)))
-    return 0
-
-
-def run_convert(args: argparse.Namespace) -> int:
-    return _write(args, ".json", write_chrome, "; open it in https://ui.perfetto.dev")
-
-
-def run_plot(args: argparse.Namespace) -> int:
-    from megaloom.runtime.plot import plot_gantt
-
-    return _write(args, ".png", plot_gantt, title=args.title)

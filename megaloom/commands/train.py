@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         _pyplot()  # no matplotlib: say so before training, not after
     from megaloom.train.trainer import Trainer
 
-    trainer = Trainer(cfg, log=_log)
+    trainer = Trainer(cfg, log=lambda msg: print(f"[rank {os.environ.get('RANK', '0')}] {msg}", file=sys.stderr))
     records = trainer.fit()
     if trainer.rank == 0 and records:
         first, last = records[0], records[-1]
@@ -48,7 +48,3 @@ def run(args: argparse.Namespace) -> int:
             plot_metrics(metrics, png)
             print(f"plot of loss and throughput: {png}")
     return 0
-
-
-def _log(msg: str) -> None:
-    print(f"[rank {os.environ.get('RANK', '0')}] {msg}", file=sys.stderr)

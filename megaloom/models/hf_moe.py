@@ -88,20 +88,18 @@ def build_model(model_cfg: dict, seed: int) -> nn.Module:
             raise ConfigError(f"model.path: cannot load {path!r}: {e}") from None
     else:
         config_cls, model_cls = model_classes(model_cfg["kind"])
-        kwargs = dict(model_cfg["config"])
         allowed = set(inspect.signature(config_cls.__init__).parameters) - {"self", "kwargs"}
         allowed |= set(config_cls.attribute_map) | set(config_cls().to_dict())
-        unknown = sorted(set(kwargs) - allowed)
+        unknown = sorted(set(model_cfg["config"]) - allowed)
         if unknown:
             raise ConfigError(f"model.config: unknown key(s) {', '.join(unknown)} for {config_cls.__name__}; "
                               f"allowed: {', '.join(sorted(allowed))}")
         try:
-            config = config_cls(**kwargs)
+            config = config_cls(**model_cfg["config"])
         except Exception as e:  # transformers validates fields with its own exception types
             raise ConfigError(f"model.config: {config_cls.__name__} rejected the values: {e}") from None
         model = model_cls._from_config(config, dtype=dtype)
-    model.train()
-    return model
+    return model.train()
 
 
 @dataclass(slots=True)
@@ -117,7 +115,6 @@ class MoEBlockParts:
     inter: int
     router_name: str = "gate"
     shared: nn.Module | None = None
-    shared_name: str | None = None
     shared_gate: nn.Module | None = None
     bias_name: str | None = None   # the block's own correction bias, passed to the router
 
@@ -250,8 +247,8 @@ def read_block(block: nn.Module) -> tuple[MoEBlockParts | None, list[str]]:
         return None, [f"router weight {tuple(router.weight.shape)} does not fit {e} experts of hidden size {h}"]
     act = experts.act_fn if not isinstance(experts, nn.ModuleList) else experts[0].act_fn
     return MoEBlockParts(router=router, experts=experts, act=act, top_k=int(router.top_k), num_experts=e, hidden=h,
-                         inter=i, router_name=router_name, shared=children.get(shared_name) if shared_name else None,
-                         shared_name=shared_name, shared_gate=gate, bias_name=bias_name), []
+                         inter=i, router_name=router_name, shared=children.get(shared_name),
+                         shared_gate=gate, bias_name=bias_name), []
 
 
 def block_parts(block: nn.Module) -> MoEBlockParts:

@@ -274,14 +274,24 @@ def probe_logits(model: nn.Module, vocab: int, seq_len: int, seed: int) -> torch
         return model(input_ids=ids, use_cache=False).logits.float()
 
 
+def _check_logits(got: torch.Tensor, want: torch.Tensor, what: str, section: str, defaults: dict[str, float],
+                  cfg: dict, log: Callable[[str], None]) -> None:
+    """Log the relative error of the logits ``what`` (after a plan); ConfigError above ``<section>.rtol``
+    (null: ``defaults`` by model dtype)."""
+    dt = cfg["model"]["dtype"]
+    bound = defaults[dt] if cfg[section]["rtol"] is None else cfg[section]["rtol"]
+    err = max_rel_err(got, want)
+    log(f"logits {what}: max relative error {err:.2e} (bound {bound:g} in {dt}: {section}.rtol)")
+    if err > bound:
+        raise ConfigError(f"{section}: the logits {what} differ from the {dt} model's by {err:.2e} (relative), "
+                          f"more than {section}.rtol={bound:g}")
+
+
 def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = print,
                       comm: Any = None) -> list[Replacement]:
     """Check both plans, swap modules in, and check the logits against the original model's."""
     modules, low = config_plans(model, cfg, comm)
     check = cfg["replace"]["check_outputs"]
-    dt = cfg["model"]["dtype"]  # the parity bounds: as given, or the defaults of the model's dtype
-    rtol = REPLACE_RTOL[dt] if cfg["replace"]["rtol"] is None else cfg["replace"]["rtol"]
-    low_rtol = MXFP8_RTOL[dt] if cfg["low_precision"]["rtol"] is None else cfg["low_precision"]["rtol"]
     probe = (lambda: probe_logits(model, int(model.config.vocab_size), cfg["data"]["seq_len"], cfg["run"]["seed"]))
     want = probe() if check else None
     done = modules.apply(model)
@@ -292,11 +302,7 @@ def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = 
         log(f"replaced {r.path} ({type(r.old).__name__}) with {type(r.new).__name__}: parameters kept by identity"
             + (" (expert weights passed as transposed views, no copy)" if isinstance(r.new, MegaMoEBlock) else ""))
     if check and done:
-        err = max_rel_err(probe(), want)
-        log(f"logits after replacing {len(done)} module(s): max relative error {err:.2e} (bound {rtol:g} in {dt})")
-        if err > rtol:
-            raise ConfigError(f"replace: the replaced model's logits differ from the original's by {err:.2e} "
-                              f"(relative), more than replace.rtol={rtol:g}")
+        _check_logits(probe(), want, f"after replacing {len(done)} module(s)", "replace", REPLACE_RTOL, cfg, log)
     lowered = low.apply(model)
     if lowered:
         kinds = Counter(type(r.old).__name__ for r in lowered)
@@ -305,9 +311,5 @@ def apply_config_plan(model: nn.Module, cfg: dict, log: Callable[[str], None] = 
         log(f"low_precision: {len(low.skipped)} module(s) kept in high precision: "
             + "; ".join(f"{path} ({reason})" for path, _, reason in low.skipped))
     if check and lowered:
-        err = max_rel_err(probe(), want)
-        log(f"logits with MXFP8: max relative error {err:.2e} vs {dt} (bound low_precision.rtol={low_rtol:g})")
-        if err > low_rtol:
-            raise ConfigError(f"low_precision: MXFP8 logits differ from {dt} by {err:.2e} (relative), "
-                              f"more than low_precision.rtol={low_rtol:g}")
+        _check_logits(probe(), want, "with MXFP8", "low_precision", MXFP8_RTOL, cfg, log)
     return done + lowered

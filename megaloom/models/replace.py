@@ -145,11 +145,10 @@ class ReplacementPlan:
         self.skipped = []
         for rule in self.rules:
             hidden = {p for i, ps in paths.items() if isinstance(modules[i], rule.inside) for p in ps}
-            typed = [(p, modules[i]) for i, ps in paths.items() for p in ps if isinstance(modules[i], rule.source)]
-            for glob in rule.include:  # each must match a module of the type
-                if not any(fnmatchcase(p, glob) for p, _ in typed):
-                    kinds = "/".join(t.__name__ for t in rule.source)
-                    problems.append(f"rule {rule.name!r}: include glob {glob!r} matches no {kinds} module")
+            typed = [p for i, ps in paths.items() if isinstance(modules[i], rule.source) for p in ps]
+            kinds = "/".join(t.__name__ for t in rule.source)  # each include glob must match a module of the type
+            problems += [f"rule {rule.name!r}: include glob {glob!r} matches no {kinds} module"
+                         for glob in rule.include if not any(fnmatchcase(p, glob) for p in typed)]
             for i, ps in paths.items():
                 mod = modules[i]
                 if not any(rule.selects(p, mod) and _ancestor(p, hidden) is None for p in ps):
@@ -165,13 +164,10 @@ class ReplacementPlan:
                 problems += [f"module {ps[0]!r} ({_describe(mod)}): {p}" for p in (rule.check(mod) if rule.check else [])]
         selected = [(tuple(paths[i]), rule, modules[i]) for i, rule in chosen.items()]
         names = {p for ps, _, _ in selected for p in ps}
-        for ps, rule, _ in selected:
-            for p in ps:
-                if p == "":
-                    problems.append(f"rule {rule.name!r} matches the root module, which cannot be replaced in place")
-                outer = _ancestor(p, names)
-                if outer is not None:
-                    problems.append(f"module {p!r} lies inside {outer!r}, which is replaced too")
+        problems += [f"rule {rule.name!r} matches the root module, which cannot be replaced in place"
+                     for ps, rule, _ in selected if "" in ps]
+        problems += [f"module {p!r} lies inside {outer!r}, which is replaced too"
+                     for ps, _, _ in selected for p in ps if (outer := _ancestor(p, names)) is not None]
         if problems:
             raise ConfigError("module replacement plan is invalid:\n  " + "\n  ".join(problems))
         return selected

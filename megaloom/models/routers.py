@@ -70,8 +70,7 @@ def gate_settings(router: nn.Module, block_bias: bool = False) -> tuple[dict[str
     bias = 0.1 * torch.randn(experts, generator=gen) if has_bias else torch.zeros(experts)
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         try:
-            out = _twin(router, weight, bias if has_bias and not block_bias else None)(x, *[bias] * block_bias)
-            _, w, idx = out
+            _, w, idx = _twin(router, weight, bias if has_bias and not block_bias else None)(x, *[bias] * block_bias)
         except Exception as e:  # a router that does not run like a transformers router is not understood
             return None, [f"{name}: its forward could not be probed ({type(e).__name__}: {e})"]
         want = _dense(w, idx, experts)

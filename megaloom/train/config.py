@@ -28,31 +28,26 @@ class Key:
     choices: tuple[Any, ...] | None = None
     check: Callable[[Any], str | None] | None = None  # returns a problem description or None
 
-    def allowed(self) -> str:
-        if self.choices is not None:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
-        return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in self.types)
-
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true/false",
                list: "a list", dict: "a mapping", type(None): "null"}
 
 
 def _finite_numbers(v: Any, where: str = "") -> str | None:
-    """The first non-finite number inside a (nested) value, as a problem, or None."""
+    """The first non-finite number inside a (nested) value, as a problem (naming where it sits), or None."""
     if isinstance(v, float) and not math.isfinite(v):
-        return f"{where or 'the value'} is {v!r}, numbers must be finite"
+        return f"{where} is {v!r}, numbers must be finite" if where else "numbers must be finite"
     items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
     return next(filter(None, (_finite_numbers(x, f"{where}.{k}" if where else str(k)) for k, x in items)), None)
 
 
 def _model_config(v: dict) -> str | None:
-    """Non-finite numbers, and sizes (``*_size``, ``*_dim``, ``num_*``, ``n_*``, ...) outside [0, 2**24]."""
+    """Sizes (``*_size``, ``*_dim``, ``num_*``, ``n_*``, ...) outside [0, 2**24]."""
     sizes = {k: x for k, x in v.items() if str(k).endswith(("_size", "_dim", "_layers", "_heads", "_experts"))
              or str(k).startswith(("num_", "n_"))}
     bad = [f"{k} is {x!r}, a size must be within [0, 2**24]" for k, x in sizes.items()
            if isinstance(x, int) and not isinstance(x, bool) and not 0 <= x <= 1 << 24]
-    return _finite_numbers(v) or (bad[0] if bad else None)
+    return bad[0] if bad else None
 
 
 def _check(ok: Callable[[Any], bool], problem: str) -> Callable[[Any], str | None]:
@@ -205,13 +200,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
 
 
 class Config(dict):
-    """A validated config: ``cfg["section"]["key"]``, or ``cfg.section.key``-style via :meth:`get`."""
-
-    def __getattr__(self, name: str) -> dict[str, Any]:
-        try:
-            return self[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    """A validated config: ``cfg["section"]["key"]``."""
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(dict(self), sort_keys=False)
@@ -222,10 +211,10 @@ def _check_value(section: str, name: str, key: Key, value: Any) -> str | None:
     number = isinstance(value, int) and not isinstance(value, bool) and float in key.types  # an int is a number
     typed = number or (isinstance(value, key.types) and (bool in key.types or not isinstance(value, bool)))
     if not typed or (key.choices is not None and value not in key.choices):
-        return f"{where}: got {value!r}, expected {key.allowed()}"
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"{where}: got {value!r}, numbers must be finite"
-    problem = key.check(value) if key.check is not None and value is not None else None
+        allowed = ("one of " + ", ".join(map(repr, key.choices)) if key.choices is not None
+                   else " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in key.types))
+        return f"{where}: got {value!r}, expected {allowed}"
+    problem = _finite_numbers(value) or (key.check(value) if key.check is not None and value is not None else None)
     return f"{where}: got {value!r}, {problem}" if problem else None
 
 
@@ -253,28 +242,27 @@ def validate(raw: dict[str, Any] | None) -> Config:
 
 
 def _cross_checks(cfg: Config) -> list[str]:
-    problems = []
-    m, d = cfg["model"], cfg["data"]
-    if m.get("kind") == "path" and not m.get("path"):
-        problems.append("model.path: required when model.kind is 'path'")
-    if m.get("kind") == "path" and m.get("config"):
-        problems.append("model.config: not used when model.kind is 'path' (the directory's config.json is)")
-    if d.get("source") == "files" and not d.get("path"):
-        problems.append("data.path: required when data.source is 'files'")
-    ev = cfg["eval"]
-    if d.get("source") == "files" and ev.get("interval") and not (ev.get("path") or ev.get("holdout_docs")):
-        problems.append("eval.interval: evaluating files needs eval.path or eval.holdout_docs")
-    par, lp = cfg["parallel"], cfg["low_precision"]
-    cp, seq = par.get("cp_size"), d.get("seq_len")
-    if isinstance(cp, int) and isinstance(seq, int) and cp > 0 and seq % cp:
-        problems.append(f"parallel.cp_size: {cp} does not divide data.seq_len={seq} (each rank takes an equal part)")
-    if isinstance(par.get("tp_size"), int) and par["tp_size"] > 1 and (lp.get("linear") or lp.get("format")) == "mxfp8":
-        problems.append("parallel.tp_size: tensor parallelism splits nn.Linear layers, which low_precision.format=mxfp8 "
-                        "replaces; use one or the other")
-    for i, step in enumerate(cfg["trace"].get("steps") or []):
-        if isinstance(step, int) and isinstance(cfg["schedule"].get("steps"), int) and not 1 <= step <= cfg["schedule"]["steps"]:
-            problems.append(f"trace.steps[{i}]: step {step} outside 1..{cfg['schedule']['steps']} (schedule.steps)")
-    return problems
+    """Problems between keys (a value of the wrong type is reported already, and is skipped here)."""
+    m, d, ev, par, lp = (cfg[s] for s in ("model", "data", "eval", "parallel", "low_precision"))
+    cp, seq, steps = par["cp_size"], d["seq_len"], cfg["schedule"]["steps"]
+    files, ints = d["source"] == "files", isinstance(cp, int) and isinstance(seq, int) and isinstance(steps, int)
+    rules = [
+        (m["kind"] == "path" and not m["path"], "model.path: required when model.kind is 'path'"),
+        (m["kind"] == "path" and m["config"],
+         "model.config: not used when model.kind is 'path' (the directory's config.json is)"),
+        (files and not d["path"], "data.path: required when data.source is 'files'"),
+        (files and ev["interval"] and not (ev["path"] or ev["holdout_docs"]),
+         "eval.interval: evaluating files needs eval.path or eval.holdout_docs"),
+        (ints and cp > 0 and seq % cp,
+         f"parallel.cp_size: {cp} does not divide data.seq_len={seq} (each rank takes an equal part)"),
+        (isinstance(par["tp_size"], int) and par["tp_size"] > 1 and (lp["linear"] or lp["format"]) == "mxfp8",
+         "parallel.tp_size: tensor parallelism splits nn.Linear layers, which low_precision.format=mxfp8 replaces; "
+         "use one or the other"),
+    ]
+    rules += [(ints and isinstance(step, int) and not 1 <= step <= steps,
+               f"trace.steps[{i}]: step {step} outside 1..{steps} (schedule.steps)")
+              for i, step in enumerate(cfg["trace"]["steps"] if isinstance(cfg["trace"]["steps"], list) else [])]
+    return [problem for bad, problem in rules if bad]
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

@@ -35,13 +35,14 @@ class SyntheticTokens:
     """
 
     def __init__(self, vocab: int, seq_len: int, batch_size: int, seed: int, branching: int = 2):
-        gen = torch.Generator().manual_seed(seed)
         self.vocab, self.seq_len, self.batch_size, self.seed, self.row = vocab, seq_len, batch_size, seed, 0
-        self.successors = torch.randint(0, vocab, (vocab, branching), generator=gen)
+        self.successors = torch.randint(0, vocab, (vocab, branching), generator=torch.Generator().manual_seed(seed))
 
     def rows(self, start: int, count: int) -> torch.Tensor:
         """Token ids of rows ``start .. start + count - 1``: ``[count, seq_len + 1]``."""
-        gens = [torch.Generator().manual_seed(_mix(self.seed, start + i, 0)) for i in range(count)]
+        # a 63-bit seed distinct for every (seed, row)
+        seeds = [(self.seed * 0x9E3779B97F4A7C15 + (start + i) * 0xBF58476D1CE4E5B9) % (1 << 63) for i in range(count)]
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
         out = torch.empty(count, self.seq_len + 1, dtype=torch.long)
         out[:, 0] = torch.cat([torch.randint(0, self.vocab, (1,), generator=g) for g in gens])
         choice = torch.stack([torch.randint(0, self.successors.shape[1], (self.seq_len,), generator=g) for g in gens])
@@ -173,11 +174,6 @@ def _files(path: str) -> tuple[list[str], str]:
     if not files or None in builders or len(builders) > 1:
         raise ConfigError(f"data.path: {path!r} names no files of one kind ({', '.join(BUILDERS)})")
     return files, builders.pop()
-
-
-def _mix(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed distinct for every (seed, step, rank)."""
-    return (seed * 0x9E3779B97F4A7C15 + step * 0xBF58476D1CE4E5B9 + rank * 0x94D049BB133111EB) % (1 << 63)
 
 
 def make_stream(cfg: dict, vocab: int, seed: int, split: str = "train") -> SyntheticTokens | DocumentStream:

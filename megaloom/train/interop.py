@@ -150,8 +150,6 @@ def export_hf(model: torch.nn.Module, out_dir: str, log: Callable[[str], None] =
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"export: cannot write {out_dir!r}: {e}") from None
-    if os.path.isdir(out_dir):
-        os.rmdir(out_dir)
-    os.replace(tmp, out_dir)
+    os.replace(tmp, out_dir)  # an empty out_dir is replaced too
     log(f"exported {type(model).__name__} to {out_dir} (save_pretrained; from_pretrained loads it)")
     return out_dir

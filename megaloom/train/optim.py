@@ -74,10 +74,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad)
-                buf = state["momentum_buffer"]
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
                 buf.lerp_(p.grad, 1 - mu)  # element-wise: shards need nothing from other ranks
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
                 ortho = self._orthogonalise(update, group)

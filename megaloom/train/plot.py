@@ -14,11 +14,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a ``metrics.jsonl`` (ConfigError naming the file and line when one is not JSON)."""
     try:
         with open(path, encoding="utf-8") as f:
-            lines = [line for line in f if line.strip()]
+            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]  # numbered as in the file
     except OSError as e:
         raise ConfigError(f"cannot read metrics {path}: {e.strerror}") from None
     out = []
-    for i, line in enumerate(lines, 1):
+    for i, line in lines:
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:

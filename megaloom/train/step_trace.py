@@ -10,6 +10,7 @@ transformers calls are covered). Events of megaloom task graphs run inside the s
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from contextlib import contextmanager
@@ -59,21 +60,19 @@ class StepTracer:
 
     def add_events(self, events: list[TraceEvent], module: str, direction: str) -> None:
         """Events of a graph ``module`` ran during the step: names prefixed ``<module>/``, layer and
-        direction tagged (task ids renumbered, deps dropped)."""
+        direction tagged (task ids renumbered, deps dropped; engine, work and precision kept)."""
         if self.on:
             tags = self._tags(module, direction)
-            for e in events:
-                self._event(f"{module}/{e.task}", e.op, e.unit, e.start, e.end, {**tags, **e.tags}, engine=e.engine,
-                            flops=e.flops, bytes_=e.bytes, comm_bytes=e.comm_bytes)
+            self.events += [dataclasses.replace(e, task_id=len(self.events) + i, task=f"{module}/{e.task}",
+                                                rank=self.rank, deps=[], tags={**tags, **e.tags})
+                            for i, e in enumerate(events)]
 
     def trace(self, step: int) -> Trace:
         return Trace(list(self.events), {"graph": f"train-step-{step}", "mode": "execute", "clock": "wall",
                                          "world_size": self.world_size, "step": step})
 
-    def _event(self, task: str, op: str, unit: int, start: float, end: float, tags: dict[str, Any], *,
-               engine: str = HOST, flops: float = 0.0, bytes_: float = 0.0, comm_bytes: float = 0.0) -> None:
-        self.events.append(TraceEvent(len(self.events), task, op, engine, unit, self.rank, start, end,
-                                      flops, bytes_, comm_bytes, [], tags))
+    def _event(self, task: str, op: str, unit: int, start: float, end: float, tags: dict[str, Any]) -> None:
+        self.events.append(TraceEvent(len(self.events), task, op, HOST, unit, self.rank, start, end, tags=tags))
 
     def _tags(self, name: str, direction: str) -> dict[str, Any]:
         m = _LAYER.search("." + name + ".")

@@ -41,7 +41,7 @@ from megaloom.train.data import make_stream
 from megaloom.train.flops import flops_per_token, peak_flops
 from megaloom.train.optim import make_optimizer
 from megaloom.train.parallel import mesh as meshes
-from megaloom.train.parallel import setup
+from megaloom.train.parallel.setup import setup
 from megaloom.train.parallel.clock import CommClock, TimedCommunicator
 from megaloom.train.parallel.context import split
 from megaloom.train.parallel.recompute import decoder_layers
@@ -100,8 +100,7 @@ def lm_loss(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, positi
             autocast: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed cross entropy, number of targets) of ``model``'s logits for ``inputs`` against ``labels``
     (-100: no target), run under ``torch.autocast`` to the dtype named ``autocast`` if given."""
-    device = inputs.device.type
-    with torch.autocast(device, getattr(torch, autocast)) if autocast else nullcontext():
+    with torch.autocast(inputs.device.type, getattr(torch, autocast)) if autocast else nullcontext():
         logits = model(input_ids=inputs, position_ids=positions, use_cache=False).logits
     loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
     return loss, (labels != -100).sum()
@@ -327,7 +326,6 @@ class Trainer:
         self.log(f"resumed from {path} at step {self.step}")
 
     def _write_trace(self) -> None:
-        os.makedirs(self.trace_dir, exist_ok=True)
         trace = self.tracer.trace(self.step)
         base = os.path.join(self.trace_dir, f"step{self.step}.rank{self.rank}")
         trace.save(base + ".trace")

@@ -10,7 +10,7 @@ def test_defaults_fill_every_key():
     assert set(cfg) == set(SCHEMA)
     for section, keys in SCHEMA.items():
         assert set(cfg[section]) == set(keys)
-    assert cfg.optimizer["name"] == "adamw" and cfg["parallel"]["ep_size"] == 1
+    assert cfg["optimizer"]["name"] == "adamw" and cfg["parallel"]["ep_size"] == 1
 
 
 def test_all_problems_listed_with_allowed_values():

@@ -47,6 +47,9 @@ def test_plot_reads_metrics_and_names_bad_lines(tmp_path):
     bad.write_text('{"step": 1, "loss": 4.0, "tokens_per_s": 100}\n{"step": 2\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a JSON record"):
         read_metrics(bad)
+    bad.write_text('\n{"step": 2\n')  # blank lines are skipped, yet counted
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2: not a JSON record"):
+        read_metrics(bad)
     bad.write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match=r"bad.jsonl:1: a metrics record needs step, loss and tokens_per_s"):
         read_metrics(bad)

@@ -2,6 +2,3 @@
 (:mod:`.tensor`), context parallel (:mod:`.context`), activation recomputation (:mod:`.recompute`),
 FSDP2 (:mod:`.fsdp`), communication time (:mod:`.clock`), and the set-up and gradient
 bookkeeping that tie them together (:mod:`.setup`)."""
-from megaloom.train.parallel.setup import Parallel, setup
-
-__all__ = ["Parallel", "setup"]

@@ -104,12 +104,9 @@ def fsdp_collectives(clock: CommClock) -> tuple[Any, Any] | None:
     except ImportError:  # pragma: no cover - depends on the torch version
         return None
 
-    def empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def timed(base: type, collective: Any) -> Any:
         class Timed(base):  # FSDP2 passes everything but the tensors by keyword
-            allocate = staticmethod(empty)
+            allocate = staticmethod(lambda size, *, dtype, device: torch.empty(*size, dtype=dtype, device=device))
 
             def __call__(self, output_tensor, input_tensor, **kwargs):
                 t0 = time.perf_counter()

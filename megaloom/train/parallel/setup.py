@@ -121,8 +121,7 @@ def _all_reduce(comm: Any, grads: list[torch.Tensor], divide: int) -> None:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, "sum")
-    if divide != 1:
-        flat.div_(divide)
+    flat.div_(divide)
     for g, part in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(part.view_as(g))
 
@@ -145,8 +144,16 @@ def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock, 
         log(f"context parallel over {dims.cp} ranks: {n} attention modules exchange keys and values")
     targets = recompute.targets(model, par["recompute"])
     rc = recompute.Recompute(targets) if targets else None
-    if rc is not None:
-        _log_recompute(model, rc, probe, log)
+    if rc is not None:  # what it saves, measured on the probe
+        with torch.random.fork_rng():
+            rc.enabled = False
+            kept = recompute.saved_bytes(model, probe)
+            rc.enabled = True
+            less = recompute.saved_bytes(model, probe, rc)
+        mib = 2 ** 20
+        log(f"recompute {len(rc.names)} module(s) ({rc.names[0]}{', ...' if len(rc.names) > 1 else ''}): activations "
+            f"kept for backward per micro-batch {kept / mib:.2f} MiB -> {less / mib:.2f} MiB "
+            f"({(kept - less) / mib:.2f} MiB saved)")
     units = []
     if par["fsdp"] and dims.dp_cp > 1:
         from megaloom.train.parallel import fsdp
@@ -154,15 +161,3 @@ def setup(model: nn.Module, par: dict, comm: Any, mesh: Mesh, clock: CommClock, 
         log(f"FSDP2 over {dims.dp_cp} ranks: {len(units)} units (decoder layers and the root)")
     return Parallel(model, comm, mesh, clock, units, experts, rc)
 
-
-def _log_recompute(model: nn.Module, rc: recompute.Recompute, probe: Callable[[], Any],
-                   log: Callable[[str], None]) -> None:
-    what = f"recompute {len(rc.names)} module(s) ({rc.names[0]}{', ...' if len(rc.names) > 1 else ''})"
-    with torch.random.fork_rng():
-        rc.enabled = False
-        kept = recompute.saved_bytes(model, probe)
-        rc.enabled = True
-        less = recompute.saved_bytes(model, probe, rc)
-    mib = 2 ** 20
-    log(f"{what}: activations kept for backward per micro-batch {kept / mib:.2f} MiB -> {less / mib:.2f} MiB "
-        f"({(kept - less) / mib:.2f} MiB saved)")

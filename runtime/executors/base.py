@@ -6,6 +6,7 @@ import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from collections import Counter
 from functools import partial
 from itertools import chain
 from typing import Any, Callable, Mapping
@@ -92,7 +93,8 @@ class Args(list):
 
 SMALL_INPUT = 1 << 16
 """Elements of an input buffer that a plan copies, each run, into a tensor of its own whose region
-views it made once, when tasks read several regions of it; larger inputs are viewed in place."""
+views it made once, when tasks read it more than once (a copy costs less than putting the caller's
+views into every task's arguments); larger inputs are viewed in place."""
 
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
@@ -105,7 +107,7 @@ class Plan:
 
     Built once per (graph version, kernel mode, context, device) and kept on the graph
     (:meth:`TaskGraph.cached`). Scratch buffers are the plan's own, reused by every run;
-    views of them are made once; so are those of small inputs read in several regions, which
+    views of them are made once; so are those of small inputs read more than once, which
     each run copies into the plan's own tensor (:data:`SMALL_INPUT`). Views of the caller's
     other buffers (inputs, outputs) are made per run, once per distinct region, and put into
     the argument lists (:meth:`bind`). A plan serves one run at a time (``lock``); a run
@@ -117,12 +119,9 @@ class Plan:
     def __init__(self, graph: TaskGraph, make: Maker, ctx: Any, device: torch.device):
         self.ops = {graph._op_names[c]: get_op(graph._op_names[c]) for c in set(graph._op)}
         io = graph._io  # (tasks without regions have no entry)
-        small = {b.name for b in graph.inputs if not b.is_output and math.prod(b.shape) <= SMALL_INPUT}
-        boxes: dict[str, set] = {}
-        for r in chain.from_iterable(chain.from_iterable(io.values())) if small else ():
-            if r.buffer.name in small:
-                boxes.setdefault(r.buffer.name, set()).add(r.box)
-        self.copied = [name for name, seen in boxes.items() if len(seen) > 1]
+        small = [b.name for b in graph.inputs if not b.is_output and math.prod(b.shape) <= SMALL_INPUT]
+        reads = Counter(r.buffer.name for r in chain.from_iterable(chain.from_iterable(io.values()))) if small else {}
+        self.copied = [name for name in small if reads[name] > 1]
         self.scratch = scratch = {b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device) for b in
                                   graph.buffers.values() if not (b.is_input or b.is_output) or b.name in self.copied}
         # caller buffer -> [(region index, the (argument list, position) pairs that take its view)]
@@ -242,9 +241,7 @@ def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]
     """``fn(ins, outs)`` running the op's kernel (copying inputs it writes over), or its reference."""
     if op.kernel is None:
         return reference_call(task, op, ctx)
-    kw = dict(task.graph._attrs.get(task.id, ()))
-    if op.context:
-        kw["ctx"] = ctx
+    kw = {**task.graph._attrs.get(task.id, {}), **({"ctx": ctx} if op.context else {})}
     bind = op.extra.get("bind")
     fn = bind(kw) if bind is not None else partial(op.kernel, **kw) if kw else op.kernel
     copies = aliased_inputs(task, op.extra.get("in_place", False))
@@ -261,14 +258,9 @@ def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
     writing its outputs in place would read clobbered data. With ``in_place_ok`` (the op
     reads each element before it writes it, as element-wise ops do) an input exactly
     equal to an output is fine; partial overlaps never are."""
-    ins, outs = task.graph._io.get(task.id, NO_IO)
-    hit = []
-    for i, r in enumerate(ins):  # (loops: most tasks have few regions, comprehensions would cost more)
-        for o in outs:
-            if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box):
-                hit.append(i)
-                break
-    return tuple(hit)
+    ins, outs = task.graph._io.get(task.id, NO_IO)  # (an index may repeat: callers ask only "in")
+    return tuple(i for i, r in enumerate(ins) for o in outs
+                 if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box))
 
 
 def fail(task: Task, exc: BaseException) -> ExecutionError:

@@ -182,8 +182,8 @@ class TaskGraph(DAG):
         given = None if name is None or name == f"{op}#{tid}" else name
         if given is not None and (given in self._by_name or self.task_id(given) is not None):
             raise GraphError(f"task name {given!r} is used twice in graph {self.name!r}", tasks=(given,))
-        ins = self._regions(inputs, name, op, tid) if inputs else ()
-        outs = self._regions(outputs, name, op, tid) if outputs else ()
+        ins = self._regions(inputs, name or f"{op}#{tid}") if inputs else ()
+        outs = self._regions(outputs, name or f"{op}#{tid}") if outputs else ()
         waits = []  # (loops, not comprehensions: a closure would slow every local of this method)
         for a in after:
             waits.append((a if type(a) is Task and a.graph is self else self._own(a, name or f"{op}#{tid}")).id)
@@ -224,20 +224,16 @@ class TaskGraph(DAG):
             self._views.append(view)
         return view
 
-    def _regions(self, xs: Iterable[Buffer | Region], name: str | None, op: str, tid: int) -> tuple[Region, ...]:
+    def _regions(self, xs: Iterable[Buffer | Region], task: str) -> tuple[Region, ...]:
         """``xs`` as regions, each checked to be of a buffer of this graph and inside it."""
         regions = []
         for r in xs:
-            if type(r) is not Region:
-                r = self.as_region(r)
-            buf = r.buffer
-            if self.buffers.get(buf.name) is not buf:
-                raise GraphError(f"task {name or f'{op}#{tid}'!r} uses buffer {buf.name!r} of another graph",
-                                 tasks=(name or f"{op}#{tid}",))
+            r = r if type(r) is Region else self.as_region(r)
+            if self.buffers.get(r.buffer.name) is not r.buffer:
+                raise GraphError(f"task {task!r} uses buffer {r.buffer.name!r} of another graph", tasks=(task,))
             # (a tile of the buffer was checked when first used)
-            if r.box not in self._frontiers[buf.name].slots and not in_bounds(r.box, buf.shape):
-                raise GraphError(f"task {name or f'{op}#{tid}'!r}: region {r} is outside buffer shape {buf.shape}",
-                                 tasks=(name or f"{op}#{tid}",))
+            if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):
+                raise GraphError(f"task {task!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(task,))
             regions.append(r)
         return tuple(regions)
 

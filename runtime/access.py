@@ -62,12 +62,8 @@ class Frontier:
 
     def write(self, box: Box, tid: int) -> None:
         """Task ``tid`` writes ``box``: it stands for the earlier accesses of the tiles inside it."""
-        slot = self.slots.get(box) if self.disjoint else None
-        if slot is not None:  # a known tile that meets no other: it alone
-            slot[:] = [tid]
-            return
         for b, s in self.over(box):
-            if contains(box, b):
+            if b == box or contains(box, b):
                 s[:] = [tid if b == box or s[0] == tid else -1] + [r for r in s[1:] if r == tid]
 
     def gap(self, box: Box, writes: Entries) -> Box | None:

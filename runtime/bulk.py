@@ -271,7 +271,7 @@ def operand_facts(g: TaskGraph) -> dict[int, tuple[str | None, Cost | None]]:
     """``{tid: (shape problem, cost)}`` for the tasks with regions or attrs (the cost of operands
     the shape rule accepts, else None), asked once per distinct op, regions and attrs (tiles alike
     share a key), and again only for distinct shapes and dtypes: validation and costs read it
-    (use ``g.operand_facts()``, cached)."""
+    (cached on the graph as ``"operand_facts"``)."""
     by_regions: dict[Hashable, Any] = {}
     by_specs: dict[Hashable, Any] = {}
     out = {}
@@ -310,7 +310,7 @@ def cost_columns(g: TaskGraph) -> tuple[list[Cost], np.ndarray]:
         by_op[op] = len(table)
         table.append(get_op(g._op_names[op]).cost([], [], {}))
     codes[bare] = by_op[ops[bare]]
-    facts, found = g.operand_facts(), {}
+    facts, found = g.cached("operand_facts", lambda: operand_facts(g)), {}
     for tid in np.flatnonzero(unset & own).tolist():  # a task the shape rule refuses: its cost asked alone
         ins, outs = g._io.get(tid, NO_IO)
         found[tid] = facts[tid][1] or get_op(g._op_names[g._op[tid]]).cost(specs(ins), specs(outs),

@@ -27,7 +27,7 @@ import numpy as np
 
 from megaloom.runtime.access import Frontier, Gap, derive
 from megaloom.runtime.buffers import Buffer, Region, integer
-from megaloom.runtime.bulk import GraphArrays, cost_columns, default_engine, from_arrays, graph_arrays, operand_facts
+from megaloom.runtime.bulk import GraphArrays, cost_columns, default_engine, from_arrays, graph_arrays
 from megaloom.runtime.compose import Composed, compose
 from megaloom.runtime.dot import to_dot
 from megaloom.runtime.dtypes import dtype_name
@@ -335,11 +335,6 @@ class TaskGraph(DAG):
         """Every task's cost as ``(table, codes)``: task ``i`` costs ``table[codes[i]]`` (see
         :func:`megaloom.runtime.bulk.cost_columns`; computed once per graph version)."""
         return self.cached("cost_columns", lambda: cost_columns(self))
-
-    def operand_facts(self) -> dict[int, tuple[str | None, Cost | None]]:
-        """``{task id: (shape problem, cost)}`` of the tasks with regions or attrs (see
-        :func:`megaloom.runtime.bulk.operand_facts`; computed once per graph version)."""
-        return self.cached("operand_facts", lambda: operand_facts(self))
 
     def costs(self) -> list[Cost]:
         """Every task's cost, by task id (tasks of equal work share one Cost object; the list is

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from megaloom.runtime.access import Frontier
-from megaloom.runtime.bulk import shape_problem
+from megaloom.runtime.bulk import operand_facts, shape_problem
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered
@@ -59,7 +59,7 @@ def _shapes(g: TaskGraph) -> Iterator[Problem]:
     own = set(g._io).union(g._attrs)
     bare = set(g._op) if not own else {c for i, c in enumerate(g._op) if i not in own}
     bad = {c: why for c in bare if (why := shape_problem(g._op_names[c], (), (), {}))}
-    found = g.operand_facts()
+    found = g.cached("operand_facts", lambda: operand_facts(g))
     for i in (range(len(g)) if bad else sorted(own)):
         why = found[i][0] if i in own else bad.get(g._op[i])
         if why:

@@ -226,16 +226,14 @@ class TaskGraph(DAG):
 
     def _regions(self, xs: Iterable[Buffer | Region], task: str) -> tuple[Region, ...]:
         """``xs`` as regions, each checked to be of a buffer of this graph and inside it."""
-        regions = []
-        for r in xs:
-            r = r if type(r) is Region else self.as_region(r)
+        regions = tuple(map(self.as_region, xs))
+        for r in regions:
             if self.buffers.get(r.buffer.name) is not r.buffer:
                 raise GraphError(f"task {task!r} uses buffer {r.buffer.name!r} of another graph", tasks=(task,))
             # (a tile of the buffer was checked when first used)
             if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):
                 raise GraphError(f"task {task!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(task,))
-            regions.append(r)
-        return tuple(regions)
+        return regions
 
     def _own(self, t: Task | str, then: str) -> Task:
         """``t`` (a task or its name), checked to be a task of this graph (``then``: the task

@@ -18,7 +18,7 @@ from megaloom.runtime.bulk import operand_facts, shape_problem
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered
-from megaloom.runtime.registry import get_op
+from megaloom.runtime.registry import OPS, get_op
 
 if TYPE_CHECKING:
     from megaloom.runtime.graph import TaskGraph
@@ -34,12 +34,7 @@ def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
-    bad = set()
-    for code in set(g._op):  # each op once, not each task
-        try:
-            get_op(g._op_names[code])
-        except GraphError:
-            bad.add(code)
+    bad = {code for code in set(g._op) if g._op_names[code] not in OPS}  # each op once, not each task
     for i in _flagged(g, g._op, bad):
         t = g.tasks[i]
         yield t.name, f"task {t.name!r}: unknown op {t.op!r}"

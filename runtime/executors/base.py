@@ -244,23 +244,17 @@ def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]
     kw = {**task.graph._attrs.get(task.id, {}), **({"ctx": ctx} if op.context else {})}
     bind = op.extra.get("bind")
     fn = bind(kw) if bind is not None else partial(op.kernel, **kw) if kw else op.kernel
-    copies = aliased_inputs(task, op.extra.get("in_place", False))
+    # inputs overlapping a region the task writes would be clobbered by a kernel writing its outputs in
+    # place; an op marked ``in_place`` reads each element before it writes it: an input equal to an output is fine
+    ins, outs, in_place = *task.graph._io.get(task.id, NO_IO), op.extra.get("in_place", False)
+    copies = {i for i, r in enumerate(ins) for o in outs
+              if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place and o.box == r.box)}
     if not copies:
         return fn
 
     def run(ins: list, outs: list) -> None:
         fn([x.clone() if i in copies else x for i, x in enumerate(ins)], outs)
     return run
-
-
-def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
-    """Indices of the task's inputs that overlap a region it writes, so that a kernel
-    writing its outputs in place would read clobbered data. With ``in_place_ok`` (the op
-    reads each element before it writes it, as element-wise ops do) an input exactly
-    equal to an output is fine; partial overlaps never are."""
-    ins, outs = task.graph._io.get(task.id, NO_IO)  # (an index may repeat: callers ask only "in")
-    return tuple(i for i, r in enumerate(ins) for o in outs
-                 if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box))
 
 
 def fail(task: Task, exc: BaseException) -> ExecutionError:

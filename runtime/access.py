@@ -63,7 +63,7 @@ class Frontier:
     def write(self, box: Box, tid: int) -> None:
         """Task ``tid`` writes ``box``: it stands for the earlier accesses of the tiles inside it."""
         for b, s in self.over(box):
-            if contains(box, b):
+            if b == box or contains(box, b):
                 s[:] = [tid if b == box or s[0] == tid else -1] + [r for r in s[1:] if r == tid]
 
     def gap(self, box: Box, writes: Entries) -> Box | None:
@@ -85,7 +85,10 @@ def derive(frontiers: dict[str, Frontier], tid: int, ins: tuple[Region, ...], ou
     for r in ins:
         f = frontiers[r.buffer.name]
         slot = f.slots.get(r.box) if f.disjoint else None
-        found = [(r.box, slot[0])] if slot is not None and slot[0] >= 0 else f.writes_over(r.box)  # read after write
+        if slot is not None and slot[0] >= 0:  # a known tile, written: its last writer (read after write)
+            before.append(slot[0])
+            continue
+        found = f.writes_over(r.box)
         before += [t for _, t in found]
         if not r.buffer.is_input and len(gaps) < 10 and (gap := f.gap(r.box, found)) is not None:
             gaps.append((tid, r, gap))

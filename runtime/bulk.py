@@ -15,7 +15,7 @@ an edge to a later task makes the build look for a cycle, which is named in full
 Costs in bulk (:func:`cost_columns`): a task's cost is the one it was given, else its op's
 cost function of the shapes and dtypes of its regions and of its attrs. Tasks alike in those
 share one Cost object, so a graph of many tiles of one shape asks the cost function once per
-shape, not once per tile; validation asks the shape rule the same way (:func:`per_operands`).
+shape, not once per tile, and asks the shape rule for validation in the same pass (:func:`operand_facts`).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from array import array
 from collections import Counter
 from dataclasses import dataclass
 from itertools import chain
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import numpy as np
 
@@ -248,13 +248,34 @@ def specs(regions: tuple[Region, ...]) -> list[TensorSpec]:
     return [TensorSpec(r.shape, r.dtype) for r in regions]
 
 
-def per_operands(g: TaskGraph, tids: Iterable[int], fn: Callable[[str, tuple, tuple, dict], Any]) -> dict[int, Any]:
-    """``{tid: fn(op, inputs, outputs, attrs)}`` for tasks ``tids``, asked once per distinct op,
-    regions and attrs (tiles alike share a key), and again only for distinct shapes and dtypes."""
+def shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> str | None:
+    """Why the op's shape rule refuses these operands (None: the outputs are what it makes)."""
+    try:
+        want = get_op(op).shape(specs(ins), attrs)
+    except Exception as e:  # a shape rule given operands it does not expect may raise anything
+        return str(e) if isinstance(e, GraphError) else f"shape rule of op {op!r} failed: {type(e).__name__}: {e}"
+    if len(want) != len(outs):
+        return f"op {op!r} makes {len(want)} outputs, task declares {len(outs)}"
+    for i, (w, r) in enumerate(zip(want, outs)):
+        if tuple(w.shape) != r.shape or w.dtype != r.dtype:
+            return f"output {i} ({r}) is {r.shape} {r.dtype}, op {op!r} makes {tuple(w.shape)} {w.dtype}"
+    return None
+
+
+def _facts(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> tuple[str | None, Cost | None]:
+    why = shape_problem(op, ins, outs, attrs)
+    return why, None if why else get_op(op).cost(specs(ins), specs(outs), attrs)
+
+
+def operand_facts(g: TaskGraph) -> dict[int, tuple[str | None, Cost | None]]:
+    """``{tid: (shape problem, cost)}`` for the tasks with regions or attrs (the cost of operands
+    the shape rule accepts, else None), asked once per distinct op, regions and attrs (tiles alike
+    share a key), and again only for distinct shapes and dtypes: validation and costs read it
+    (cached on the graph as ``"operand_facts"``)."""
     by_regions: dict[Hashable, Any] = {}
     by_specs: dict[Hashable, Any] = {}
     out = {}
-    for tid in tids:
+    for tid in sorted(set(g._io).union(g._attrs)):
         ins, outs = g._io.get(tid, NO_IO)
         attrs = g._attrs.get(tid, {})
         key = (g._op[tid], ins, outs, tuple(attrs.items()))
@@ -263,9 +284,9 @@ def per_operands(g: TaskGraph, tids: Iterable[int], fn: Callable[[str, tuple, tu
         except KeyError:
             spec = (key[0], *(tuple((r.shape, r.dtype) for r in rs) for rs in (ins, outs)), key[3])
             value = by_regions[key] = by_specs[spec] if spec in by_specs else \
-                by_specs.setdefault(spec, fn(g._op_names[key[0]], ins, outs, attrs))
+                by_specs.setdefault(spec, _facts(g._op_names[key[0]], ins, outs, attrs))
         except TypeError:  # attrs that cannot be hashed: asked for this task alone
-            value = fn(g._op_names[g._op[tid]], ins, outs, attrs)
+            value = _facts(g._op_names[g._op[tid]], ins, outs, attrs)
         out[tid] = value
     return out
 
@@ -273,7 +294,7 @@ def per_operands(g: TaskGraph, tids: Iterable[int], fn: Callable[[str, tuple, tu
 def cost_columns(g: TaskGraph) -> tuple[list[Cost], np.ndarray]:
     """``(table, codes)``: task ``i`` costs ``table[codes[i]]``. The table holds the costs given
     (each object once), then one cost per op for the tasks with neither regions nor attrs, then
-    the costs of the others (:func:`per_operands`). (Use ``g.cost_columns()``, cached.)"""
+    the costs of the others (:func:`operand_facts`). (Use ``g.cost_columns()``, cached.)"""
     table = list(g._cost_table)
     table[0] = Cost()  # code 0 (no cost given) is resolved below: no task keeps it
     codes = np.array(g._cost, dtype=np.int64)
@@ -289,8 +310,11 @@ def cost_columns(g: TaskGraph) -> tuple[list[Cost], np.ndarray]:
         by_op[op] = len(table)
         table.append(get_op(g._op_names[op]).cost([], [], {}))
     codes[bare] = by_op[ops[bare]]
-    found = per_operands(g, np.flatnonzero(unset & own).tolist(),
-                         lambda op, ins, outs, attrs: get_op(op).cost(specs(ins), specs(outs), attrs))
+    facts, found = g.cached("operand_facts", lambda: operand_facts(g)), {}
+    for tid in np.flatnonzero(unset & own).tolist():  # a task the shape rule refuses: its cost asked alone
+        ins, outs = g._io.get(tid, NO_IO)
+        found[tid] = facts[tid][1] or get_op(g._op_names[g._op[tid]]).cost(specs(ins), specs(outs),
+                                                                            g._attrs.get(tid, {}))
     distinct = {id(c): c for c in found.values()}  # each Cost object once
     code_of = {k: len(table) + i for i, k in enumerate(distinct)}
     table += distinct.values()

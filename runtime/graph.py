@@ -169,27 +169,24 @@ class TaskGraph(DAG):
         ``engine`` defaults to the op's default engine kind; ``cost`` overrides the op's
         cost function; ``after`` adds control edges.
         """
-        if type(op) is not str or (name is not None and type(name) is not str) or \
-                (engine is not None and type(engine) is not str):  # (type() is: cheaper than isinstance)
+        tid = len(self._op)
+        op_code = self._op_codes.get(op) if type(op) is str else None  # (type() is: cheaper than isinstance)
+        if op_code is None or (name is not None and type(name) is not str) or \
+                (engine is not None and type(engine) is not str):
             if not (isinstance(op, str) and all(isinstance(s, (str, type(None))) for s in (name, engine))):
                 raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, "
                                  f"{engine!r}")
-        tid = len(self._op)
+            op_code = self._code(0, op)
         if priority:
             priority = integer(priority, f"task {name or op!r}: priority")
         given = None if name is None or name == f"{op}#{tid}" else name
         if given is not None and (given in self._by_name or self.task_id(given) is not None):
             raise GraphError(f"task name {given!r} is used twice in graph {self.name!r}", tasks=(given,))
-        ins = tuple(map(self.as_region, inputs)) if inputs else ()
-        outs = tuple(map(self.as_region, outputs)) if outputs else ()
-        if ins or outs:
-            self._check_regions(ins + outs, name or f"{op}#{tid}")
-        waits = []
+        ins = self._regions(inputs, name or f"{op}#{tid}") if inputs else ()
+        outs = self._regions(outputs, name or f"{op}#{tid}") if outputs else ()
+        waits = []  # (loops, not comprehensions: a closure would slow every local of this method)
         for a in after:
             waits.append((a if type(a) is Task and a.graph is self else self._own(a, name or f"{op}#{tid}")).id)
-        op_code = self._op_codes.get(op)
-        if op_code is None:
-            op_code = self._code(0, op)
         if engine is None:
             engine = self._default_engine.get(op) or self._default_engine.setdefault(op, default_engine(op))
         eng_code = self._eng_codes.get(engine)
@@ -197,8 +194,6 @@ class TaskGraph(DAG):
         self._op.append(op_code)
         self._eng.append(eng_code if eng_code is not None else self._code(1, engine))
         self._cost.append(cost_code)
-        if ins or outs:
-            self._io[tid] = (ins, outs)
         if attrs:
             self._attrs[tid] = dict(attrs)
         if tags:
@@ -213,6 +208,7 @@ class TaskGraph(DAG):
                 self._by_name[given] = tid
         self._version += 1
         if ins or outs:
+            self._io[tid] = (ins, outs)
             preds = derive(self._frontiers, tid, ins, outs, self._gaps)
             if waits:
                 preds = list(dict.fromkeys(preds + waits))  # control edges after derived ones
@@ -228,13 +224,16 @@ class TaskGraph(DAG):
             self._views.append(view)
         return view
 
-    def _check_regions(self, regions: tuple[Region, ...], name: str) -> None:
+    def _regions(self, xs: Iterable[Buffer | Region], task: str) -> tuple[Region, ...]:
+        """``xs`` as regions, each checked to be of a buffer of this graph and inside it."""
+        regions = tuple(map(self.as_region, xs))
         for r in regions:
             if self.buffers.get(r.buffer.name) is not r.buffer:
-                raise GraphError(f"task {name!r} uses buffer {r.buffer.name!r} of another graph", tasks=(name,))
+                raise GraphError(f"task {task!r} uses buffer {r.buffer.name!r} of another graph", tasks=(task,))
             # (a tile of the buffer was checked when first used)
             if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):
-                raise GraphError(f"task {name!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(name,))
+                raise GraphError(f"task {task!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(task,))
+        return regions
 
     def _own(self, t: Task | str, then: str) -> Task:
         """``t`` (a task or its name), checked to be a task of this graph (``then``: the task

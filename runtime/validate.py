@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from megaloom.runtime.access import Frontier
-from megaloom.runtime.bulk import per_operands, specs
+from megaloom.runtime.bulk import operand_facts, shape_problem
 from megaloom.runtime.errors import GraphError
 from megaloom.runtime.files import gc_paused
 from megaloom.runtime.region import uncovered
-from megaloom.runtime.registry import get_op
+from megaloom.runtime.registry import OPS, get_op
 
 if TYPE_CHECKING:
-    from megaloom.runtime.graph import Region, TaskGraph
+    from megaloom.runtime.graph import TaskGraph
 
 Problem = tuple[str, str]  # (task name or "", message)
 BUDGET_PER_TASK = 64
@@ -34,12 +34,7 @@ def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
-    bad = set()
-    for code in set(g._op):  # each op once, not each task
-        try:
-            get_op(g._op_names[code])
-        except GraphError:
-            bad.add(code)
+    bad = {code for code in set(g._op) if g._op_names[code] not in OPS}  # each op once, not each task
     for i in _flagged(g, g._op, bad):
         t = g.tasks[i]
         yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
@@ -54,27 +49,14 @@ def _engine(g: TaskGraph) -> Iterator[Problem]:
         yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(get_op(t.op).engines)}, not {t.engine!r}"
 
 
-def _shape_problem(op: str, ins: tuple[Region, ...], outs: tuple[Region, ...], attrs: dict) -> str | None:
-    try:
-        want = get_op(op).shape(specs(ins), attrs)
-    except Exception as e:  # a shape rule given operands it does not expect may raise anything
-        return str(e) if isinstance(e, GraphError) else f"shape rule of op {op!r} failed: {type(e).__name__}: {e}"
-    if len(want) != len(outs):
-        return f"op {op!r} makes {len(want)} outputs, task declares {len(outs)}"
-    for i, (w, r) in enumerate(zip(want, outs)):
-        if tuple(w.shape) != r.shape or w.dtype != r.dtype:
-            return f"output {i} ({r}) is {r.shape} {r.dtype}, op {op!r} makes {tuple(w.shape)} {w.dtype}"
-    return None
-
-
 def _shapes(g: TaskGraph) -> Iterator[Problem]:
     # a task with no regions and no attrs is checked once per op; the others once per operands
     own = set(g._io).union(g._attrs)
     bare = set(g._op) if not own else {c for i, c in enumerate(g._op) if i not in own}
-    bad = {c: why for c in bare if (why := _shape_problem(g._op_names[c], (), (), {}))}
-    found = per_operands(g, sorted(own), _shape_problem)
+    bad = {c: why for c in bare if (why := shape_problem(g._op_names[c], (), (), {}))}
+    found = g.cached("operand_facts", lambda: operand_facts(g))
     for i in (range(len(g)) if bad else sorted(own)):
-        why = found[i] if i in own else bad.get(g._op[i])
+        why = found[i][0] if i in own else bad.get(g._op[i])
         if why:
             name = g.task_name(i)
             yield name, f"task {name!r}: {why}"

@@ -6,7 +6,9 @@ import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from collections import Counter
 from functools import partial
+from itertools import chain
 from typing import Any, Callable, Mapping
 
 import torch
@@ -17,6 +19,7 @@ from megaloom.runtime.graph import Buffer, Task, TaskGraph
 from megaloom.runtime.record import Observer  # noqa: F401  (executors take observers; re-exported here)
 from megaloom.runtime.region import overlaps, to_slices
 from megaloom.runtime.registry import OpDef, get_op, run_reference
+from megaloom.runtime.task import NO_IO
 from megaloom.runtime.trace import Trace
 
 
@@ -90,7 +93,8 @@ class Args(list):
 
 SMALL_INPUT = 1 << 16
 """Elements of an input buffer that a plan copies, each run, into a tensor of its own whose region
-views it made once, when tasks read several regions of it; larger inputs are viewed in place."""
+views it made once, when tasks read it more than once (a copy costs less than putting the caller's
+views into every task's arguments); larger inputs are viewed in place."""
 
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
@@ -103,7 +107,7 @@ class Plan:
 
     Built once per (graph version, kernel mode, context, device) and kept on the graph
     (:meth:`TaskGraph.cached`). Scratch buffers are the plan's own, reused by every run;
-    views of them are made once; so are those of small inputs read in several regions, which
+    views of them are made once; so are those of small inputs read more than once, which
     each run copies into the plan's own tensor (:data:`SMALL_INPUT`). Views of the caller's
     other buffers (inputs, outputs) are made per run, once per distinct region, and put into
     the argument lists (:meth:`bind`). A plan serves one run at a time (``lock``); a run
@@ -113,28 +117,26 @@ class Plan:
     __slots__ = ("calls", "scratch", "copied", "slots", "ops", "lock")
 
     def __init__(self, graph: TaskGraph, make: Maker, ctx: Any, device: torch.device):
-        self.ops = {name: get_op(name) for name in dict.fromkeys(t.op for t in graph.tasks)}
-        regions: dict[str, set] = {}
-        for t in graph.tasks:
-            for r in (*t.inputs, *t.outputs):
-                regions.setdefault(r.buffer.name, set()).add(r.box)
-        self.copied = [b.name for b in graph.inputs if not b.is_output and math.prod(b.shape) <= SMALL_INPUT
-                       and len(regions.get(b.name, ())) > 1]
-        self.scratch = {b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device)
-                        for b in graph.buffers.values() if not (b.is_input or b.is_output) or b.name in self.copied}
+        self.ops = {graph._op_names[c]: get_op(graph._op_names[c]) for c in set(graph._op)}
+        io = graph._io  # (tasks without regions have no entry)
+        small = [b.name for b in graph.inputs if not b.is_output and math.prod(b.shape) <= SMALL_INPUT]
+        reads = Counter(r.buffer.name for r in chain.from_iterable(chain.from_iterable(io.values()))) if small else {}
+        self.copied = [name for name in small if reads[name] > 1]
+        self.scratch = scratch = {b.name: torch.empty(b.shape, dtype=torch_dtype(b.dtype), device=device) for b in
+                                  graph.buffers.values() if not (b.is_input or b.is_output) or b.name in self.copied}
         # caller buffer -> [(region index, the (argument list, position) pairs that take its view)]
         slots: dict[str, dict[tuple, list[tuple[list, int]]]] = {}
         made: dict[tuple[str, tuple], torch.Tensor] = {}
         self.calls: list[Call] = []
         for t in graph.tasks:
             args: tuple[list, list] = (Args(), Args())
-            for lst, regs in zip(args, (t.inputs, t.outputs)):
+            for lst, regs in zip(args, io.get(t.id, NO_IO)):
                 for i, r in enumerate(regs):
                     name = r.buffer.name
-                    if name in self.scratch:
+                    if name in scratch:
                         v = made.get((name, r.box))
                         if v is None:
-                            x = self.scratch[name]
+                            x = scratch[name]
                             idx = _index(r.box, tuple(x.shape))
                             v = made[name, r.box] = x if idx is None else x[idx]
                         lst.append(v)
@@ -239,25 +241,20 @@ def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]
     """``fn(ins, outs)`` running the op's kernel (copying inputs it writes over), or its reference."""
     if op.kernel is None:
         return reference_call(task, op, ctx)
-    kw = {**task.attrs, **({"ctx": ctx} if op.context else {})}
+    kw = {**task.graph._attrs.get(task.id, {}), **({"ctx": ctx} if op.context else {})}
     bind = op.extra.get("bind")
     fn = bind(kw) if bind is not None else partial(op.kernel, **kw) if kw else op.kernel
-    copies = aliased_inputs(task, op.extra.get("in_place", False))
+    # inputs overlapping a region the task writes would be clobbered by a kernel writing its outputs in
+    # place; an op marked ``in_place`` reads each element before it writes it: an input equal to an output is fine
+    ins, outs, in_place = *task.graph._io.get(task.id, NO_IO), op.extra.get("in_place", False)
+    copies = {i for i, r in enumerate(ins) for o in outs
+              if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place and o.box == r.box)}
     if not copies:
         return fn
 
     def run(ins: list, outs: list) -> None:
         fn([x.clone() if i in copies else x for i, x in enumerate(ins)], outs)
     return run
-
-
-def aliased_inputs(task: Task, in_place_ok: bool) -> tuple[int, ...]:
-    """Indices of the task's inputs that overlap a region it writes, so that a kernel
-    writing its outputs in place would read clobbered data. With ``in_place_ok`` (the op
-    reads each element before it writes it, as element-wise ops do) an input exactly
-    equal to an output is fine; partial overlaps never are."""
-    return tuple(i for i, r in enumerate(task.inputs) if any(
-        o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place_ok and o.box == r.box) for o in task.outputs))
 
 
 def fail(task: Task, exc: BaseException) -> ExecutionError:

@@ -40,10 +40,8 @@ class ReferenceExecutor(Executor):
                 t0 = time.perf_counter()
                 try:
                     fn(ins, outs)
-                except ExecutionError:
-                    raise
-                except Exception as e:
-                    raise fail(graph.tasks[tid], e) from e
+                except Exception as e:  # reported by the task's name (an ExecutionError names it already)
+                    raise e if isinstance(e, ExecutionError) else fail(graph.tasks[tid], e)
                 rec.task(tid, 0, t0, time.perf_counter())
                 core.done(tid)
         return RunResult({b.name: bufs[b.name] for b in graph.outputs}, rec.finish(), bufs)

@@ -154,10 +154,9 @@ fork and join per small kernel costs more than it saves (the more so on a loaded
 
 def _small_kernels(graph: TaskGraph) -> bool:
     """Whether the graph's tasks that compute do under :data:`SMALL_KERNEL_FLOPS` each on average."""
-    def mean() -> float:
-        flops = [c.flops for c in graph.costs() if c.flops]
-        return sum(flops) / len(flops) if flops else 0.0
-    return graph.cached("mean_task_flops", mean) < SMALL_KERNEL_FLOPS
+    table, codes = graph.cost_columns()
+    flops = np.array([c.flops for c in table], dtype=np.float64)[codes]
+    return (flops[flops > 0].mean() if flops.any() else 0.0) < SMALL_KERNEL_FLOPS
 
 
 class _Worker:

@@ -94,7 +94,7 @@ def _matmul_kernel(ins, outs, trans_a: bool = False, trans_b: bool = False, out_
     a, b = ins
     a, b = a.t() if trans_a else a, b.t() if trans_b else b
     if (out_dtype is None or outs[0].dtype == a.dtype) and outs[0].is_contiguous():
-        torch.matmul(a, b, out=outs[0])
+        torch.mm(a, b, out=outs[0])
     else:
         outs[0].copy_(a @ b)
 

@@ -44,7 +44,6 @@ from typing import Any
 
 from megaloom.graphs.common.builder import GraphBuilder
 from megaloom.graphs.common.spec import load_options, parse_spec
-from megaloom.graphs.common.tiles import tile_ranges
 from megaloom.graphs.moe.counts import CountsBuilder
 from megaloom.graphs.moe.dynamic import DynamicBuilder
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
@@ -74,6 +73,12 @@ def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, rows: tuple[int, int], name
     return make(names[0], rows[0], keep[0]), make(names[1], rows[1], keep[1])
 
 
+def _builder(spec: MegaMoESpec, dynamic: bool) -> type[TaskBuilder]:
+    if spec.grouped and not dynamic:
+        raise ConfigError("MegaMoE grouped graphs are dynamic: build them with dynamic=True")
+    return DynamicBuilder if dynamic else CountsBuilder
+
+
 def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynamic: bool = False) -> TaskGraph:
     """Forward graph of rank ``counts.rank``. Inputs ``x [T, H]``, ``tok [S]``, ``pos [T, k]``,
     ``w [T, k]``, ``gate_up [E_l, H, 2I]``, ``down [E_l, I, H]``; output ``out [T, H]`` and,
@@ -85,7 +90,7 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
     dt, mx = spec.dtype, spec.mxfp8
     g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
-    builder = DynamicBuilder if dynamic else CountsBuilder
+    builder = _builder(spec, dynamic)
     R, S, St = builder.rows(spec, counts)
     x, tok = g.input("x", (T, H), dt), g.input("tok", (St,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
@@ -124,7 +129,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
     dt, mx = spec.dtype, spec.mxfp8
     g = TaskGraph(f"megamoe.bwd.r{counts.rank}")
-    builder = DynamicBuilder if dynamic else CountsBuilder
+    builder = _builder(spec, dynamic)
     R, S, St = builder.rows(spec, counts)
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (St,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (St, 1), dt)
@@ -164,7 +169,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
 
 
 def _topk_grad(b: TaskBuilder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
-    for lo, hi in tile_ranges(b.spec.tokens, b.spec.tile_m):
+    for lo, hi in b.token_tiles_of():
         b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}", stage="topk_grad")
 
 

@@ -37,10 +37,18 @@ from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
 
+GROUPED_TILES = 4  # experts of at most this many row tiles on average: one grouped task per stage
+
+
 @lru_cache(maxsize=256)  # a spec's checks cost more than a step's routing: once per call shape
 def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
+    """The spec of a call; grouped (:class:`MegaMoESpec`) on one rank in high precision when the mean
+    expert holds at most ``GROUPED_TILES`` row tiles: there a tile's GEMM costs less than running it
+    as a task of its own, and a grouped task runs the same GEMMs, one per expert."""
+    grouped = spec.grouped or (spec.ep == 1 and not mx
+                               and tokens * spec.top_k <= GROUPED_TILES * spec.tile_m * spec.experts)
     return replace(spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
-                   scale_mode=mx or spec.scale_mode)
+                   scale_mode=mx or spec.scale_mode, grouped=grouped)
 
 
 @lru_cache(maxsize=256)

@@ -254,8 +254,9 @@ register(OpDef("moe_topk_grad", (VECTOR,), moe_topk_grad, _topk_grad_shape,
 # -- dynamic tiles (graphs built once per spec: the routing arrives as int64 plan rows) -----------
 # ``moe_dyn`` runs op ``op`` on the live rows of its regions. Its inputs: the plan row, the inner op's
 # inputs, then (``rmw``) the old contents of its outputs, which it writes only in part. ``codes``:
-# ``t`` (a tile: plan row (expert, rows, 0)) or ``b`` (an expert's block: (first row, rows, end), rows
-# relative to ``base``), then the :class:`Cut` of each inner input, ``|``, of each output.
+# ``t`` (a tile: plan row (expert, rows, 0)), ``b`` (an expert's block: (first row, rows, end), rows
+# relative to ``base``) or ``g`` (grouped: every expert's block row; the op runs once per expert with
+# rows), then the :class:`Cut` of each inner input, ``|``, of each output.
 _OWN = ("op", "codes", "base", "sim", "rmw", DURATION_ATTR)  # moe_dyn's own attrs; the rest are the op's
 
 
@@ -270,11 +271,14 @@ class Cut(str, Enum):
     ZEROED = "z"  # as is, zeroed when there are no live rows
 
 
-def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
-    """(first row, rows, expert) of a task from its plan row."""
-    row = meta.tolist()
-    a, b, _ = row[0] if meta.dim() == 2 else row
-    return (0, b, a) if kind == "t" else (a - base, b, 0)
+def _live(meta: torch.Tensor, kind: str, base: int) -> list[tuple[int, int, int]]:
+    """(first row, rows, expert) of each live part of a task, from its plan rows: the one part of a tile
+    or block (none when empty), or (``g``) every expert with rows."""
+    rows = meta.reshape(-1, 3).tolist()
+    if kind == "g":
+        return [(s, n, e) for e, (s, n, _) in enumerate(rows) if n]
+    a, b, _ = rows[0]
+    return [(0, b, a) if kind == "t" else (a - base, b, 0)] if b else []
 
 
 def _narrow(x, code: str, s: int, n: int, e: int):
@@ -314,10 +318,10 @@ def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
 
 
 def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    _, cin, cout, inner, _, _ = _split(attrs)
+    kind, cin, cout, inner, _, _ = _split(attrs)
     rmw = attrs.get("rmw", False)
-    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
-            f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
+    _expect(ins[0].dtype == "int64" and ins[0].numel % 3 == 0 and (kind == "g" or ins[0].numel == 3) and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
+            f"takes a plan row (3 int64; kind g: one per expert), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
             + (" and its outputs" if rmw else ""), ins)
     outs = get_op(attrs["op"]).shape([_narrow(x, c, 0, 0, 0) if c == Cut.EXPERT else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
@@ -343,17 +347,16 @@ def _dyn_bind(attrs: dict):
     zeroed = [j for j, c in enumerate(cout) if c == Cut.ZEROED]  # whole results of an expert without rows: zeros
 
     def run(ins, outs) -> None:
-        s, n, e = _live(ins[0], kind, base)
-        if n == 0:
-            for j in zeroed:
-                outs[j].zero_()
-            return
-        i, o, a = _dyn_parts(ins, outs, split, n, s, e)
-        if d.kernel is not None:
-            d.kernel(i, o, **a)
-        else:
-            for out, r in zip(o, run_reference(d, i, a)):
-                out.copy_(r)
+        parts = _live(ins[0], kind, base)
+        for j in zeroed if not parts else ():
+            outs[j].zero_()
+        for s, n, e in parts:
+            i, o, a = _dyn_parts(ins, outs, split, n, s, e)
+            if d.kernel is not None:
+                d.kernel(i, o, **a)
+            else:
+                for out, r in zip(o, run_reference(d, i, a)):
+                    out.copy_(r)
     return run
 
 
@@ -364,8 +367,7 @@ def _dyn_ref(*ins, **attrs):
     specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
-    s, n, e = _live(ins[0], kind, attrs.get("base", 0))
-    if n:
+    for s, n, e in _live(ins[0], kind, attrs.get("base", 0)):
         i, o, a = _dyn_parts(ins, full, split, n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)

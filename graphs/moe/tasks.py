@@ -100,7 +100,7 @@ class TaskBuilder:
         the live ones hold values nothing reads) and an empty tile returns at once."""
         inter, made = gu.shape[1] // 2, {}
         for e, a, b, j in self.tiles():
-            if not self.spec.fuse_vector:  # the unfused op
+            if not self.spec.fuse_vector or self.spec.grouped:  # the unfused op
                 ins = [gu[a:b]] if da is None else [gu[a:b], da[a:b]]
                 self.tile_task(stage, ins, [out[a:b]], ((Cut.ROWS,) * len(ins), (Cut.ROWS,)), f"{stage}.e{e}.{a}", e, j)
                 continue
@@ -134,9 +134,13 @@ class TaskBuilder:
                         self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], dst,
                                        ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED,)), name, e, None, block=e)
 
+    def token_tiles_of(self) -> list[tuple[int, int]]:
+        """The token tiles of the top-k sums: ``tile_m`` tokens each, or (``grouped``) all in one."""
+        return tile_ranges(self.spec.tokens, max(1, self.spec.tokens) if self.spec.grouped else self.spec.tile_m)
+
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
-        for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
+        for a, b in self.token_tiles_of():
             self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
 
     # -- MXFP8: quantisation tasks of ``quant_cols`` columns each ------------------------

@@ -272,13 +272,13 @@ class Cut(str, Enum):
 
 
 def _live(meta: torch.Tensor, kind: str, base: int) -> list[tuple[int, int, int]]:
-    """(first row, rows, expert) of each live part of a task, from its plan rows: the one part of a tile
-    or block (none when empty), or (``g``) every expert with rows."""
+    """(first row, rows, expert) of each part of a task, from its plan rows: the one of a tile or block,
+    or (``g``) one per expert."""
     rows = meta.reshape(-1, 3).tolist()
     if kind == "g":
-        return [(s, n, e) for e, (s, n, _) in enumerate(rows) if n]
+        return [(s, n, e) for e, (s, n, _) in enumerate(rows)]
     a, b, _ = rows[0]
-    return [(0, b, a) if kind == "t" else (a - base, b, 0)] if b else []
+    return [(0, b, a) if kind == "t" else (a - base, b, 0)]
 
 
 def _narrow(x, code: str, s: int, n: int, e: int):
@@ -319,12 +319,14 @@ def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
 
 def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     kind, cin, cout, inner, _, _ = _split(attrs)
-    rmw = attrs.get("rmw", False)
-    _expect(ins[0].dtype == "int64" and ins[0].numel % 3 == 0 and (kind == "g" or ins[0].numel == 3) and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
-            f"takes a plan row (3 int64; kind g: one per expert), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
-            + (" and its outputs" if rmw else ""), ins)
+    rmw, experts = attrs.get("rmw", False), ins[0].numel // 3
+    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 * (experts if kind == "g" else 1)
+            and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
+            f"takes a plan row (3 int64; kind g: one per expert), the operands of {attrs['op']!r} coded "
+            f"{attrs['codes']!r}" + (" and its outputs" if rmw else ""), ins)
     outs = get_op(attrs["op"]).shape([_narrow(x, c, 0, 0, 0) if c == Cut.EXPERT else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
+    outs = [TensorSpec((experts, *o.shape[1:]), o.dtype) if c == Cut.EXPERT else o for o, c in zip(outs, cout)]
     _expect(len(outs) == len(cout) and (not rmw or list(ins[1 + len(cin):]) == outs), "moe_dyn",
             f"codes {attrs['codes']!r} do not fit op {attrs['op']!r}", ins)
     return outs
@@ -344,13 +346,15 @@ def _dyn_bind(attrs: dict):
     split = _split(attrs)
     kind, cout = split[0], split[2]
     d, base = get_op(attrs["op"]), attrs.get("base", 0)
-    zeroed = [j for j, c in enumerate(cout) if c == Cut.ZEROED]  # whole results of an expert without rows: zeros
+    # an expert without rows: zeros in its whole results (and in its slice of per-expert results)
+    zeroed = [(j, c) for j, c in enumerate(cout) if c in (Cut.ZEROED, Cut.EXPERT)]
 
     def run(ins, outs) -> None:
-        parts = _live(ins[0], kind, base)
-        for j in zeroed if not parts else ():
-            outs[j].zero_()
-        for s, n, e in parts:
+        for s, n, e in _live(ins[0], kind, base):
+            if not n:
+                for j, c in zeroed:
+                    _narrow(outs[j], c, s, n, e).zero_()
+                continue
             i, o, a = _dyn_parts(ins, outs, split, n, s, e)
             if d.kernel is not None:
                 d.kernel(i, o, **a)
@@ -368,6 +372,8 @@ def _dyn_ref(*ins, **attrs):
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
     for s, n, e in _live(ins[0], kind, attrs.get("base", 0)):
+        if not n:
+            continue
         i, o, a = _dyn_parts(ins, full, split, n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)

@@ -116,14 +116,16 @@ class TaskBuilder:
 
     def wgrad(self, stage: str, a: Buffer | MX, b: Buffer | MX, out: Buffer) -> None:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
-        blocks (zeros for an idle expert); the weight gradient stays on this rank. On token-axis MXFP8
-        operands (payload, scales), an ``mx_grouped_matmul`` of layout TN over the padded blocks."""
-        for e in range(self.El):
-            (lo, hi), (p0, p1) = self.rows_of[e], self.blocks[e]
+        blocks (zeros for an idle expert; ``grouped``: one task per block over every expert); the weight
+        gradient stays on this rank. On token-axis MXFP8 operands (payload, scales), an
+        ``mx_grouped_matmul`` of layout TN over the padded blocks."""
+        for e in [None] if self.spec.grouped else range(self.El):  # grouped: one task over every expert
+            (lo, hi), (p0, p1) = ((0, self.padded_rows),) * 2 if e is None else (self.rows_of[e], self.blocks[e])
             rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
+            at = slice(None) if e is None else slice(e, e + 1)
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    dst, name = [out[e:e + 1, k0:k1, c0:c1]], f"{stage}.e{e}.k{k0}.c{c0}"
+                    dst, name = [out[at, k0:k1, c0:c1]], f"{stage}.e{e}.k{k0}.c{c0}"
                     if isinstance(a, tuple):
                         self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
                                                              b[1][srows, c0:c1]], dst,
@@ -132,7 +134,8 @@ class TaskBuilder:
                                                        "out_dtype": self.spec.dtype})
                     else:
                         self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], dst,
-                                       ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED,)), name, e, None, block=e)
+                                       ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED if at.stop else Cut.EXPERT,)), name, e,
+                                       None, block=e)
 
     def token_tiles_of(self) -> list[tuple[int, int]]:
         """The token tiles of the top-k sums: ``tile_m`` tokens each, or (``grouped``) all in one."""

@@ -1,4 +1,6 @@
 """MegaMoE dynamic graphs: built once per spec, every routing a run-time input."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def golden(x, ids, w, gu, dn, dout, mx=None):
 
 def fresh(spec, ids, x, w, gu, dn, dout):
     """The graphs built for this routing's counts (no capacity, no plan)."""
-    ex, r = ThreadExecutor(), make_routing(ids, spec)
+    ex, r, spec = ThreadExecutor(), make_routing(ids, spec), replace(spec, grouped=False)  # counts graphs tile
     f = ex.run(MEGAMOE.build(spec, "fwd", r.counts), {"x": x, "tok": r.tok, "pos": r.pos, "w": w, "gate_up": gu,
                                                        "down": dn})
     ws = w.reshape(-1)[r.flat][:, None].contiguous()
@@ -55,9 +57,10 @@ def fresh(spec, ids, x, w, gu, dn, dout):
     return [f["out"], b["dx"], b["dw"], b["d_gate_up"], b["d_down"]]
 
 
-@pytest.mark.parametrize("precision, n, tile_m", [("none", 50, 8), ("mxfp8", 10, 16)])
-def test_cached_graph_matches_fresh_graphs_and_golden_over_many_routings(precision, n, tile_m):
-    spec = MegaMoESpec(T, H, I, E, K, tile_m=tile_m, cube_split=2, precision=precision)
+@pytest.mark.parametrize("precision, n, tile_m, grouped", [("none", 50, 8, False), ("none", 20, 8, True),
+                                                           ("mxfp8", 10, 16, False)])
+def test_cached_graph_matches_fresh_graphs_and_golden_over_many_routings(precision, n, tile_m, grouped):
+    spec = MegaMoESpec(T, H, I, E, K, tile_m=tile_m, cube_split=2, precision=precision, grouped=grouped)
     runner = MegaMoERunner(spec, units={"cube": 2, "vector": 2}, policy="priority")
     gen = torch.Generator().manual_seed(1)
     gu, dn = torch.randn(E, H, 2 * I, generator=gen) / H ** 0.5, torch.randn(E, I, H, generator=gen) / I ** 0.5
@@ -95,6 +98,24 @@ def test_module_builds_and_validates_once_across_steps(monkeypatch):
         moe(x, ids, torch.rand(T, K)).sum().backward()
     assert moe.runner.builds == 2 and len(moe.runner._graphs) == 2
     assert sorted(calls) == ["megamoe.bwd.r0", "megamoe.fwd.r0"]  # validated once each
+
+
+def test_module_groups_each_stage_into_one_task_when_experts_hold_few_tiles():
+    moe = MegaMoE(H, I, E, K, tile_m=4)
+    tasks = {}
+    for tokens in (8, 40):  # 4 experts of 4 and of 20 rows on average: 1 and 5 row tiles
+        moe(torch.randn(tokens, H, requires_grad=True), routings(1)[0][:tokens].repeat(2, 1)[:tokens],
+            torch.rand(tokens, K)).sum().backward()
+        graphs = list(moe.runner._graphs.values())[-2:]
+        tasks[tokens] = [len(g.tasks) for g in graphs]
+    # grouped: forward gather, GEMM, SwiGLU, GEMM, weighted sum; backward also the weight gradients and top-k grad
+    assert tasks[8] == [5, 8] and min(tasks[40]) > 20
+    assert [moe.runner.spec_for(t, torch.float32, "").grouped for t in (8, 40)] == [True, False]
+    with pytest.raises(ConfigError, match="grouped needs ep=1"):
+        MegaMoESpec(T, H, I, E, K, ep=2, grouped=True)
+    with pytest.raises(ConfigError, match="grouped graphs are dynamic"):
+        MEGAMOE.build(MegaMoESpec(T, H, I, E, K, grouped=True), "fwd", make_routing(routings(1)[0], MegaMoESpec(
+            T, H, I, E, K)).counts)
 
 
 def test_gate_and_mhc_modules_keep_one_graph_per_token_count():

@@ -45,10 +45,9 @@ def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> M
     """The spec of a call; grouped (:class:`MegaMoESpec`) on one rank in high precision when the mean
     expert holds at most ``GROUPED_TILES`` row tiles: there a tile's GEMM costs less than running it
     as a task of its own, and a grouped task runs the same GEMMs, one per expert."""
-    grouped = spec.grouped or (spec.ep == 1 and not mx
-                               and tokens * spec.top_k <= GROUPED_TILES * spec.tile_m * spec.experts)
+    few = spec.ep == 1 and not mx and tokens * spec.top_k <= GROUPED_TILES * spec.tile_m * spec.experts
     return replace(spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
-                   scale_mode=mx or spec.scale_mode, grouped=grouped)
+                   scale_mode=mx or spec.scale_mode, grouped=spec.grouped or few)
 
 
 @lru_cache(maxsize=256)

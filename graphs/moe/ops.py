@@ -42,9 +42,10 @@ def _expect(cond: bool, op: str, msg: str, ins: list[TensorSpec]) -> None:
         raise GraphError(f"{op}: {msg}; operands {[(s.shape, s.dtype) for s in ins]}")
 
 
-def _matrix(w: torch.Tensor) -> torch.Tensor:
-    """One expert's weight slice ``[1, k, n]`` (or a plain ``[k, n]``) as a matrix."""
-    return w[0] if w.dim() == 3 else w
+def _matrix(w: torch.Tensor, trans: bool = False) -> torch.Tensor:
+    """One expert's weight slice ``[1, k, n]`` (or a plain ``[k, n]``) as a matrix (transposed with ``trans``)."""
+    m = w[0] if w.dim() == 3 else w
+    return m.t() if trans else m
 
 
 # -- moe_gather ----------------------------------------------------------------------
@@ -65,8 +66,7 @@ def _gather_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> 
 
 
 def _gather_ref(src: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    rows = src[idx]
-    return rows if scale is None else rows * scale
+    return src[idx] if scale is None else src[idx] * scale
 
 
 def _gather_kernel(ins, outs) -> None:
@@ -89,18 +89,17 @@ def _gmm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 
 def _gmm_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    """``2 m k n`` of a GEMM tile or (``moe_wgrad``, ``k`` and ``m`` swapped) a weight-gradient tile."""
     m, k = ins[0].shape
-    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(flops=2.0 * m * k * outs[0].shape[-1], bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _gmm_ref(x: torch.Tensor, w: torch.Tensor, trans_w: bool = False) -> torch.Tensor:
-    w = _matrix(w)
-    return x @ (w.t() if trans_w else w)
+    return x @ _matrix(w, trans_w)
 
 
 def _gmm_kernel(ins, outs, trans_w: bool = False) -> None:
-    w = _matrix(ins[1])
-    torch.mm(ins[0], w.t() if trans_w else w, out=outs[0])
+    torch.mm(ins[0], _matrix(ins[1], trans_w), out=outs[0])
 
 
 def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -108,11 +107,6 @@ def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
             and ins[0].shape[0] == ins[1].shape[0] and ins[0].dtype == ins[1].dtype, "moe_wgrad",
             "takes a [m, k] and b [m, n] of one dtype", ins)
     return [TensorSpec((1, ins[0].shape[1], ins[1].shape[1]), ins[0].dtype)]
-
-
-def _wgrad_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    (m, k), n = ins[0].shape, ins[1].shape[1]
-    return Cost(flops=2.0 * m * k * n, bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _wgrad_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -200,19 +194,11 @@ def _topk_cost(rows: TensorSpec, pos: TensorSpec, other: TensorSpec) -> Cost:
                                                     + pos.nbytes + other.nbytes), precision=precision(rows.dtype))
 
 
-def _unpermute_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    return _topk_cost(ins[0], ins[1], outs[0])
-
-
 def moe_unpermute_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_k w[t, k] * rows[pos[t, k]]`` (weights 1 when ``w`` is None)."""
     t, k = pos.shape
     g = rows.index_select(0, pos.reshape(-1)).view(t, k, rows.shape[1])
     return (g if w is None else g * w[..., None]).sum(1)
-
-
-def _unpermute_kernel(ins, outs) -> None:
-    outs[0].copy_(moe_unpermute_sum(*ins))
 
 
 def _topk_grad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -229,25 +215,23 @@ def moe_topk_grad(dout: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> 
     return (g * dout[:, None, :]).sum(-1)
 
 
-def _topk_grad_kernel(ins, outs) -> None:
-    outs[0].copy_(moe_topk_grad(*ins))
-
-
 register(OpDef("moe_gather", (VECTOR, COMM), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
                doc="rows of src picked by idx (times scale): MoE permute / dispatch packing"))
 register(OpDef("moe_gmm", (CUBE,), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
                doc="one grouped-GEMM tile: x @ w[e] (w[e]^T when trans_w)"))
-register(OpDef("moe_wgrad", (CUBE,), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
+register(OpDef("moe_wgrad", (CUBE,), _wgrad_ref, _wgrad_shape, _gmm_cost, _wgrad_kernel,
                doc="expert weight-gradient tile: a^T @ b into [1, k, n]"))
 register(OpDef("swiglu", (VECTOR,), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
                _swiglu_kernel, doc="silu(gate) * up"))
 register(OpDef("swiglu_grad", (VECTOR,), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
                _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
-register(OpDef("moe_unpermute_sum", (VECTOR,), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
-               _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))
+register(OpDef("moe_unpermute_sum", (VECTOR,), moe_unpermute_sum, _unpermute_shape,
+               lambda i, o, a: _topk_cost(i[0], i[1], o[0]),
+               lambda ins, outs: outs[0].copy_(moe_unpermute_sum(*ins)),
+               doc="weighted sum over the top-k expert outputs of each token"))
 register(OpDef("moe_topk_grad", (VECTOR,), moe_topk_grad, _topk_grad_shape,
                lambda i, o, a: _topk_cost(i[1], i[2], i[0]),
-               _topk_grad_kernel, doc="gradient of the top-k weights",
+               lambda ins, outs: outs[0].copy_(moe_topk_grad(*ins)), doc="gradient of the top-k weights",
                grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
 
 
@@ -266,9 +250,8 @@ class Cut(str, Enum):
     ROWS = "r"  # the live rows
     PADDED = "p"  # the live rows padded to 32
     SCALES = "s"  # the 32-row scale blocks of the padded rows
-    EXPERT = "e"  # the live expert's slice of a per-expert stack
+    EXPERT = "e"  # the live expert's slice of a per-expert stack (an output: zeroed for an expert without rows)
     WHOLE = "-"  # as is
-    ZEROED = "z"  # as is, zeroed when there are no live rows
 
 
 def _live(meta: torch.Tensor, kind: str, base: int) -> list[tuple[int, int, int]]:
@@ -303,7 +286,7 @@ def _split(attrs: dict) -> tuple[str, str, str, dict, list, list]:
     """(kind, input codes, output codes, the inner op's attrs, and the (index, code) of each input and of each
     output that the live rows cut) of a moe_dyn task."""
     kind, (cin, cout) = attrs["codes"][0], attrs["codes"][1:].split("|")
-    cuts = [[(j, c) for j, c in enumerate(codes) if c not in (Cut.WHOLE, Cut.ZEROED)] for codes in (cin, cout)]
+    cuts = [[(j, c) for j, c in enumerate(codes) if c != Cut.WHOLE] for codes in (cin, cout)]
     return kind, cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}, *cuts
 
 
@@ -318,12 +301,11 @@ def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
 
 
 def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
-    kind, cin, cout, inner, _, _ = _split(attrs)
+    _, cin, cout, inner, _, _ = _split(attrs)
     rmw, experts = attrs.get("rmw", False), ins[0].numel // 3
-    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 * (experts if kind == "g" else 1)
-            and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
-            f"takes a plan row (3 int64; kind g: one per expert), the operands of {attrs['op']!r} coded "
-            f"{attrs['codes']!r}" + (" and its outputs" if rmw else ""), ins)
+    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 * experts > 0 and len(ins) == 1 + len(cin) + rmw * len(cout),
+            "moe_dyn", f"takes plan rows (3 int64 each), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
+            + (" and its outputs" if rmw else ""), ins)
     outs = get_op(attrs["op"]).shape([_narrow(x, c, 0, 0, 0) if c == Cut.EXPERT else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
     outs = [TensorSpec((experts, *o.shape[1:]), o.dtype) if c == Cut.EXPERT else o for o, c in zip(outs, cout)]
@@ -346,14 +328,13 @@ def _dyn_bind(attrs: dict):
     split = _split(attrs)
     kind, cout = split[0], split[2]
     d, base = get_op(attrs["op"]), attrs.get("base", 0)
-    # an expert without rows: zeros in its whole results (and in its slice of per-expert results)
-    zeroed = [(j, c) for j, c in enumerate(cout) if c in (Cut.ZEROED, Cut.EXPERT)]
+    zeroed = [j for j, c in enumerate(cout) if c == Cut.EXPERT]
 
     def run(ins, outs) -> None:
         for s, n, e in _live(ins[0], kind, base):
             if not n:
-                for j, c in zeroed:
-                    _narrow(outs[j], c, s, n, e).zero_()
+                for j in zeroed:
+                    _narrow(outs[j], Cut.EXPERT, s, n, e).zero_()
                 continue
             i, o, a = _dyn_parts(ins, outs, split, n, s, e)
             if d.kernel is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -113,9 +113,6 @@ class MegaMoESpec(GraphSpec):
 
     def group_of(self, expert: int) -> int:
         return expert // self.group_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(slots=True)

@@ -129,13 +129,12 @@ class TaskBuilder:
                     if isinstance(a, tuple):
                         self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
                                                              b[1][srows, c0:c1]], dst,
-                                       ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.ZEROED,)), name, e, None,
+                                       ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.EXPERT,)), name, e, None,
                                        block=e, attrs={"group_offsets": [self.group_rows[e]], "layout": "TN",
                                                        "out_dtype": self.spec.dtype})
                     else:
                         self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], dst,
-                                       ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED if at.stop else Cut.EXPERT,)), name, e,
-                                       None, block=e)
+                                       ((Cut.ROWS, Cut.ROWS), (Cut.EXPERT,)), name, e, None, block=e)
 
     def token_tiles_of(self) -> list[tuple[int, int]]:
         """The token tiles of the top-k sums: ``tile_m`` tokens each, or (``grouped``) all in one."""

@@ -139,7 +139,7 @@ def test_plan_tiles_and_capacity():
     assert plan.tile[:7] == [(0, 8), (0, 1), (2, 8), (2, 8), (2, 8), (2, 8), (2, 7)]
     assert all(n == 0 for _, n in plan.tile[7:])
     ep = Layout(MegaMoESpec(T, H, I, E, K, ep=2, tile_m=8), rank=1)
-    assert ep.slot == 48 and ep.rows == 2 * 48 and ep.tile_expert(7) == 1
+    assert ep.slot == 48 and ep.rows == 2 * 48 and ep.region(1) == (48, 96)
     with pytest.raises(ConfigError, match="lists an expert at most once"):
         make_plan(ep, Counts(1, 2, 2, ((30, 18, 0, 0), (12, 12, 12, 12))))
 
@@ -161,7 +161,7 @@ def test_dyn_tile_kernel_matches_its_reference_on_live_rows(n):
     assert (out[n:] == 7).all() and (ref[n:] == 0).all()  # rows past the live ones: untouched (zeros in the oracle)
     dw = torch.full((1, 6, 5), 7.0)  # an expert block: its weight gradient, zeros when it has no rows
     block = torch.tensor([[10 + 2, n, 0]])
-    get_op("moe_dyn").kernel([block, x, x[:, :5]], [dw], op="moe_wgrad", codes="brr|z", base=10, sim=n)
+    get_op("moe_dyn").kernel([block, x, x[:, :5]], [dw], op="moe_wgrad", codes="brr|e", base=10, sim=n)
     torch.testing.assert_close(dw[0], x[2:2 + n].t() @ x[2:2 + n, :5])
 
 

@@ -352,9 +352,7 @@ def _dyn_ref(*ins, **attrs):
     specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
-    for s, n, e in _live(ins[0], kind, attrs.get("base", 0)):
-        if not n:
-            continue
+    for s, n, e in (part for part in _live(ins[0], kind, attrs.get("base", 0)) if part[1]):  # parts with rows
         i, o, a = _dyn_parts(ins, full, split, n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)

@@ -111,6 +111,8 @@ def test_module_groups_each_stage_into_one_task_when_experts_hold_few_tiles():
     # grouped: forward gather, GEMM, SwiGLU, GEMM, weighted sum; backward also the weight gradients and top-k grad
     assert tasks[8] == [5, 8] and min(tasks[40]) > 20
     assert [moe.runner.spec_for(t, torch.float32, "").grouped for t in (8, 40)] == [True, False]
+    two_cubes = MegaMoE(H, I, E, K, tile_m=4, units={"cube": 2, "vector": 1})  # tiles run at once there
+    assert not two_cubes.runner.spec_for(8, torch.float32, "").grouped
     with pytest.raises(ConfigError, match="grouped needs ep=1"):
         MegaMoESpec(T, H, I, E, K, ep=2, grouped=True)
     with pytest.raises(ConfigError, match="grouped graphs are dynamic"):

@@ -40,9 +40,12 @@ class DynamicBuilder(TaskBuilder):
         lay = Layout(spec, counts.rank)
         return lay.rows, spec.rows, lay.rows if lay.pooled else spec.rows
 
-    def tiles(self) -> list[tuple[int, int, int, int | None]]:
+    def tiles(self) -> list[tuple[int | None, int, int, int | None]]:
+        """The row tiles (expert, first row, end row, index); ``grouped``: one over every expert's rows."""
         tm, lay = self.spec.tile_m, self.lay
-        return [(self.plan.tile[j][0] if lay.pooled else lay.tile_expert(j), j * tm, (j + 1) * tm, j)
+        if self.spec.grouped:
+            return [(None, 0, lay.rows, None)]
+        return [(self.plan.tile[j][0] if lay.pooled else j * tm // lay.slot, j * tm, (j + 1) * tm, j)
                 for j in range(lay.tiles)]
 
     def experts(self, e: int) -> slice:
@@ -51,16 +54,18 @@ class DynamicBuilder(TaskBuilder):
     def tile_task(self, op: str, ins: list, outs: list, cuts: tuple[Sequence[Cut], Sequence[Cut]], name: str,
                   expert: int, j: int | None, attrs: dict | None = None, block: int | None = None) -> Task:
         """``moe_dyn`` over the live rows of tile ``j`` (or, with ``block``, of expert ``block``'s rows from
-        its region's first row), read from the plan at run time."""
+        its region's first row; with neither, of every expert's rows), read from the plan at run time."""
+        kind = "b" if block is not None else "t" if j is not None else "g"
         if block is None:
-            row, sim, more = self.meta[j:j + 1], self.plan.tile[j][1], {}
+            row = self.meta[j:j + 1] if kind == "t" else self.meta[self.lay.tiles:]
+            sim, more = self.plan.tile[j][1] if kind == "t" else sum(self.plan.n), {}
         else:
             k = self.lay.tiles + block
             row, sim = self.meta[k:k + 1], self.plan.n[block]
             # a block written in part into a region other experts' blocks share (pooled) keeps their rows
-            rmw = self.lay.pooled and block > 0 and any(c not in (Cut.WHOLE, Cut.ZEROED) for c in cuts[1])
+            rmw = self.lay.pooled and block > 0 and any(c not in (Cut.WHOLE, Cut.EXPERT) for c in cuts[1])
             more = {"base": self.lay.region(block)[0], "rmw": rmw}
-        codes = ("b" if block is not None else "t") + "".join(cuts[0]) + "|" + "".join(cuts[1])
+        codes = kind + "".join(cuts[0]) + "|" + "".join(cuts[1])
         attrs = {"op": op, "codes": codes, "sim": sim, **more, **(attrs or {})}
         if not sim:  # empty at the build's counts: simulated as skipped
             attrs[DURATION_ATTR] = 0.0

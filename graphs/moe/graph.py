@@ -44,7 +44,6 @@ from typing import Any
 
 from megaloom.graphs.common.builder import GraphBuilder
 from megaloom.graphs.common.spec import load_options, parse_spec
-from megaloom.graphs.common.tiles import tile_ranges
 from megaloom.graphs.moe.counts import CountsBuilder
 from megaloom.graphs.moe.dynamic import DynamicBuilder
 from megaloom.graphs.moe.spec import Counts, MegaMoESpec, synthetic_counts
@@ -74,6 +73,14 @@ def _layout_buffers(g: TaskGraph, spec: MegaMoESpec, rows: tuple[int, int], name
     return make(names[0], rows[0], keep[0]), make(names[1], rows[1], keep[1])
 
 
+def _start(spec: MegaMoESpec, counts: Counts, direction: str, dynamic: bool):
+    """One direction's graph, its task builder class and rows (recv layout, send layout, ``tok`` / ``ws``)."""
+    if spec.grouped and not dynamic:
+        raise ConfigError("MegaMoE grouped graphs are dynamic: build them with dynamic=True")
+    builder = DynamicBuilder if dynamic else CountsBuilder
+    return TaskGraph(f"megamoe.{direction}.r{counts.rank}"), builder, builder.rows(spec, counts)
+
+
 def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynamic: bool = False) -> TaskGraph:
     """Forward graph of rank ``counts.rank``. Inputs ``x [T, H]``, ``tok [S]``, ``pos [T, k]``,
     ``w [T, k]``, ``gate_up [E_l, H, 2I]``, ``down [E_l, I, H]``; output ``out [T, H]`` and,
@@ -84,9 +91,7 @@ def build_forward(spec: MegaMoESpec, counts: Counts, *, save: bool = True, dynam
     At W == 1 ``tok`` and ``pos`` index the pooled layout (:func:`.layout.pooled_routing`)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
     dt, mx = spec.dtype, spec.mxfp8
-    g = TaskGraph(f"megamoe.fwd.r{counts.rank}")
-    builder = DynamicBuilder if dynamic else CountsBuilder
-    R, S, St = builder.rows(spec, counts)
+    g, builder, (R, S, St) = _start(spec, counts, "fwd", dynamic)
     x, tok = g.input("x", (T, H), dt), g.input("tok", (St,), "int64")
     pos, w = g.input("pos", (T, k), "int64"), g.input("w", (T, k), dt)
     w1, w2 = g.input("gate_up", (El, H, 2 * I), dt), g.input("down", (El, I, H), dt)
@@ -123,9 +128,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
     for :func:`build_forward` (``ws`` in the layout of ``tok``)."""
     T, H, I, k, El = spec.tokens, spec.hidden, spec.intermediate, spec.top_k, spec.experts_local
     dt, mx = spec.dtype, spec.mxfp8
-    g = TaskGraph(f"megamoe.bwd.r{counts.rank}")
-    builder = DynamicBuilder if dynamic else CountsBuilder
-    R, S, St = builder.rows(spec, counts)
+    g, builder, (R, S, St) = _start(spec, counts, "bwd", dynamic)
     dout, tok = g.input("dout", (T, H), dt), g.input("tok", (St,), "int64")
     pos, ws = g.input("pos", (T, k), "int64"), g.input("ws", (St, 1), dt)
     b = builder(g, spec, counts, "bwd")
@@ -164,7 +167,7 @@ def build_backward(spec: MegaMoESpec, counts: Counts, *, dynamic: bool = False) 
 
 
 def _topk_grad(b: TaskBuilder, dout: Buffer, yc: Buffer, pos: Buffer, dw: Buffer) -> None:
-    for lo, hi in tile_ranges(b.spec.tokens, b.spec.tile_m):
+    for lo, hi in b.token_tiles_of():
         b.task("moe_topk_grad", [dout[lo:hi], yc, pos[lo:hi]], [dw[lo:hi]], f"topk_grad.{lo}", stage="topk_grad")
 
 

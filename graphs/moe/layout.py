@@ -60,10 +60,6 @@ class Layout:
         """Rows of the recv layout that local expert ``e``'s rows may occupy."""
         return (0, self.rows) if self.pooled else (e * self.slot, (e + 1) * self.slot)
 
-    def tile_expert(self, j: int) -> int | None:
-        """The expert of tile ``j`` when static (slotted), else None."""
-        return None if self.pooled else j * self.tm // self.slot
-
 
 @dataclass(slots=True)
 class Plan:
@@ -122,9 +118,7 @@ def step_inputs(layout: Layout, routing: Routing) -> tuple[dict[str, torch.Tenso
         return {**ins, "comm": torch.tensor(plan.comm, dtype=torch.int64), "tok": routing.tok, "pos": routing.pos}, None
     counts = torch.tensor(routing.counts.counts[0], dtype=torch.int64)
     rows = torch.arange(layout.spec.rows) + torch.repeat_interleave(torch.tensor(plan.shift), counts)
-    tok = torch.zeros(layout.rows, dtype=torch.int64)
-    tok[rows] = routing.tok
-    return {**ins, "tok": tok, "pos": rows[routing.pos]}, rows
+    return {**ins, "tok": place(rows, routing.tok, layout), "pos": rows[routing.pos]}, rows
 
 
 def place(rows: torch.Tensor | None, x: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -36,11 +36,20 @@ from megaloom.runtime.errors import ConfigError, ExecutionError
 from megaloom.runtime.executors import Executor
 from megaloom.runtime.executors.base import RunResult
 from megaloom.runtime.graph import TaskGraph
+from megaloom.runtime.registry import CUBE
+
+GROUPED_TILES = 4  # experts of at most this many row tiles on average: one grouped task per stage
+
 
 @lru_cache(maxsize=256)  # a spec's checks cost more than a step's routing: once per call shape
-def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
+def _call_spec(spec: MegaMoESpec, tokens: int, dtype: torch.dtype, mx: str, one_cube: bool) -> MegaMoESpec:
+    """The spec of a call; grouped (:class:`MegaMoESpec`) on one rank in high precision, with one cube
+    unit (``one_cube``; several run tiles at once), when the mean expert holds at most ``GROUPED_TILES``
+    row tiles: there a tile's GEMM costs less than running it as a task of its own, and a grouped task
+    runs the same GEMMs, one per expert."""
+    few = one_cube and spec.ep == 1 and not mx and tokens * spec.top_k <= GROUPED_TILES * spec.tile_m * spec.experts
     return replace(spec, tokens=tokens, dtype=dtype_name(dtype), precision="mxfp8" if mx else "none",
-                   scale_mode=mx or spec.scale_mode)
+                   scale_mode=mx or spec.scale_mode, grouped=spec.grouped or few)
 
 
 @lru_cache(maxsize=256)
@@ -64,12 +73,12 @@ class MegaMoERunner(GraphRunner):
             raise ConfigError("MegaMoE on several ranks needs ordered_comm=True: every rank must issue "
                               "its collectives in one order")
         super().__init__(executor, units=units, policy=policy, comm=comm, cache_size=cache_size)
-        self.spec = spec
+        self.spec, self.one_cube = spec, (self.units or getattr(executor, "units", None) or {}).get(CUBE, 1) == 1
 
     def spec_for(self, tokens: int, dtype: torch.dtype, mx: str) -> MegaMoESpec:
         """The spec of a call: ``tokens`` rows of ``dtype``, expert GEMMs in MXFP8 with scale rule ``mx``
         (empty: in ``dtype``)."""
-        return _call_spec(self.spec, tokens, dtype, mx)
+        return _call_spec(self.spec, tokens, dtype, mx, self.one_cube)
 
     def route(self, topk_ids: torch.Tensor, dtype: torch.dtype | None = None, mx: str = ""
               ) -> tuple[MegaMoESpec, Routing]:

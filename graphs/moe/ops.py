@@ -42,9 +42,10 @@ def _expect(cond: bool, op: str, msg: str, ins: list[TensorSpec]) -> None:
         raise GraphError(f"{op}: {msg}; operands {[(s.shape, s.dtype) for s in ins]}")
 
 
-def _matrix(w: torch.Tensor) -> torch.Tensor:
-    """One expert's weight slice ``[1, k, n]`` (or a plain ``[k, n]``) as a matrix."""
-    return w[0] if w.dim() == 3 else w
+def _matrix(w: torch.Tensor, trans: bool = False) -> torch.Tensor:
+    """One expert's weight slice ``[1, k, n]`` (or a plain ``[k, n]``) as a matrix (transposed with ``trans``)."""
+    m = w[0] if w.dim() == 3 else w
+    return m.t() if trans else m
 
 
 # -- moe_gather ----------------------------------------------------------------------
@@ -65,8 +66,7 @@ def _gather_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> 
 
 
 def _gather_ref(src: torch.Tensor, idx: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
-    rows = src[idx]
-    return rows if scale is None else rows * scale
+    return src[idx] if scale is None else src[idx] * scale
 
 
 def _gather_kernel(ins, outs) -> None:
@@ -89,18 +89,17 @@ def _gmm_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
 
 
 def _gmm_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
+    """``2 m k n`` of a GEMM tile or (``moe_wgrad``, ``k`` and ``m`` swapped) a weight-gradient tile."""
     m, k = ins[0].shape
-    return Cost(flops=2.0 * m * k * outs[0].shape[1], bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
+    return Cost(flops=2.0 * m * k * outs[0].shape[-1], bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _gmm_ref(x: torch.Tensor, w: torch.Tensor, trans_w: bool = False) -> torch.Tensor:
-    w = _matrix(w)
-    return x @ (w.t() if trans_w else w)
+    return x @ _matrix(w, trans_w)
 
 
 def _gmm_kernel(ins, outs, trans_w: bool = False) -> None:
-    w = _matrix(ins[1])
-    torch.mm(ins[0], w.t() if trans_w else w, out=outs[0])
+    torch.mm(ins[0], _matrix(ins[1], trans_w), out=outs[0])
 
 
 def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -108,11 +107,6 @@ def _wgrad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
             and ins[0].shape[0] == ins[1].shape[0] and ins[0].dtype == ins[1].dtype, "moe_wgrad",
             "takes a [m, k] and b [m, n] of one dtype", ins)
     return [TensorSpec((1, ins[0].shape[1], ins[1].shape[1]), ins[0].dtype)]
-
-
-def _wgrad_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    (m, k), n = ins[0].shape, ins[1].shape[1]
-    return Cost(flops=2.0 * m * k * n, bytes=io_bytes(ins, outs), precision=precision(ins[0].dtype))
 
 
 def _wgrad_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -200,19 +194,11 @@ def _topk_cost(rows: TensorSpec, pos: TensorSpec, other: TensorSpec) -> Cost:
                                                     + pos.nbytes + other.nbytes), precision=precision(rows.dtype))
 
 
-def _unpermute_cost(ins: list[TensorSpec], outs: list[TensorSpec], attrs: dict) -> Cost:
-    return _topk_cost(ins[0], ins[1], outs[0])
-
-
 def moe_unpermute_sum(rows: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = sum_k w[t, k] * rows[pos[t, k]]`` (weights 1 when ``w`` is None)."""
     t, k = pos.shape
     g = rows.index_select(0, pos.reshape(-1)).view(t, k, rows.shape[1])
     return (g if w is None else g * w[..., None]).sum(1)
-
-
-def _unpermute_kernel(ins, outs) -> None:
-    outs[0].copy_(moe_unpermute_sum(*ins))
 
 
 def _topk_grad_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
@@ -229,33 +215,32 @@ def moe_topk_grad(dout: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> 
     return (g * dout[:, None, :]).sum(-1)
 
 
-def _topk_grad_kernel(ins, outs) -> None:
-    outs[0].copy_(moe_topk_grad(*ins))
-
-
 register(OpDef("moe_gather", (VECTOR, COMM), _gather_ref, _gather_shape, _gather_cost, _gather_kernel,
                doc="rows of src picked by idx (times scale): MoE permute / dispatch packing"))
 register(OpDef("moe_gmm", (CUBE,), _gmm_ref, _gmm_shape, _gmm_cost, _gmm_kernel,
                doc="one grouped-GEMM tile: x @ w[e] (w[e]^T when trans_w)"))
-register(OpDef("moe_wgrad", (CUBE,), _wgrad_ref, _wgrad_shape, _wgrad_cost, _wgrad_kernel,
+register(OpDef("moe_wgrad", (CUBE,), _wgrad_ref, _wgrad_shape, _gmm_cost, _wgrad_kernel,
                doc="expert weight-gradient tile: a^T @ b into [1, k, n]"))
 register(OpDef("swiglu", (VECTOR,), swiglu, _swiglu_shape, lambda i, o, a: _chain_cost(i, 5.0, 5),
                _swiglu_kernel, doc="silu(gate) * up"))
 register(OpDef("swiglu_grad", (VECTOR,), swiglu_grad, _swiglu_grad_shape, lambda i, o, a: _chain_cost(i, 12.0, 24),
                _swiglu_grad_kernel, doc="[dgate | dup] of swiglu", grad_of=GradOf("swiglu", "x0 dy0", "dx0")))
-register(OpDef("moe_unpermute_sum", (VECTOR,), moe_unpermute_sum, _unpermute_shape, _unpermute_cost,
-               _unpermute_kernel, doc="weighted sum over the top-k expert outputs of each token"))
+register(OpDef("moe_unpermute_sum", (VECTOR,), moe_unpermute_sum, _unpermute_shape,
+               lambda i, o, a: _topk_cost(i[0], i[1], o[0]),
+               lambda ins, outs: outs[0].copy_(moe_unpermute_sum(*ins)),
+               doc="weighted sum over the top-k expert outputs of each token"))
 register(OpDef("moe_topk_grad", (VECTOR,), moe_topk_grad, _topk_grad_shape,
                lambda i, o, a: _topk_cost(i[1], i[2], i[0]),
-               _topk_grad_kernel, doc="gradient of the top-k weights",
+               lambda ins, outs: outs[0].copy_(moe_topk_grad(*ins)), doc="gradient of the top-k weights",
                grad_of=GradOf("moe_unpermute_sum", "dy0 x0 x1", "dx2")))
 
 
 # -- dynamic tiles (graphs built once per spec: the routing arrives as int64 plan rows) -----------
 # ``moe_dyn`` runs op ``op`` on the live rows of its regions. Its inputs: the plan row, the inner op's
 # inputs, then (``rmw``) the old contents of its outputs, which it writes only in part. ``codes``:
-# ``t`` (a tile: plan row (expert, rows, 0)) or ``b`` (an expert's block: (first row, rows, end), rows
-# relative to ``base``), then the :class:`Cut` of each inner input, ``|``, of each output.
+# ``t`` (a tile: plan row (expert, rows, 0)), ``b`` (an expert's block: (first row, rows, end), rows
+# relative to ``base``) or ``g`` (grouped: every expert's block row; the op runs once per expert with
+# rows), then the :class:`Cut` of each inner input, ``|``, of each output.
 _OWN = ("op", "codes", "base", "sim", "rmw", DURATION_ATTR)  # moe_dyn's own attrs; the rest are the op's
 
 
@@ -265,16 +250,18 @@ class Cut(str, Enum):
     ROWS = "r"  # the live rows
     PADDED = "p"  # the live rows padded to 32
     SCALES = "s"  # the 32-row scale blocks of the padded rows
-    EXPERT = "e"  # the live expert's slice of a per-expert stack
+    EXPERT = "e"  # the live expert's slice of a per-expert stack (an output: zeroed for an expert without rows)
     WHOLE = "-"  # as is
-    ZEROED = "z"  # as is, zeroed when there are no live rows
 
 
-def _live(meta: torch.Tensor, kind: str, base: int) -> tuple[int, int, int]:
-    """(first row, rows, expert) of a task from its plan row."""
-    row = meta.tolist()
-    a, b, _ = row[0] if meta.dim() == 2 else row
-    return (0, b, a) if kind == "t" else (a - base, b, 0)
+def _live(meta: torch.Tensor, kind: str, base: int) -> list[tuple[int, int, int]]:
+    """(first row, rows, expert) of each part of a task, from its plan rows: the one of a tile or block,
+    or (``g``) one per expert."""
+    rows = meta.reshape(-1, 3).tolist()
+    if kind == "g":
+        return [(s, n, e) for e, (s, n, _) in enumerate(rows)]
+    a, b, _ = rows[0]
+    return [(0, b, a) if kind == "t" else (a - base, b, 0)]
 
 
 def _narrow(x, code: str, s: int, n: int, e: int):
@@ -299,7 +286,7 @@ def _split(attrs: dict) -> tuple[str, str, str, dict, list, list]:
     """(kind, input codes, output codes, the inner op's attrs, and the (index, code) of each input and of each
     output that the live rows cut) of a moe_dyn task."""
     kind, (cin, cout) = attrs["codes"][0], attrs["codes"][1:].split("|")
-    cuts = [[(j, c) for j, c in enumerate(codes) if c not in (Cut.WHOLE, Cut.ZEROED)] for codes in (cin, cout)]
+    cuts = [[(j, c) for j, c in enumerate(codes) if c != Cut.WHOLE] for codes in (cin, cout)]
     return kind, cin, cout, {k: v for k, v in attrs.items() if k not in _OWN}, *cuts
 
 
@@ -315,12 +302,13 @@ def _dyn_parts(ins, outs, split: tuple, n: int, s: int = 0, e: int = 0):
 
 def _dyn_shape(ins: list[TensorSpec], attrs: dict) -> list[TensorSpec]:
     _, cin, cout, inner, _, _ = _split(attrs)
-    rmw = attrs.get("rmw", False)
-    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 and len(ins) == 1 + len(cin) + rmw * len(cout), "moe_dyn",
-            f"takes a plan row (3 int64), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
+    rmw, experts = attrs.get("rmw", False), ins[0].numel // 3
+    _expect(ins[0].dtype == "int64" and ins[0].numel == 3 * experts > 0 and len(ins) == 1 + len(cin) + rmw * len(cout),
+            "moe_dyn", f"takes plan rows (3 int64 each), the operands of {attrs['op']!r} coded {attrs['codes']!r}"
             + (" and its outputs" if rmw else ""), ins)
     outs = get_op(attrs["op"]).shape([_narrow(x, c, 0, 0, 0) if c == Cut.EXPERT else x
                                       for x, c in zip(ins[1:1 + len(cin)], cin)], inner)
+    outs = [TensorSpec((experts, *o.shape[1:]), o.dtype) if c == Cut.EXPERT else o for o, c in zip(outs, cout)]
     _expect(len(outs) == len(cout) and (not rmw or list(ins[1 + len(cin):]) == outs), "moe_dyn",
             f"codes {attrs['codes']!r} do not fit op {attrs['op']!r}", ins)
     return outs
@@ -340,20 +328,20 @@ def _dyn_bind(attrs: dict):
     split = _split(attrs)
     kind, cout = split[0], split[2]
     d, base = get_op(attrs["op"]), attrs.get("base", 0)
-    zeroed = [j for j, c in enumerate(cout) if c == Cut.ZEROED]  # whole results of an expert without rows: zeros
+    zeroed = [j for j, c in enumerate(cout) if c == Cut.EXPERT]
 
     def run(ins, outs) -> None:
-        s, n, e = _live(ins[0], kind, base)
-        if n == 0:
-            for j in zeroed:
-                outs[j].zero_()
-            return
-        i, o, a = _dyn_parts(ins, outs, split, n, s, e)
-        if d.kernel is not None:
-            d.kernel(i, o, **a)
-        else:
-            for out, r in zip(o, run_reference(d, i, a)):
-                out.copy_(r)
+        for s, n, e in _live(ins[0], kind, base):
+            if not n:
+                for j in zeroed:
+                    _narrow(outs[j], Cut.EXPERT, s, n, e).zero_()
+                continue
+            i, o, a = _dyn_parts(ins, outs, split, n, s, e)
+            if d.kernel is not None:
+                d.kernel(i, o, **a)
+            else:
+                for out, r in zip(o, run_reference(d, i, a)):
+                    out.copy_(r)
     return run
 
 
@@ -364,8 +352,7 @@ def _dyn_ref(*ins, **attrs):
     specs = _dyn_shape([TensorSpec(tuple(x.shape), dtype_name(x.dtype)) for x in ins], attrs)
     old = ins[1 + len(cin):]
     full = [x.clone() for x in old] or [torch.zeros(sp.shape, dtype=torch_dtype(sp.dtype)) for sp in specs]
-    s, n, e = _live(ins[0], kind, attrs.get("base", 0))
-    if n:
+    for s, n, e in (part for part in _live(ins[0], kind, attrs.get("base", 0)) if part[1]):  # parts with rows
         i, o, a = _dyn_parts(ins, full, split, n, s, e)
         for out, r in zip(o, run_reference(get_op(attrs["op"]), i, a)):
             out.copy_(r)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -49,7 +49,9 @@ class MegaMoESpec(GraphSpec):
     per ``quant_cols`` columns of a tile, a multiple of 32), and keeps for backward the token-axis
     quantised ``xr`` and ``a`` instead of their high-precision copies; ``fuse_vector``: SwiGLU and
     its gradient run as ``dvm.fused`` tiles (one fused DVM program each; off: the ``swiglu`` /
-    ``swiglu_grad`` ops).
+    ``swiglu_grad`` ops); ``grouped`` (dynamic graphs, ``ep == 1``, no MXFP8): each stage is one task
+    over every expert's rows (a grouped GEMM: one GEMM per expert with rows, the vector ops unfused)
+    instead of one per row tile, and the top-k sums one task over all tokens.
     """
 
     tokens: int
@@ -70,6 +72,7 @@ class MegaMoESpec(GraphSpec):
     scale_mode: str = "floor"
     quant_cols: int = 1024
     fuse_vector: bool = True
+    grouped: bool = False
 
     def __post_init__(self) -> None:
         problems = positive(self, *(f.name for f in fields(self) if f.type == "int"
@@ -83,11 +86,13 @@ class MegaMoESpec(GraphSpec):
             if self.top_k > self.experts:
                 problems.append(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
         choices = {"schedule": SCHEDULES, "precision": PRECISIONS, "scale_mode": SCALE_MODES}
-        problems += bools(self, "ordered_comm", "fuse_vector") + [
+        problems += bools(self, "ordered_comm", "fuse_vector", "grouped") + [
             f"{n} must be one of {known}, got {getattr(self, n)!r}" for n, known in choices.items()
             if getattr(self, n) not in known]
         if not problems and self.quant_cols % 32:
             problems.append(f"quant_cols must be a multiple of 32, got {self.quant_cols}")
+        if self.grouped and (self.ep > 1 or self.precision == "mxfp8"):
+            problems.append(f"grouped needs ep=1 and precision none, got ep={self.ep}, precision={self.precision!r}")
         if self.precision == "mxfp8" and not problems:
             problems += [f"precision mxfp8 needs {n} to be a multiple of 32, got {getattr(self, n)}"
                          for n in ("hidden", "intermediate") if getattr(self, n) % 32]
@@ -108,9 +113,6 @@ class MegaMoESpec(GraphSpec):
 
     def group_of(self, expert: int) -> int:
         return expert // self.group_size
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(slots=True)

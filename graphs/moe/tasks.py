@@ -100,7 +100,7 @@ class TaskBuilder:
         the live ones hold values nothing reads) and an empty tile returns at once."""
         inter, made = gu.shape[1] // 2, {}
         for e, a, b, j in self.tiles():
-            if not self.spec.fuse_vector:  # the unfused op
+            if not self.spec.fuse_vector or self.spec.grouped:  # the unfused op
                 ins = [gu[a:b]] if da is None else [gu[a:b], da[a:b]]
                 self.tile_task(stage, ins, [out[a:b]], ((Cut.ROWS,) * len(ins), (Cut.ROWS,)), f"{stage}.e{e}.{a}", e, j)
                 continue
@@ -116,27 +116,33 @@ class TaskBuilder:
 
     def wgrad(self, stage: str, a: Buffer | MX, b: Buffer | MX, out: Buffer) -> None:
         """``out[e] = a[rows_e]^T @ b[rows_e]`` per expert in ``wgrad_split x cube_split`` output
-        blocks (zeros for an idle expert); the weight gradient stays on this rank. On token-axis MXFP8
-        operands (payload, scales), an ``mx_grouped_matmul`` of layout TN over the padded blocks."""
-        for e in range(self.El):
-            (lo, hi), (p0, p1) = self.rows_of[e], self.blocks[e]
+        blocks (zeros for an idle expert; ``grouped``: one task per block over every expert); the weight
+        gradient stays on this rank. On token-axis MXFP8 operands (payload, scales), an
+        ``mx_grouped_matmul`` of layout TN over the padded blocks."""
+        for e in [None] if self.spec.grouped else range(self.El):  # grouped: one task over every expert
+            (lo, hi), (p0, p1) = ((0, self.padded_rows),) * 2 if e is None else (self.rows_of[e], self.blocks[e])
             rows, srows = slice(p0, p1), slice(p0 // BLOCK, p1 // BLOCK)
+            at = slice(None) if e is None else slice(e, e + 1)
             for k0, k1 in split(out.shape[1], self.spec.wgrad_split):
                 for c0, c1 in split(out.shape[2], self.spec.cube_split):
-                    dst, name = [out[e:e + 1, k0:k1, c0:c1]], f"{stage}.e{e}.k{k0}.c{c0}"
+                    dst, name = [out[at, k0:k1, c0:c1]], f"{stage}.e{e}.k{k0}.c{c0}"
                     if isinstance(a, tuple):
                         self.tile_task("mx_grouped_matmul", [a[0][rows, k0:k1], a[1][srows, k0:k1], b[0][rows, c0:c1],
                                                              b[1][srows, c0:c1]], dst,
-                                       ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.ZEROED,)), name, e, None,
+                                       ((Cut.PADDED, Cut.SCALES, Cut.PADDED, Cut.SCALES), (Cut.EXPERT,)), name, e, None,
                                        block=e, attrs={"group_offsets": [self.group_rows[e]], "layout": "TN",
                                                        "out_dtype": self.spec.dtype})
                     else:
                         self.tile_task("moe_wgrad", [a[lo:hi, k0:k1], b[lo:hi, c0:c1]], dst,
-                                       ((Cut.ROWS, Cut.ROWS), (Cut.ZEROED,)), name, e, None, block=e)
+                                       ((Cut.ROWS, Cut.ROWS), (Cut.EXPERT,)), name, e, None, block=e)
+
+    def token_tiles_of(self) -> list[tuple[int, int]]:
+        """The token tiles of the top-k sums: ``tile_m`` tokens each, or (``grouped``) all in one."""
+        return tile_ranges(self.spec.tokens, max(1, self.spec.tokens) if self.spec.grouped else self.spec.tile_m)
 
     def token_tiles(self, op: str, full: list[Region | Buffer], tiled: list[Buffer], out: Buffer, stage: str) -> None:
         """``op(*full, *tiled[tile])`` for each token tile."""
-        for a, b in tile_ranges(self.spec.tokens, self.spec.tile_m):
+        for a, b in self.token_tiles_of():
             self.task(op, [*full, *(x[a:b] for x in tiled)], [out[a:b]], f"{stage}.{a}")
 
     # -- MXFP8: quantisation tasks of ``quant_cols`` columns each ------------------------

@@ -1,4 +1,6 @@
 """MegaMoE dynamic graphs: built once per spec, every routing a run-time input."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -45,7 +47,7 @@ def golden(x, ids, w, gu, dn, dout, mx=None):
 
 def fresh(spec, ids, x, w, gu, dn, dout):
     """The graphs built for this routing's counts (no capacity, no plan)."""
-    ex, r = ThreadExecutor(), make_routing(ids, spec)
+    ex, r, spec = ThreadExecutor(), make_routing(ids, spec), replace(spec, grouped=False)  # counts graphs tile
     f = ex.run(MEGAMOE.build(spec, "fwd", r.counts), {"x": x, "tok": r.tok, "pos": r.pos, "w": w, "gate_up": gu,
                                                        "down": dn})
     ws = w.reshape(-1)[r.flat][:, None].contiguous()
@@ -55,9 +57,10 @@ def fresh(spec, ids, x, w, gu, dn, dout):
     return [f["out"], b["dx"], b["dw"], b["d_gate_up"], b["d_down"]]
 
 
-@pytest.mark.parametrize("precision, n, tile_m", [("none", 50, 8), ("mxfp8", 10, 16)])
-def test_cached_graph_matches_fresh_graphs_and_golden_over_many_routings(precision, n, tile_m):
-    spec = MegaMoESpec(T, H, I, E, K, tile_m=tile_m, cube_split=2, precision=precision)
+@pytest.mark.parametrize("precision, n, tile_m, grouped", [("none", 50, 8, False), ("none", 20, 8, True),
+                                                           ("mxfp8", 10, 16, False)])
+def test_cached_graph_matches_fresh_graphs_and_golden_over_many_routings(precision, n, tile_m, grouped):
+    spec = MegaMoESpec(T, H, I, E, K, tile_m=tile_m, cube_split=2, precision=precision, grouped=grouped)
     runner = MegaMoERunner(spec, units={"cube": 2, "vector": 2}, policy="priority")
     gen = torch.Generator().manual_seed(1)
     gu, dn = torch.randn(E, H, 2 * I, generator=gen) / H ** 0.5, torch.randn(E, I, H, generator=gen) / I ** 0.5
@@ -97,6 +100,26 @@ def test_module_builds_and_validates_once_across_steps(monkeypatch):
     assert sorted(calls) == ["megamoe.bwd.r0", "megamoe.fwd.r0"]  # validated once each
 
 
+def test_module_groups_each_stage_into_one_task_when_experts_hold_few_tiles():
+    moe = MegaMoE(H, I, E, K, tile_m=4)
+    tasks = {}
+    for tokens in (8, 40):  # 4 experts of 4 and of 20 rows on average: 1 and 5 row tiles
+        moe(torch.randn(tokens, H, requires_grad=True), routings(1)[0][:tokens].repeat(2, 1)[:tokens],
+            torch.rand(tokens, K)).sum().backward()
+        graphs = list(moe.runner._graphs.values())[-2:]
+        tasks[tokens] = [len(g.tasks) for g in graphs]
+    # grouped: forward gather, GEMM, SwiGLU, GEMM, weighted sum; backward also the weight gradients and top-k grad
+    assert tasks[8] == [5, 8] and min(tasks[40]) > 20
+    assert [moe.runner.spec_for(t, torch.float32, "").grouped for t in (8, 40)] == [True, False]
+    two_cubes = MegaMoE(H, I, E, K, tile_m=4, units={"cube": 2, "vector": 1})  # tiles run at once there
+    assert not two_cubes.runner.spec_for(8, torch.float32, "").grouped
+    with pytest.raises(ConfigError, match="grouped needs ep=1"):
+        MegaMoESpec(T, H, I, E, K, ep=2, grouped=True)
+    with pytest.raises(ConfigError, match="grouped graphs are dynamic"):
+        MEGAMOE.build(MegaMoESpec(T, H, I, E, K, grouped=True), "fwd", make_routing(routings(1)[0], MegaMoESpec(
+            T, H, I, E, K)).counts)
+
+
 def test_gate_and_mhc_modules_keep_one_graph_per_token_count():
     gate, mhc = MegaGate(16, 8, 2, tile_tokens=8), MegaMHC(16, streams=2, tile_tokens=8)
     for step in range(4):
@@ -118,7 +141,7 @@ def test_plan_tiles_and_capacity():
     assert plan.tile[:7] == [(0, 8), (0, 1), (2, 8), (2, 8), (2, 8), (2, 8), (2, 7)]
     assert all(n == 0 for _, n in plan.tile[7:])
     ep = Layout(MegaMoESpec(T, H, I, E, K, ep=2, tile_m=8), rank=1)
-    assert ep.slot == 48 and ep.rows == 2 * 48 and ep.tile_expert(7) == 1
+    assert ep.slot == 48 and ep.rows == 2 * 48 and ep.region(1) == (48, 96)
     with pytest.raises(ConfigError, match="lists an expert at most once"):
         make_plan(ep, Counts(1, 2, 2, ((30, 18, 0, 0), (12, 12, 12, 12))))
 
@@ -140,7 +163,7 @@ def test_dyn_tile_kernel_matches_its_reference_on_live_rows(n):
     assert (out[n:] == 7).all() and (ref[n:] == 0).all()  # rows past the live ones: untouched (zeros in the oracle)
     dw = torch.full((1, 6, 5), 7.0)  # an expert block: its weight gradient, zeros when it has no rows
     block = torch.tensor([[10 + 2, n, 0]])
-    get_op("moe_dyn").kernel([block, x, x[:, :5]], [dw], op="moe_wgrad", codes="brr|z", base=10, sim=n)
+    get_op("moe_dyn").kernel([block, x, x[:, :5]], [dw], op="moe_wgrad", codes="brr|e", base=10, sim=n)
     torch.testing.assert_close(dw[0], x[2:2 + n].t() @ x[2:2 + n, :5])
 
 

@@ -1,4 +1,6 @@
 """World simulation: every rank's graph at once, collectives synchronised across ranks."""
+from dataclasses import asdict
+
 import pytest
 
 import megaloom.comm.ops  # noqa: F401  (registers the comm ops)
@@ -118,7 +120,7 @@ def test_mismatched_collectives_raise():
 def test_megamoe_ep_world(ep):
     spec = MegaMoESpec(tokens=32, hidden=16, intermediate=16, experts=8, top_k=2, ep=ep, tile_m=8)
     graphs = [build_forward(spec, synthetic_counts(spec, "skewed", rank=r)) for r in range(ep)]
-    assert [g.name for g in MEGAMOE.world(**{**spec.to_dict(), "routing": "skewed"})] == [g.name for g in graphs]
+    assert [g.name for g in MEGAMOE.world(**{**asdict(spec), "routing": "skewed"})] == [g.name for g in graphs]
     trace = simulate_world(graphs, "atlas-a3", policy="critical_path").trace
     ranks = by_rank(trace)
     assert sorted(ranks) == list(range(ep)) and sum(map(len, ranks.values())) == sum(map(len, graphs))

@@ -180,8 +180,7 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
     recording = trace
     if whatif is not None and not whatif.empty():
         trace = whatif.apply(trace, recorded, whole)
-    rec_units = recorded_units(trace)
-    chosen = {**prof.units, **rec_units, **({} if whole else units or {})}
+    chosen = {**prof.units, **recorded_units(trace), **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
     ranks = trace.ranks or [0]
     per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
@@ -215,10 +214,9 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
     colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
     durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
     plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
+    tid_of = {r: sorted(e.task_id for e in per_rank[r]) for r in ranks}  # graph task t: the rank's t-th task id
     for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank was ready
-        tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
-        by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
-        members = [(r, by_name[r][n]) for r, n in tids]
+        members = [(ranks[i], tid_of[ranks[i]][t]) for i, t in rv.members]
         if all((r, t) in recorded for r, t in members):
             last = max(recorded[r, t].start - _handover(recorded[r, t]) for r, t in members)
             for r, t in members:

@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import accumulate
-from typing import Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
@@ -74,19 +74,29 @@ class Rendezvous:
     members: list[tuple[int, int]]
 
 
-def issue_order(graph: TaskGraph) -> list[int]:
-    """Task ids in a topological order, ready ties broken by the smaller id (Kahn with a heap)."""
-    unmet = [len(p) for p in graph.pred]
-    ready = [i for i, n in enumerate(unmet) if n == 0]
+def heap_order(preds: Sequence[Collection[int]], key: Callable[[int], Any] = int) -> list[int]:
+    """Indices in a topological order of ``preds`` (each one's predecessors, no repeats), ready ties
+    broken by the smaller ``key(i)``, then ``i`` (Kahn with a heap); shorter than ``preds`` on a cycle."""
+    succ: list[list[int]] = [[] for _ in preds]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            succ[p].append(i)
+    unmet = list(map(len, preds))
+    ready = [(key(i), i) for i, n in enumerate(unmet) if n == 0]
     heapify(ready)
     out: list[int] = []
     while ready:
-        t = heappop(ready)
-        out.append(t)
-        for s in graph.succ[t]:
+        out.append(i := heappop(ready)[1])
+        for s in succ[i]:
             unmet[s] -= 1
             if unmet[s] == 0:
-                heappush(ready, s)
+                heappush(ready, (key(s), s))
+    return out
+
+
+def issue_order(graph: TaskGraph) -> list[int]:
+    """Task ids in a topological order, ready ties broken by the smaller id."""
+    out = heap_order(graph.pred)
     if len(out) != len(graph.tasks):
         graph.topological_order()  # raises GraphError naming the cycle
     return out

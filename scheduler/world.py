@@ -35,10 +35,9 @@ from the trace (their instants are the collectives' start times).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import accumulate
-from typing import Any, Callable, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
@@ -66,8 +65,7 @@ def rank_engine(kind: str, rank: int) -> str:
     return f"{kind}@{rank}"
 
 
-@dataclass(slots=True)
-class Rendezvous:
+class Rendezvous(NamedTuple):
     """One collective (or send/recv pair) instance: its label and the ``(rank, task id)`` that join it."""
 
     label: str
@@ -160,17 +158,6 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     return out
 
 
-def _check_slowdown(slowdown: Mapping[int, float] | None, world: int) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for r, f in (slowdown or {}).items():
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
-            raise ConfigError(f"slowdown names rank {r!r}, outside a world of {world}")
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-            raise ConfigError(f"slowdown[{r}] must be a positive finite number, got {f!r}")
-        out[r] = float(f)
-    return out
-
-
 def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_model: CostModel, slow: dict[int, float],
                 sync_end: bool) -> tuple[TaskGraph, dict[str, int], list[tuple[int, int] | None], int]:
     """The world graph of ``graphs`` (see the module docstring; ``units`` per rank, ``slow``: the
@@ -231,7 +218,12 @@ def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, 
     if validate:
         for g in graphs:
             g.validate()
-    slow = _check_slowdown(slowdown, len(graphs))
+    for r, f in (slowdown or {}).items():
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(graphs):
+            raise ConfigError(f"slowdown names rank {r!r}, outside a world of {len(graphs)}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ConfigError(f"slowdown[{r}] must be a positive finite number, got {f!r}")
+    slow = {r: float(f) for r, f in (slowdown or {}).items()}
     graph, world_units, owner, collectives = world_graph(graphs, base.units, base.cost_model, slow, sync_end)
     sim = Simulator(base.profile, world_units, base.policy, base.cost_model)
     sched = sim.schedule(graph)

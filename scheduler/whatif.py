@@ -183,9 +183,9 @@ class WhatIf:
                 f *= recost(model, e, whole, link=(model.profile.link(str(e.tags.get("link", "intra")))[0],
                                                    self.link_bandwidth))
             wire = self.comm_bytes
-            if (self.dp and e.op == "all_reduce") or (self.ep and e.op == "all_to_all"):
-                n = self.dp if e.op == "all_reduce" else self.ep
-                wire *= WIRE[e.op](n) / WIRE[e.op](world) if world > 1 else 1.0
+            n = {"all_reduce": self.dp, "all_to_all": self.ep}.get(e.op)  # the group it re-sizes
+            if n and world > 1:
+                wire *= WIRE[e.op](n) / WIRE[e.op](world)
             if wire != 1.0:
                 alpha = model.profile.link(str(e.tags.get("link", "intra")))[0]
                 d = e.end - e.start

@@ -54,11 +54,15 @@ def delay_of(e: TraceEvent) -> float:
     return float(d) if isinstance(d, (int, float)) and not isinstance(d, bool) and d > 0 else 0.0
 
 
-def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Scale | None = None,
-                      durations: Mapping[int, float] | None = None, unfold: frozenset[int] = frozenset(),
-                      full_speed: bool = False) -> TaskGraph:
-    """A graph of one rank's events: each task lasts its delay plus its measured duration (times
-    ``scale(event)``, or ``durations[tid]``); recorded dependencies become edges. Events in
+def _measured(events: list[TraceEvent], scale: Scale | None = None) -> dict[int, float]:
+    """Each event's measured duration (times ``scale(event)``), by task id."""
+    return {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in events}
+
+
+def graph_from_events(events: list[TraceEvent], name: str = "replay", durations: Mapping[int, float] | None = None,
+                      unfold: frozenset[int] = frozenset(), full_speed: bool = False) -> TaskGraph:
+    """A graph of one rank's events: each task lasts its delay plus its measured duration (or
+    ``durations[tid]``: :func:`_measured`); recorded dependencies become edges. Events in
     ``unfold`` get their delay as a separate task on the ``delay`` engine instead (added after
     the events' tasks, which keep their ids when the trace's ids are ``0..n-1``). ``full_speed``:
     the durations are work at full speed, which the profile's contention slows."""
@@ -72,8 +76,7 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", scale: Sca
     for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way
         e = by_tid[tid]
         prio = e.tags.get("priority", 0)
-        d = durations[tid] if durations is not None and tid in durations else \
-            max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0)
+        d = durations[tid] if durations is not None else max(e.end - e.start, 0.0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
                            attrs={DURATION_ATTR: d + (0.0 if tid in unfold else delay_of(e)),
                                   **({FULL_SPEED_ATTR: True} if full_speed else {})},
@@ -137,8 +140,7 @@ def _full_speed(events: list[TraceEvent], recording: Trace, rank: int, c: Conten
     tasks a what-if added as they are."""
     rec = [e for e in recording.events if e.rank == rank]
     speed = {e.task_id: w / (e.end - e.start) for e, w in zip(rec, work(rec, c)) if e.end > e.start}
-    return {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) * speed.get(e.task_id, 1.0)
-            for e in events}
+    return {tid: d * speed.get(tid, 1.0) for tid, d in _measured(events, scale).items()}
 
 
 def _handover(e: TraceEvent) -> float:
@@ -180,8 +182,7 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
     recording = trace
     if whatif is not None and not whatif.empty():
         trace = whatif.apply(trace, recorded, whole)
-    rec_units = recorded_units(trace)
-    chosen = {**prof.units, **rec_units, **({} if whole else units or {})}
+    chosen = {**prof.units, **recorded_units(trace), **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
     ranks = trace.ranks or [0]
     per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
@@ -192,8 +193,8 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
         results = []
         host = _shared_host(recording, trace, prof, whatif.host_ranks) if whatif and whatif.host_ranks else None
         for rank, events in per_rank.items():
-            durations = _full_speed(events, recording, rank, host[0], scale) if host else None
-            graph = graph_from_events(events, name, scale, durations, full_speed=host is not None)
+            durations = _full_speed(events, recording, rank, host[0], scale) if host else _measured(events, scale)
+            graph = graph_from_events(events, name, durations, full_speed=host is not None)
             res = Simulator(host[1] if host else prof, chosen, pol).run(graph, validate=False)
             _shift(res.trace.events, {e.task_id: e for e in events})
             for ev in res.trace.events:
@@ -213,12 +214,11 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
     events before any what-if, by rank and task id."""
     ranks = sorted(per_rank)
     colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
-    durs = {r: {e.task_id: max(e.end - e.start, 0.0) * (scale(e) if scale else 1.0) for e in per_rank[r]} for r in ranks}
+    durs = {r: _measured(per_rank[r], scale) for r in ranks}
     plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
+    tid_of = {r: sorted(e.task_id for e in per_rank[r]) for r in ranks}  # graph task t: the rank's t-th task id
     for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank was ready
-        tids = [(ranks[i], plain[i].tasks[t].name) for i, t in rv.members]
-        by_name = {r: {e.task: e.task_id for e in per_rank[r]} for r, _ in tids}
-        members = [(r, by_name[r][n]) for r, n in tids]
+        members = [(ranks[i], tid_of[ranks[i]][t]) for i, t in rv.members]
         if all((r, t) in recorded for r, t in members):
             last = max(recorded[r, t].start - _handover(recorded[r, t]) for r, t in members)
             for r, t in members:

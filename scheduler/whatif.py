@@ -27,6 +27,7 @@ from megaloom.runtime.registry import COMM, HOST, Cost
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.cost import CostModel
 from megaloom.scheduler.importers import labels, reshaped
+from megaloom.scheduler.importers.kineto.work import WIRE
 from megaloom.scheduler.profile import HardwareProfile
 
 KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "cuda_graphs": "op_speed", "dims": "shape", "layers": "shape",
@@ -64,11 +65,6 @@ def recost(model: CostModel, e: TraceEvent, whole_chip: bool, flops: float = 1.0
     except ConfigError:  # an engine or link the profile has no figures for (host work)
         return 1.0
     return now / was if was > 0 else 1.0
-
-
-def _wire(kind: str, n: int) -> float:
-    """Bytes each rank puts on the wire per byte of message in a group of ``n`` (ring algorithms)."""
-    return 0.0 if n <= 1 else 2.0 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
 
 
 def _glob(p: str) -> str:
@@ -187,9 +183,9 @@ class WhatIf:
                 f *= recost(model, e, whole, link=(model.profile.link(str(e.tags.get("link", "intra")))[0],
                                                    self.link_bandwidth))
             wire = self.comm_bytes
-            if (self.dp and e.op == "all_reduce") or (self.ep and e.op == "all_to_all"):
-                n = self.dp if e.op == "all_reduce" else self.ep
-                wire *= _wire(e.op, n) / _wire(e.op, world) if world > 1 else 1.0
+            n = {"all_reduce": self.dp, "all_to_all": self.ep}.get(e.op)  # the group it re-sizes
+            if n and world > 1:
+                wire *= WIRE[e.op](n) / WIRE[e.op](world)
             if wire != 1.0:
                 alpha = model.profile.link(str(e.tags.get("link", "intra")))[0]
                 d = e.end - e.start
@@ -262,7 +258,7 @@ def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) ->
                 if size < cap:
                     continue
             if size:  # a full bucket, or the last one of the pass
-                wire = size * _wire("all_reduce", n)
+                wire = size * WIRE["all_reduce"](n)
                 start = max(last.end, prev.end if prev else 0.0)
                 prev = TraceEvent(next_id + len(out), f"gradient all_reduce #{len(out)}", "all_reduce", COMM, unit,
                                   last.rank, start, start + model.duration(Cost(0.0, 0.0, wire), COMM, "intra"),

@@ -35,10 +35,9 @@ from the trace (their instants are the collectives' start times).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from heapq import heapify, heappop, heappush
 from itertools import accumulate
-from typing import Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Sequence
 
 from megaloom.runtime.core import Policy
 from megaloom.runtime.errors import ConfigError, GraphError, ScheduleError
@@ -66,27 +65,36 @@ def rank_engine(kind: str, rank: int) -> str:
     return f"{kind}@{rank}"
 
 
-@dataclass(slots=True)
-class Rendezvous:
+class Rendezvous(NamedTuple):
     """One collective (or send/recv pair) instance: its label and the ``(rank, task id)`` that join it."""
 
     label: str
     members: list[tuple[int, int]]
 
 
-def issue_order(graph: TaskGraph) -> list[int]:
-    """Task ids in a topological order, ready ties broken by the smaller id (Kahn with a heap)."""
-    unmet = [len(p) for p in graph.pred]
-    ready = [i for i, n in enumerate(unmet) if n == 0]
+def heap_order(preds: Sequence[Collection[int]], key: Callable[[int], Any] = int) -> list[int]:
+    """Indices in a topological order of ``preds`` (each one's predecessors, no repeats), ready ties
+    broken by the smaller ``key(i)``, then ``i`` (Kahn with a heap); shorter than ``preds`` on a cycle."""
+    succ: list[list[int]] = [[] for _ in preds]
+    for i, ps in enumerate(preds):
+        for p in ps:
+            succ[p].append(i)
+    unmet = list(map(len, preds))
+    ready = [(key(i), i) for i, n in enumerate(unmet) if n == 0]
     heapify(ready)
     out: list[int] = []
     while ready:
-        t = heappop(ready)
-        out.append(t)
-        for s in graph.succ[t]:
+        out.append(i := heappop(ready)[1])
+        for s in succ[i]:
             unmet[s] -= 1
             if unmet[s] == 0:
-                heappush(ready, s)
+                heappush(ready, (key(s), s))
+    return out
+
+
+def issue_order(graph: TaskGraph) -> list[int]:
+    """Task ids in a topological order, ready ties broken by the smaller id."""
+    out = heap_order(graph.pred)
     if len(out) != len(graph.tasks):
         graph.topological_order()  # raises GraphError naming the cycle
     return out
@@ -150,17 +158,6 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     return out
 
 
-def _check_slowdown(slowdown: Mapping[int, float] | None, world: int) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for r, f in (slowdown or {}).items():
-        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
-            raise ConfigError(f"slowdown names rank {r!r}, outside a world of {world}")
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
-            raise ConfigError(f"slowdown[{r}] must be a positive finite number, got {f!r}")
-        out[r] = float(f)
-    return out
-
-
 def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_model: CostModel, slow: dict[int, float],
                 sync_end: bool) -> tuple[TaskGraph, dict[str, int], list[tuple[int, int] | None], int]:
     """The world graph of ``graphs`` (see the module docstring; ``units`` per rank, ``slow``: the
@@ -221,7 +218,12 @@ def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, 
     if validate:
         for g in graphs:
             g.validate()
-    slow = _check_slowdown(slowdown, len(graphs))
+    for r, f in (slowdown or {}).items():
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < len(graphs):
+            raise ConfigError(f"slowdown names rank {r!r}, outside a world of {len(graphs)}")
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f <= 0:
+            raise ConfigError(f"slowdown[{r}] must be a positive finite number, got {f!r}")
+    slow = {r: float(f) for r, f in (slowdown or {}).items()}
     graph, world_units, owner, collectives = world_graph(graphs, base.units, base.cost_model, slow, sync_end)
     sim = Simulator(base.profile, world_units, base.policy, base.cost_model)
     sched = sim.schedule(graph)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import statistics
 from collections import Counter
-from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -38,7 +37,7 @@ from megaloom.scheduler.importers.kineto.work import Work, reshape
 from megaloom.scheduler.importers.kineto.report import ImportReport
 from megaloom.scheduler.profile import match_device
 from megaloom.scheduler.simulator import gc_paused
-from megaloom.scheduler.world import COLLECTIVE_OPS
+from megaloom.scheduler.world import COLLECTIVE_OPS, heap_order
 
 __all__ = ["ImportReport", "import_ranks", "import_torch_profiler"]
 
@@ -70,20 +69,7 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
 
 def _order(tasks: list[Task]) -> list[int]:
     """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
-    succ: list[list[int]] = [[] for _ in tasks]
-    unmet = [len(set(t.deps)) for t in tasks]
-    for i, t in enumerate(tasks):
-        for d in set(t.deps):
-            succ[d].append(i)
-    ready = [(t.start, t.end, i) for i, t in enumerate(tasks) if not unmet[i]]
-    heapify(ready)
-    out = []
-    while ready:
-        out.append(i := heappop(ready)[2])
-        for s in succ[i]:
-            unmet[s] -= 1
-            if unmet[s] == 0:
-                heappush(ready, (tasks[s].start, tasks[s].end, s))
+    out = heap_order([set(t.deps) for t in tasks], lambda i: (tasks[i].start, tasks[i].end))
     if len(out) != len(tasks):  # cannot happen: every edge points from an earlier end to a later start
         raise TraceFormatError("imported dependencies form a cycle")
     return out

@@ -32,9 +32,10 @@ _GROUPED = "aten::_grouped_mm"
 _SDPA = re.compile(r"^aten::_?(?:scaled_dot_product|_scaled_dot_product)\w*attention\w*$")
 _CONV = re.compile(r"^aten::(_?convolution|conv[123]d)$")
 _CONV_BWD = "aten::convolution_backward"
-_WIRE = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+WIRE = {"all_reduce": lambda n: 2.0 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
          "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
          "broadcast": lambda n: 1.0, "reduce": lambda n: 1.0, "send_recv": lambda n: 1.0}
+"""Bytes each rank puts on the wire per byte of message, by collective, in a group of ``n`` (ring algorithms)."""
 NODE_GPUS = 8
 """A group wider than this spans nodes: its collectives cross the ``inter`` link."""
 
@@ -186,10 +187,10 @@ def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | No
     """Figures of a collective from ``Collective name`` style arguments, or None."""
     elems = [v for v in (args.get("In msg nelems"), args.get("Out msg nelems")) if type(v) is int and v >= 0]
     dt, n = dtype_name(args.get("dtype")), args.get("Group size", world_size)
-    if kind not in _WIRE or dt is None or type(n) is not int or n < 1 or not elems:
+    if kind not in WIRE or dt is None or type(n) is not int or n < 1 or not elems:
         return None
     size = float(max(elems) * itemsize(dt))
-    wire = size * _WIRE[kind](n) if n > 1 else 0.0
+    wire = size * WIRE[kind](n) if n > 1 else 0.0
     return Work(0.0, float(sum(elems) * itemsize(dt)), wire, precision_of(dt), "inter" if n > NODE_GPUS else "intra")
 
 

@@ -246,17 +246,12 @@ class Trace:
 
     @property
     def makespan(self) -> float:
-        if self._columns is None:
-            ev = self._events
-            return max(e.end for e in ev) - min(e.start for e in ev) if ev else 0.0
-        c = self._columns
+        c = self.columns
         return float(c.end.max() - c.start.min()) if len(c) else 0.0
 
     @property
     def ranks(self) -> list[int]:
-        if self._columns is None:
-            return sorted({e.rank for e in self._events})
-        return np.unique(self._columns.rank).tolist()
+        return np.unique(self.columns.rank).tolist()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any earlier file intact. Only what
@@ -322,10 +317,6 @@ def merge(traces: Iterable[Trace]) -> Trace:
     """One trace of several ranks' traces (events keep their rank)."""
     traces = list(traces)
     meta = dict(traces[0].meta) if traces else {}
-    if traces and all(t._columns is not None for t in traces):  # noqa: SLF001  (columns stay columns)
-        cols = Columns.concat([t._columns for t in traces])
-        meta["world_size"] = len(np.unique(cols.rank))
-        return Trace(meta=meta, columns=cols.take(np.lexsort((cols.task_id, cols.rank, cols.start))))
-    events = [e for t in traces for e in t.events]
-    meta["world_size"] = len({e.rank for e in events})
-    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.task_id)), meta)
+    cols = Columns.concat([t.columns for t in traces]) if traces else Columns.of_events([])
+    meta["world_size"] = len(np.unique(cols.rank))
+    return Trace(meta=meta, columns=cols.take(np.lexsort((cols.task_id, cols.rank, cols.start))))

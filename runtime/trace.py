@@ -177,11 +177,6 @@ class Columns:
     def of_events(events: Sequence[TraceEvent]) -> Columns:
         return Columns.of_lists([[getattr(e, c) for e in events] for c in _COLUMNS])
 
-    @staticmethod
-    def concat(parts: Sequence[Columns]) -> Columns:
-        return Columns.of_lists([np.concatenate([getattr(p, c) for p in parts]) if c in _NUMBERS
-                                 else [x for p in parts for x in p.column(c)] for c in _COLUMNS])
-
 
 def _columns_ok(cols: list[list]) -> bool:
     """True when every value of ``cols`` (lists in :data:`_COLUMNS` order) passes :func:`row_problem`;
@@ -317,6 +312,8 @@ def merge(traces: Iterable[Trace]) -> Trace:
     """One trace of several ranks' traces (events keep their rank)."""
     traces = list(traces)
     meta = dict(traces[0].meta) if traces else {}
-    cols = Columns.concat([t.columns for t in traces]) if traces else Columns.of_events([])
+    parts = [t.columns for t in traces] or [Columns.of_events([])]
+    cols = Columns.of_lists([np.concatenate([getattr(p, c) for p in parts]) if c in _NUMBERS
+                             else [x for p in parts for x in p.column(c)] for c in _COLUMNS])
     meta["world_size"] = len(np.unique(cols.rank))
     return Trace(meta=meta, columns=cols.take(np.lexsort((cols.task_id, cols.rank, cols.start))))

@@ -239,14 +239,19 @@ class Trace:
     def __repr__(self) -> str:
         return f"Trace({len(self)} events, meta={self.meta!r})"
 
+    def _numbers(self, name: str) -> np.ndarray:
+        """One number field of every event as an array (without making columns of an event list)."""
+        if self._columns is not None:
+            return getattr(self._columns, name)
+        return np.array([getattr(e, name) for e in self._events], dtype=_NUMBERS[name])
+
     @property
     def makespan(self) -> float:
-        c = self.columns
-        return float(c.end.max() - c.start.min()) if len(c) else 0.0
+        return float(self._numbers("end").max() - self._numbers("start").min()) if len(self) else 0.0
 
     @property
     def ranks(self) -> list[int]:
-        return np.unique(self.columns.rank).tolist()
+        return np.unique(self._numbers("rank")).tolist()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any earlier file intact. Only what

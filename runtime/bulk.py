@@ -22,7 +22,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import numpy as np
@@ -62,8 +62,7 @@ def _frozen(*arrays: np.ndarray) -> list[np.ndarray]:
 
 
 def _csr_of(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    ptr = np.zeros(len(rows) + 1, np.int64)
-    np.cumsum(np.fromiter(map(len, rows), np.int64, len(rows)), out=ptr[1:])
+    ptr = np.fromiter(accumulate(map(len, rows), initial=0), np.int64, len(rows) + 1)
     return ptr, np.fromiter(chain.from_iterable(rows), np.int32, int(ptr[-1]))
 
 
@@ -73,8 +72,7 @@ def graph_arrays(g: TaskGraph) -> GraphArrays:
     if g._pptr is not None:
         ptr, idx = np.array(g._pptr), np.array(g._pidx)
         order = np.argsort(idx, kind="stable")  # the edges came in task order: by successor, stably
-        sptr = np.zeros(n + 1, np.int64)
-        np.cumsum(np.bincount(idx, minlength=n), out=sptr[1:])
+        sptr = np.concatenate(([0], np.cumsum(np.bincount(idx, minlength=n))))
         sidx = np.repeat(np.arange(n, dtype=np.int32), np.diff(ptr))[order]
     else:
         (ptr, idx), (sptr, sidx) = _csr_of(g._pl), _csr_of(g._sl)
@@ -155,8 +153,7 @@ def _preds(preds: Any) -> tuple[np.ndarray, np.ndarray]:
         ptr, idx = np.asarray(preds[0]), np.asarray(preds[1])
     elif isinstance(preds, list):
         try:
-            ptr = np.zeros(len(preds) + 1, np.int64)
-            np.cumsum(np.fromiter(map(len, preds), np.int64, len(preds)), out=ptr[1:])
+            ptr = np.fromiter(accumulate(map(len, preds), initial=0), np.int64, len(preds) + 1)
         except TypeError:
             raise GraphError("from_arrays preds: a list of preds holds one sequence of task ids per task") from None
         idx = np.array(list(chain.from_iterable(preds)) or np.zeros(0, np.int64))  # its dtype is checked below

@@ -38,9 +38,6 @@ class DAG:
         self._hazards_ordered = True  # edges include the derived ones (not so for a loaded file)
         self._version = 0
 
-    def task_name(self, tid: int) -> str:
-        raise NotImplementedError
-
     def __len__(self) -> int:
         return len(self._op)
 

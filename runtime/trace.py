@@ -177,11 +177,6 @@ class Columns:
     def of_events(events: Sequence[TraceEvent]) -> Columns:
         return Columns.of_lists([[getattr(e, c) for e in events] for c in _COLUMNS])
 
-    @staticmethod
-    def concat(parts: Sequence[Columns]) -> Columns:
-        return Columns.of_lists([np.concatenate([getattr(p, c) for p in parts]) if c in _NUMBERS
-                                 else [x for p in parts for x in p.column(c)] for c in _COLUMNS])
-
 
 def _columns_ok(cols: list[list]) -> bool:
     """True when every value of ``cols`` (lists in :data:`_COLUMNS` order) passes :func:`row_problem`;
@@ -244,19 +239,19 @@ class Trace:
     def __repr__(self) -> str:
         return f"Trace({len(self)} events, meta={self.meta!r})"
 
+    def _numbers(self, name: str) -> np.ndarray:
+        """One number field of every event as an array (without making columns of an event list)."""
+        if self._columns is not None:
+            return getattr(self._columns, name)
+        return np.array([getattr(e, name) for e in self._events], dtype=_NUMBERS[name])
+
     @property
     def makespan(self) -> float:
-        if self._columns is None:
-            ev = self._events
-            return max(e.end for e in ev) - min(e.start for e in ev) if ev else 0.0
-        c = self._columns
-        return float(c.end.max() - c.start.min()) if len(c) else 0.0
+        return float(self._numbers("end").max() - self._numbers("start").min()) if len(self) else 0.0
 
     @property
     def ranks(self) -> list[int]:
-        if self._columns is None:
-            return sorted({e.rank for e in self._events})
-        return np.unique(self._columns.rank).tolist()
+        return np.unique(self._numbers("rank")).tolist()
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash mid-write leaves any earlier file intact. Only what
@@ -322,10 +317,8 @@ def merge(traces: Iterable[Trace]) -> Trace:
     """One trace of several ranks' traces (events keep their rank)."""
     traces = list(traces)
     meta = dict(traces[0].meta) if traces else {}
-    if traces and all(t._columns is not None for t in traces):  # noqa: SLF001  (columns stay columns)
-        cols = Columns.concat([t._columns for t in traces])
-        meta["world_size"] = len(np.unique(cols.rank))
-        return Trace(meta=meta, columns=cols.take(np.lexsort((cols.task_id, cols.rank, cols.start))))
-    events = [e for t in traces for e in t.events]
-    meta["world_size"] = len({e.rank for e in events})
-    return Trace(sorted(events, key=lambda e: (e.start, e.rank, e.task_id)), meta)
+    parts = [t.columns for t in traces] or [Columns.of_events([])]
+    cols = Columns.of_lists([np.concatenate([getattr(p, c) for p in parts]) if c in _NUMBERS
+                             else [x for p in parts for x in p.column(c)] for c in _COLUMNS])
+    meta["world_size"] = len(np.unique(cols.rank))
+    return Trace(meta=meta, columns=cols.take(np.lexsort((cols.task_id, cols.rank, cols.start))))

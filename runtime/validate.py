@@ -28,14 +28,14 @@ BUDGET_PER_TASK = 64
 """Search steps per task and edge allowed to check a loaded graph's order of accesses."""
 
 
-def _flagged(g: TaskGraph, column, bad: set) -> Iterator[int]:
+def _flagged(column, bad: set) -> Iterator[int]:
     """Ids of the tasks whose ``column`` entry is in ``bad``, in id order (nothing when none is)."""
     return (i for i, key in enumerate(column) if key in bad) if bad else iter(())
 
 
 def _unknown_op(g: TaskGraph) -> Iterator[Problem]:
     bad = {code for code in set(g._op) if g._op_names[code] not in OPS}  # each op once, not each task
-    for i in _flagged(g, g._op, bad):
+    for i in _flagged(g._op, bad):
         t = g.tasks[i]
         yield t.name, f"task {t.name!r}: unknown op {t.op!r}"
 
@@ -44,7 +44,7 @@ def _engine(g: TaskGraph) -> Iterator[Problem]:
     a, m = g.arrays(), len(g._eng_names)
     pairs = np.unique(a.op.astype(np.int64) * m + a.engine).tolist()  # each (op, engine) once
     bad = {(p // m, p % m) for p in pairs if g._eng_names[p % m] not in get_op(g._op_names[p // m]).engines}
-    for i in _flagged(g, zip(g._op, g._eng), bad):
+    for i in _flagged(zip(g._op, g._eng), bad):
         t = g.tasks[i]
         yield t.name, f"task {t.name!r}: op {t.op!r} runs on {'/'.join(get_op(t.op).engines)}, not {t.engine!r}"
 

@@ -1,10 +1,12 @@
 """Shared test set-up: deterministic seeds, GPU tests skipped without CUDA,
 ``--update-golden`` (rewrite the golden files of tests/golden/ instead of comparing),
 ``check_output``, which holds printed output against an expected output, and ``umask_027``,
-which checks that written files honour the umask."""
+which checks that written files honour the umask; SIGINT handled by Python even when a shell
+started the suite in the background (which ignores it)."""
 import doctest
 import os
 import random
+import signal
 
 import pytest
 import torch
@@ -54,6 +56,12 @@ def umask_027():
         yield check
     finally:
         os.umask(old)
+
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    # started in the background by a shell without job control, which ignores SIGINT: give the
+    # suite Python's own handler, as under a terminal, so Ctrl-C handling can be tested
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

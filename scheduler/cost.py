@@ -53,17 +53,15 @@ _NO_FIT = OpCoeffs()
 
 
 def _coeffs(op: str, v: OpCoeffs | tuple | Mapping) -> OpCoeffs:
-    if isinstance(v, OpCoeffs):
-        c = v
-    elif isinstance(v, Mapping):
-        c = OpCoeffs(**v)
-    elif isinstance(v, (tuple, list)) and 1 <= len(v) <= 3:
-        c = OpCoeffs(*v)
-    else:
-        raise ConfigError(f"cost override for op {op!r} must be OpCoeffs, (throughput, overhead) or a mapping, got {v!r}")
+    try:  # a mapping with another key, more than three figures, or not a sequence: TypeError
+        c = v if isinstance(v, OpCoeffs) else OpCoeffs(**v) if isinstance(v, Mapping) else OpCoeffs(*v)
+    except TypeError:
+        raise ConfigError(f"cost override for op {op!r} must be OpCoeffs, (throughput, overhead[, mem_bw]) or a mapping "
+                          f"of those keys, got {v!r}") from None
     for name, x in zip(("throughput", "overhead", "mem_bw"), astuple(c)):
-        if x is not None and (not isinstance(x, (int, float)) or x < 0 or (name != "overhead" and x == 0)):
-            raise ConfigError(f"cost override for op {op!r}: {name} must be a positive number, got {x!r}")
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0
+                              or (name != "overhead" and x == 0)):
+            raise ConfigError(f"cost override for op {op!r}: {name} must be a positive finite number, got {x!r}")
     return c
 
 

@@ -72,6 +72,10 @@ def test_overrides_per_op_class():
         CostModel(p, overrides={"matmul": (-1.0, 0.0)})
     with pytest.raises(ConfigError, match="op 'matmul'"):
         CostModel(p, overrides={"matmul": "fast"})
+    with pytest.raises(ConfigError, match="op 'matmul': throughput must be a positive finite number, got nan"):
+        CostModel(p, overrides={"matmul": (float("nan"), 0.0)})
+    with pytest.raises(ConfigError, match=r"op 'matmul' must be OpCoeffs, .* got \{'flops': "):
+        CostModel(p, overrides={"matmul": {"flops": 1e12}})
 
 
 # -- fused DVM nodes ----------------------------------------------------------------------

@@ -60,13 +60,14 @@ def _measured(events: list[TraceEvent], scale: Scale | None = None) -> dict[int,
 
 
 def graph_from_events(events: list[TraceEvent], name: str = "replay", durations: Mapping[int, float] | None = None,
-                      unfold: frozenset[int] = frozenset(), full_speed: bool = False) -> TaskGraph:
+                      unfold: Mapping[int, float] | None = None, full_speed: bool = False) -> TaskGraph:
     """A graph of one rank's events: each task lasts its delay plus its measured duration (or
-    ``durations[tid]``: :func:`_measured`); recorded dependencies become edges. Events in
-    ``unfold`` get their delay as a separate task on the ``delay`` engine instead (added after
-    the events' tasks, which keep their ids when the trace's ids are ``0..n-1``). ``full_speed``:
+    ``durations[tid]``: :func:`_measured`); recorded dependencies become edges. An event in
+    ``unfold`` (task id -> seconds) waits instead for a separate task of those seconds on the
+    ``delay`` engine (added after the events' tasks, which keep their ids when the trace's ids
+    are ``0..n-1``). ``full_speed``:
     the durations are work at full speed, which the profile's contention slows."""
-    by_tid = {}
+    by_tid, unfold = {}, unfold or {}
     for e in events:
         if e.task_id in by_tid:
             raise TraceFormatError(f"trace of {name!r}: task id {e.task_id} ({e.task!r}) appears twice in rank {e.rank}")
@@ -82,7 +83,7 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", durations:
                                   **({FULL_SPEED_ATTR: True} if full_speed else {})},
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes, precision=e.precision))
     delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
-                          attrs={DURATION_ATTR: delay_of(by_tid[tid])}) for tid in sorted(unfold) if tid in by_tid}
+                          attrs={DURATION_ATTR: unfold[tid]}) for tid in sorted(unfold) if tid in by_tid}
     for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
         first = delays.get(tid, made[tid])
         for d in by_tid[tid].deps:
@@ -224,9 +225,9 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
             for r, t in members:
                 e = recorded[r, t]
                 durs[r][t] = max(e.end - last, 0.0) * (durs[r][t] / (e.end - e.start) if e.end > e.start else 1.0)
-    undelayed = {r: [replace(e, tags={**e.tags, DELAY_TAG: 0.0}) if e.task_id in colls[r] and _handover(e) else e
-                     for e in per_rank[r]] for r in ranks}  # in the copy's time after the last rank was ready
-    graphs = [graph_from_events(undelayed[r], f"{name}[{r}]", durations=durs[r], unfold=colls[r]) for r in ranks]
+    unfold = {r: {e.task_id: delay_of(e) - _handover(e) for e in per_rank[r] if e.task_id in colls[r]}
+              for r in ranks}  # a hand-over is in the copy's time after the last rank was ready
+    graphs = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r], unfold=unfold[r]) for r in ranks]
     world_units = {**units, DELAY_ENGINE: max(1, max(len(c) for c in colls.values()))}
     res = simulate_world(graphs, prof, world_units, policy, validate=False, sync_end=False)
     out: list[TraceEvent] = []

@@ -56,9 +56,9 @@ def copy_bandwidth(nbytes: int, seconds: float) -> float:
 
 
 def shared_cores(units: int, n: int, seconds: float, tasks: int = 32) -> float:
-    """The cores ``units`` cube workers of the ThreadExecutor get together: ``units`` times the
-    makespan of ``tasks`` independent fp32 ``n``-square matmuls on one cube worker over that on
-    ``units`` (each beside a vector worker running as many small tasks, as a graph's workers do),
+    """The cores ``units`` cube workers of the ThreadExecutor get together: the makespan of
+    ``tasks`` independent fp32 ``n``-square matmuls on one cube worker over that on ``units``
+    (each beside a vector worker running as many small tasks, as a graph's workers do),
     the median over rounds within about ``seconds`` (at least 5); between 1 and ``units``. Other
     jobs take their share, and a worker that loses its core loses it for a scheduler slice, so a
     loaded machine gives fewer than its cores; the median, since a moment when they pause says
@@ -73,7 +73,7 @@ def shared_cores(units: int, n: int, seconds: float, tasks: int = 32) -> float:
     one.run(g, inputs), many.run(g, inputs)  # warm-up
     ratios, t_end = [], time.perf_counter() + seconds
     while len(ratios) < 5 or time.perf_counter() < t_end:
-        ratios.append(units * one.run(g, inputs).trace.makespan / many.run(g, inputs).trace.makespan)
+        ratios.append(one.run(g, inputs).trace.makespan / many.run(g, inputs).trace.makespan)
     return min(float(units), max(1.0, statistics.median(ratios)))
 
 

@@ -1,7 +1,7 @@
 """Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, and
 a second data-parallel rank on the same machine. B is predicted from A's profiler traces alone,
-with the link's alpha-beta model measured once on these ranks and the cores the machine's
-threads share measured as ``megaloom calibrate`` does.
+with the link's alpha-beta model measured once on these ranks and the cores the two ranks'
+processes share (matmuls on one rank alone against both at once).
 
 The two ranks live in a pool of worker processes that stay up for the whole suite: each
 command (time a workload, record it, measure the link) runs on both at once.
@@ -21,7 +21,6 @@ from torch import nn
 
 from benchmarks.whatif.pair import Pair
 from benchmarks.whatif.record import STEPS, TRACE_DIR, predicted_ratio, profile_steps, timed
-from megaloom.scheduler.calibrate import shared_cores
 from megaloom.scheduler.profile import Contention, load_profile
 from megaloom.scheduler.replay import WhatIf
 
@@ -60,6 +59,18 @@ def workload(name: str) -> Callable[[], None]:
     return _training(mlp())
 
 
+def _matmuls(a: torch.Tensor, run: bool, calls: int = 200) -> float:
+    """Seconds for ``calls`` matmuls of ``a`` by itself (none unless ``run``), between two
+    barriers: the other rank runs them too or waits."""
+    dist.barrier()
+    t = time.perf_counter()
+    for _ in range(calls if run else 0):
+        a @ a
+    t = time.perf_counter() - t
+    dist.barrier()
+    return t
+
+
 def _worker(rank: int, port: int, conn) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -70,7 +81,7 @@ def _worker(rank: int, port: int, conn) -> None:
             cmd, name, arg = conn.recv()
             if cmd == "stop":
                 break
-            if cmd != "link" and name not in steps:
+            if cmd not in ("link", "cores") and name not in steps:
                 steps[name] = workload(name)
             step = steps.get(name)
             dist.barrier()
@@ -87,6 +98,11 @@ def _worker(rank: int, port: int, conn) -> None:
                     t = time.perf_counter()
                     tries.append((profile_steps(step, f"{arg}.{k}.rank{rank}", warmup=0, tries=1), time.perf_counter() - t))
                 conn.send(tries)
+            elif cmd == "cores":  # matmuls on rank 0 alone, then on both ranks at once: 5 rounds
+                a, out = torch.randn(128, 128), []
+                for _ in range(5):
+                    out.append([_matmuls(a, rank == 0 or both) for both in (False, True)])
+                conn.send(out)
             else:  # the link: median all-reduce time per size
                 out = []
                 for n in arg:
@@ -146,14 +162,16 @@ def close() -> None:
 
 def link_profile():
     """The ``cpu`` profile with the gloo link these ranks measured (alpha and beta from two sizes)
-    and the cores the machine's threads really share (as ``megaloom calibrate`` measures them)."""
+    and the cores the two ranks share (matmuls on rank 0 alone against both ranks at once)."""
     if "profile" not in _link:
         small, large = 1 << 14, 1 << 22
         t = [max(x) for x in zip(*pool().ask("link", "", [small, large]))]
         beta = 4 * (large - small) / (t[1] - t[0])  # a ring all-reduce of 2 ranks puts the message on the wire once
         alpha = max(t[0] - 4 * small / beta, 0.0)
         base = load_profile("cpu")
-        cores = Contention(shared_cores(os.cpu_count() or 1, 128, 1.0), base.contention.engines)
+        alone, both = zip(*pool().ask("cores")[0])  # rank 0's rounds: alone, then beside rank 1
+        cores = Contention(min(2.0, max(1.0, statistics.median(2 * a / b for a, b in zip(alone, both)))),
+                           base.contention.engines)
         _link["profile"] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)},
                                                contention=cores)
     return _link["profile"]

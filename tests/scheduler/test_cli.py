@@ -1,4 +1,5 @@
 import json
+import types
 
 import pytest
 
@@ -124,3 +125,21 @@ def test_calibrate_times_one_thread_per_unit_and_keeps_the_best(monkeypatch):
     monkeypatch.undo()
     assert cal._best(lambda: time.sleep(next(calls)), 0.0) < 0.01  # a slow run (other jobs) does not count
     assert 1.0 <= cal.shared_cores(2, 16, 0.0, tasks=4) <= 2.0
+
+
+def test_shared_cores_is_the_speedup_of_more_cube_workers(monkeypatch):
+    """On a machine that gives the workers 1.5 cores, the same matmul tasks on 2 cube workers
+    finish 1.5x sooner than on one: shared_cores reads 1.5 (not 2 x 1.5 clipped to 2)."""
+    from megaloom.scheduler import calibrate as cal
+
+    class SharedCores:
+        def __init__(self, units, intra_op_threads):
+            self.cube = units["cube"]
+
+        def run(self, graph, inputs):
+            matmuls = sum(t.op == "matmul" for t in graph.tasks)
+            return types.SimpleNamespace(trace=types.SimpleNamespace(makespan=matmuls / min(self.cube, 1.5)))
+
+    monkeypatch.setattr(cal, "ThreadExecutor", SharedCores)
+    assert cal.shared_cores(2, 16, 0.0, tasks=4) == pytest.approx(1.5)
+    assert cal.shared_cores(4, 16, 0.0, tasks=4) == pytest.approx(1.5)

@@ -6,9 +6,13 @@ the asked-for run has more (the gradient all-reduces of a data-parallel group). 
 re-simulates the events, so whatever waits on a changed task moves with it.
 
 Aim: ``speedup`` and ``remove`` patterns match a task's engine kind, class label, op, name,
-launching CPU op (``launched_by``), CPU op (``op``) or, for a backward node, the forward op that
-recorded it (``forward``), as case-blind globs (``attn*``, ``aten::mm``, ``flash``); ``scope`` limits them (and ``dims``, ``cuda_graphs``, the expert work
-of ``ep``) to tasks under matching annotations or modules (``experts`` means ``*experts*``).
+launching CPU op (``launched_by``), CPU op (``op``) or, for a backward node, the forward ops that
+recorded it (``forward``: the outermost one and those nested in it down to the recording op), as
+case-blind globs (``attn*``, ``aten::mm``, ``flash``). On a CPU trace a pattern that matches only
+ops nested in a task (``aten::dropout`` inside attention's math path) takes their recorded time
+out of it, or that time's share of the speed-up. ``scope`` limits them (and ``dims``,
+``cuda_graphs``, the expert work of ``ep``) to tasks under matching annotations or modules
+(``experts`` means ``*experts*``).
 A pattern or scope that matches no task is an error naming what the trace has.
 
 Re-costing: a task whose work changes (``dims``, ``hot_experts``, ``ep``) takes its measured
@@ -36,7 +40,7 @@ KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "cuda_graphs": "op_speed
 """The fidelity kind (benchmarks/whatif_fidelity.py) of each knob: its error bar is printed beside it."""
 BUCKET_BYTES, FIRST_BUCKET_BYTES = 25 * 2**20, 2**20
 """DistributedDataParallel's gradient buckets: the first of 1 MiB, the others of 25 MiB."""
-_NAME_TAGS = ("class", "launched_by", "op", "forward")
+_NAME_TAGS = ("class", "launched_by", "op")
 
 
 def event_width(e: TraceEvent, profile: HardwareProfile, whole_chip: bool) -> float:
@@ -165,11 +169,19 @@ class WhatIf:
         """Factors on the duration and on the delay of one event."""
         f = g = 1.0
         if inside:
-            names = [x.lower() for x in (e.engine, e.op, e.task, *(e.tags.get(k) for k in _NAME_TAGS)) if isinstance(x, str)]
+            names = [x.lower() for x in (e.engine, e.op, e.task, *(e.tags.get(k) for k in _NAME_TAGS),
+                                         *e.tags.get("forward", ())) if isinstance(x, str)]
+            cut = 0.0  # seconds taken out of ops nested in this one
             for p in (*self.remove, *self.speedup):
+                keep = 0.0 if p in self.remove else 1.0 / self.speedup[p]
                 if any(fnmatchcase(n, p.lower()) for n in names):
                     matched[p] += 1
-                    f, g = (0.0, 0.0) if p in self.remove else (f / self.speedup[p], g)
+                    f, g = (f * keep, g * keep) if p in self.remove else (f * keep, g)
+                elif inner := _nested(e, p.lower()):
+                    matched[p] += 1
+                    cut += inner * (1.0 - keep)
+            if cut and e.end > e.start:
+                f *= max(0.0, 1.0 - cut / (e.end - e.start))
             if self.cuda_graphs and e.engine == HOST:
                 f = g = 0.0
             ratio = reshaped(source, e.tags["sources"], dims) if dims and e.tags.get("sources") else None
@@ -205,6 +217,17 @@ class WhatIf:
                 w = hotness if hot[name] == 0 else (n - hotness) / (n - 1)
                 f *= recost(model, e, whole, max(w, 0.0), max(w, 0.0))
         return f, g
+
+
+def _nested(e: TraceEvent, pattern: str) -> float:
+    """Seconds of the outermost ops nested in ``e`` whose names match ``pattern`` (CPU traces)."""
+    total, inside = 0.0, None
+    for name, depth, seconds in e.tags.get("nested", ()):
+        if inside is not None and depth > inside:
+            continue
+        inside = depth if fnmatchcase(name.lower(), pattern) else None
+        total += seconds if inside is not None else 0.0
+    return total
 
 
 def _groups(events: list[TraceEvent], glob: str) -> dict[str, int]:

@@ -143,11 +143,33 @@ def test_removing_an_op_removes_its_backward_nodes_too(tmp_path):
     """Dropout's backward is a MulBackward0 node: tagged with the forward op that recorded it, so
     ``--remove '*dropout*'`` takes it with the forward op."""
     trace = record(tmp_path, "dropout", dropout=0.5)
-    mine = [e for e in trace.events if e.tags.get("forward") == "aten::dropout"]
+    mine = [e for e in trace.events if e.tags.get("forward", [None])[0] == "aten::dropout"]
     assert mine and all(e.op.startswith("autograd::engine::") for e in mine)
     assert any("MulBackward0" in e.op for e in mine)
     removed = {e.task_id: e for e in WhatIf(remove=("*dropout*",)).apply(trace, load_profile("cpu"), False).events}
     assert all(removed[e.task_id].end == removed[e.task_id].start for e in mine)
+
+
+def test_an_op_nested_in_another_is_taken_out_of_it(tmp_path):
+    """Attention with dropout runs its math path, dropout nested inside: removing ``aten::dropout``
+    takes exactly the nested dropout's recorded time out of the attention op, and its backward
+    node (recorded by the nested dropout) goes whole; a 2x speed-up takes half that time out."""
+    q = torch.randn(2, 4, 64, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5).sum().backward()
+    prof.export_chrome_trace(str(tmp_path / "sdpa.json"))
+    trace = import_torch_profiler(tmp_path / "sdpa.json")[0]
+    (attn,) = [e for e in trace.events if e.op == "aten::scaled_dot_product_attention"]
+    inner = sum(s for name, depth, s in attn.tags["nested"] if name == "aten::dropout")
+    assert 0 < inner < attn.end - attn.start
+    nodes = [e for e in trace.events if "aten::dropout" in e.tags.get("forward", ())]
+    assert nodes and all(e.tags["forward"][0] == "aten::scaled_dot_product_attention" for e in nodes)
+    cpu = load_profile("cpu")
+    for whatif, taken in [(WhatIf(remove=("aten::dropout",)), inner), (WhatIf(speedup={"aten::dropout": 2.0}), inner / 2)]:
+        after = {e.task_id: e for e in whatif.apply(trace, cpu, False).events}
+        assert after[attn.task_id].end - after[attn.task_id].start == pytest.approx(attn.end - attn.start - taken)
+    removed = {e.task_id: e for e in WhatIf(remove=("aten::dropout",)).apply(trace, cpu, False).events}
+    assert all(removed[e.task_id].end == removed[e.task_id].start for e in nodes)
 
 
 def test_ranks_sharing_the_host_share_its_cores():

@@ -81,8 +81,8 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
 
 def tasks(m: Model) -> None:
     """Each call as one task, or as pieces cut at launch points and at its sync's return."""
-    m.forward_of = {} if m.has_device else {o.args["Sequence number"]: c.s.name for c in m.calls  # for _cpu_op
-                    if not c.s.name.startswith(_BACKWARD) for o in (c.s, *c.nested) if "Sequence number" in o.args}
+    m.forward_of = {} if m.has_device else {o.args["Sequence number"]: chain for c in m.calls  # for _cpu_op
+                    if not c.s.name.startswith(_BACKWARD) for o, chain in _chains(c) if "Sequence number" in o.args}
     for track, ids in m.thread_calls.items():
         prev, busy, k, at = None, m.thread_busy[track], 0, m.t0
         for ci in ids:
@@ -100,6 +100,19 @@ def tasks(m: Model) -> None:
             _cpu_time(t, busy, k, at)
             m.new(t)
     m.report.host_calls = len(m.calls)
+
+
+def _chains(call: Call) -> list[tuple[Slice, tuple[str, ...]]]:
+    """Each op of a call's nest (in time order) with the names of the ops that contain it,
+    outermost first, itself last."""
+    out: list[tuple[Slice, tuple[str, ...]]] = []
+    stack: list[tuple[Slice, tuple[str, ...]]] = []
+    for o in (call.s, *call.nested):
+        while stack and stack[-1][0].end <= o.start:
+            stack.pop()
+        stack.append((o, (stack[-1][1] if stack else ()) + (o.name,)))
+        out.append(stack[-1])
+    return out
 
 
 def _cpu_time(t: Task, busy: list[list[float]], k: int, since: float) -> int:
@@ -131,7 +144,10 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
     if grad:
         tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
     if s.name.startswith(_BACKWARD) and (fwd := m.forward_of.get(s.args.get("Sequence number"))):
-        tags["forward"] = fwd  # the outermost forward op whose autograd node this runs (aten::dropout's MulBackward0)
+        tags["forward"] = list(fwd)  # the forward ops (outermost first) that recorded the node this runs
+    elif call.nested:  # what a what-if aimed at an op inside this one takes out: [name, depth, seconds]
+        tags["nested"] = [[o.name, len(chain) - 1, (o.end - o.start) * 1e-6] for o, chain in _chains(call)[1:]
+                          if o.end - o.start >= 1.0]
     cls = cpu_class(s.name)
     shaped = [o for o in nest if "Input Dims" in o.args]
     gemms = [o for o in shaped if has_formula(o.name)]

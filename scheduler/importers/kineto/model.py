@@ -84,7 +84,7 @@ class Model:
         self.raw, self.report, self.world_size = raw, report, world_size
         self.tasks: list[Task] = []
         self.calls: list[Call] = []
-        self.forward_of: dict[int, str] = {}  # autograd sequence number -> the outermost forward op that recorded it
+        self.forward_of: dict[int, tuple[str, ...]] = {}  # autograd sequence number -> the forward ops that recorded it
         self.ops: list[Op] = []
         self.corr_call: dict[int, int] = {}
         self.thread_calls: dict[tuple, list[int]] = {}

@@ -27,14 +27,14 @@ from dataclasses import dataclass, field, fields, replace
 from fnmatch import fnmatchcase
 
 from megaloom.runtime.errors import ConfigError
-from megaloom.runtime.registry import COMM, HOST, Cost
+from megaloom.runtime.registry import COMM, CUBE, HOST, Cost
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.cost import CostModel
 from megaloom.scheduler.importers import labels, reshaped
-from megaloom.scheduler.importers.kineto.work import WIRE
+from megaloom.scheduler.importers.kineto.work import WIRE, has_formula
 from megaloom.scheduler.profile import HardwareProfile
 
-KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "cuda_graphs": "op_speed", "dims": "shape", "layers": "shape",
+KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "fuse": "op_speed", "cuda_graphs": "op_speed", "dims": "shape", "layers": "shape",
            "hot_experts": "moe", "comm_speedup": "comm", "link_bandwidth": "comm", "comm_bytes": "comm",
            "dp": "parallelism", "ep": "parallelism", "host_ranks": "parallelism"}
 """The fidelity kind (benchmarks/whatif_fidelity.py) of each knob: its error bar is printed beside it."""
@@ -83,8 +83,11 @@ class WhatIf:
     ``comm_speedup``: comm tasks that many times faster; ``link_bandwidth`` (B/s): comm tasks
     with recorded message sizes at that bandwidth; ``speedup``: tasks matching a pattern that
     many times faster; ``remove``: tasks matching a pattern gone (with their delays);
-    ``cuda_graphs``: host work lasts nothing (the graph's launches replace it); ``dims``: tensor
-    dimensions renamed (``{1024: 512}``; flattened products follow), tasks re-costed;
+    ``fuse``: tasks (on a CPU trace, nested ops too) matching a pattern run as one fused kernel
+    that keeps their intermediates on chip: only their GEMM-like work stays (``*attention_math*``:
+    attention's math path as a flash kernel); ``cuda_graphs``: host work lasts nothing (the
+    graph's launches replace it); ``dims``: tensor dimensions renamed (``{1024: 512}``;
+    flattened products follow), tasks re-costed;
     ``layers``: (annotation glob, count) the recorded layers removed or repeated to that count;
     ``hot_experts``: (annotation glob, factor) the first expert gets that many times the mean
     tokens, the others share the rest; ``comm_bytes``: messages that many times larger;
@@ -107,6 +110,7 @@ class WhatIf:
     dp: int | None = None
     ep: int | None = None
     host_ranks: int | None = None
+    fuse: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Every figure a positive finite number, counts and dimensions whole: before a long import."""
@@ -133,7 +137,7 @@ class WhatIf:
         self.check()
         ev = trace.events
         model = CostModel(profile)
-        matched = {p: 0 for p in (*self.speedup, *self.remove, *self.scope)}
+        matched = {p: 0 for p in (*self.speedup, *self.remove, *self.fuse, *self.scope)}
         scoped = [self._in_scope(e, matched) for e in ev]
         layers = _groups(ev, self.layers[0]) if self.layers else {}
         hot = _groups(ev, self.hot_experts[0]) if self.hot_experts else {}
@@ -171,15 +175,17 @@ class WhatIf:
         if inside:
             names = [x.lower() for x in (e.engine, e.op, e.task, *(e.tags.get(k) for k in _NAME_TAGS),
                                          *e.tags.get("forward", ())) if isinstance(x, str)]
-            cut = 0.0  # seconds taken out of ops nested in this one
-            for p in (*self.remove, *self.speedup):
-                keep = 0.0 if p in self.remove else 1.0 / self.speedup[p]
-                if any(fnmatchcase(n, p.lower()) for n in names):
-                    matched[p] += 1
-                    f, g = (f * keep, g * keep) if p in self.remove else (f * keep, g)
-                elif inner := _nested(e, p.lower()):
-                    matched[p] += 1
-                    cut += inner * (1.0 - keep)
+            rules = [(p.lower(), p, 1.0 / self.speedup[p] if p in self.speedup else 0.0, p in self.fuse)
+                     for p in (*self.remove, *self.speedup, *self.fuse)]
+            whole = [r for r in rules if any(fnmatchcase(n, r[0]) for n in names)]
+            for _, p, keep, fused in whole:
+                matched[p] += 1
+                if not fused:
+                    f, g = f * keep, g * (1.0 if p in self.speedup else keep)
+            fused = any(r[3] for r in whole)
+            if fused and "nested" not in e.tags and e.engine != CUBE:  # no GEMM: its work stays on chip
+                f = g = 0.0
+            cut = _cut(e, [] if whole else rules, matched, fused)
             if cut and e.end > e.start:
                 f *= max(0.0, 1.0 - cut / (e.end - e.start))
             if self.cuda_graphs and e.engine == HOST:
@@ -219,15 +225,24 @@ class WhatIf:
         return f, g
 
 
-def _nested(e: TraceEvent, pattern: str) -> float:
-    """Seconds of the outermost ops nested in ``e`` whose names match ``pattern`` (CPU traces)."""
-    total, inside = 0.0, None
-    for name, depth, seconds in e.tags.get("nested", ()):
-        if inside is not None and depth > inside:
-            continue
-        inside = depth if fnmatchcase(name.lower(), pattern) else None
-        total += seconds if inside is not None else 0.0
-    return total
+def _cut(e: TraceEvent, rules: list, matched: dict, fused: bool) -> float:
+    """Seconds that ``rules`` (glob, pattern, kept share, fuses) aimed at the ops nested in ``e``
+    take out of it (CPU traces): the outermost matching op counts; a fused one (or ``e`` itself
+    when ``fused``) keeps only the GEMM-like ops nested in it."""
+    nested = e.tags.get("nested", ())
+    cut, stack = (e.end - e.start, [(-1, True)]) if fused and nested else (0.0, [])
+    for name, depth, seconds in nested:
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        if stack:
+            if stack[-1][1] and has_formula(name):  # a GEMM inside a fused op stays, whatever it nests
+                cut -= seconds
+                stack.append((depth, False))
+        elif rule := next((r for r in rules if fnmatchcase(name.lower(), r[0])), None):
+            matched[rule[1]] += 1
+            cut += seconds * (1.0 - rule[2])
+            stack.append((depth, rule[3]))
+    return cut
 
 
 def _groups(events: list[TraceEvent], glob: str) -> dict[str, int]:

@@ -94,8 +94,9 @@ def _pair(kind: str, name: str, make_a: Callable, make_b: Callable, whatif: What
 
 def pairs() -> list[Pair]:
     return [
-        _pair("op_speed", "encoder dropout 0.1 -> removed", lambda: encoder(dropout=0.1), lambda: encoder(dropout=0.0),
-              WhatIf(remove=("*dropout*",))),
+        _pair("op_speed", "encoder dropout 0.1 -> removed (attention's math path -> fused kernel)",
+              lambda: encoder(dropout=0.1), lambda: encoder(dropout=0.0),
+              WhatIf(remove=("*dropout*",), fuse=("*attention_math*",))),
         _pair("op_speed", "encoder ReLU -> removed", lambda: encoder(), lambda: encoder(activation="none"),
               WhatIf(remove=("aten::relu*", "*ReluBackward*"))),
         _pair("shape", f"encoder FFN width {FFN} -> {FFN // 2}", lambda: encoder(), lambda: encoder(ffn=FFN // 2),

@@ -27,9 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     what.add_argument("--speedup", action="append", metavar="PATTERN=F", help="matching tasks F times faster "
                       "(flash=2, 'attn*=2', aten::mm=1.5); repeat or separate with commas")
     what.add_argument("--remove", action="append", default=[], metavar="PATTERN", help="matching tasks removed")
+    what.add_argument("--fuse", action="append", default=[], metavar="PATTERN", help="matching tasks (on a CPU trace, "
+                      "nested ops too) as one fused kernel: only their GEMMs stay ('*attention_math*')")
     what.add_argument("--scope", action="append", default=[], metavar="ANNOTATION",
-                      help="limit --speedup, --remove, --dim, --cuda-graphs and --ep to tasks under this annotation "
-                           "or module (a glob; plain text matches inside names)")
+                      help="limit --speedup, --remove, --fuse, --dim, --cuda-graphs and --ep to tasks under this "
+                           "annotation or module (a glob; plain text matches inside names)")
     what.add_argument("--cuda-graphs", action="store_true", help="host work lasts nothing (launches from a graph)")
     what.add_argument("--dim", action="append", metavar="D=D2", help="every recorded tensor dimension D (and the "
                       "flattened products it is part of) becomes D2, tasks re-costed: width, batch, sequence")
@@ -60,7 +62,8 @@ def _whatif(args: argparse.Namespace):
     w = WhatIf(args.comm_speedup, args.link_bandwidth * 1e9 if args.link_bandwidth is not None else None,
                pairs(args.speedup, "--speedup"), tuple(args.scope), tuple(args.remove), args.cuda_graphs,
                pairs(args.dim, "--dim", int, int), one(args.layers, "--layers", int),
-               one(args.hot_experts, "--hot-experts", float), args.comm_bytes, args.dp, args.ep, args.host_ranks)
+               one(args.hot_experts, "--hot-experts", float), args.comm_bytes, args.dp, args.ep, args.host_ranks,
+               tuple(args.fuse))
     w.check()
     return w
 

@@ -153,7 +153,8 @@ def test_removing_an_op_removes_its_backward_nodes_too(tmp_path):
 def test_an_op_nested_in_another_is_taken_out_of_it(tmp_path):
     """Attention with dropout runs its math path, dropout nested inside: removing ``aten::dropout``
     takes exactly the nested dropout's recorded time out of the attention op, and its backward
-    node (recorded by the nested dropout) goes whole; a 2x speed-up takes half that time out."""
+    node (recorded by the nested dropout) goes whole; a 2x speed-up takes half that time out.
+    Fusing the math path keeps only its matmuls (and the backward GEMM nodes)."""
     q = torch.randn(2, 4, 64, 16, requires_grad=True)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.5).sum().backward()
@@ -170,6 +171,19 @@ def test_an_op_nested_in_another_is_taken_out_of_it(tmp_path):
         assert after[attn.task_id].end - after[attn.task_id].start == pytest.approx(attn.end - attn.start - taken)
     removed = {e.task_id: e for e in WhatIf(remove=("aten::dropout",)).apply(trace, cpu, False).events}
     assert all(removed[e.task_id].end == removed[e.task_id].start for e in nodes)
+    # the math path fused (as a flash kernel): only its matmuls stay, forward and backward alike
+    nested = attn.tags["nested"]
+    (math,) = [(i, s) for i, (name, _, s) in enumerate(nested) if name == "aten::_scaled_dot_product_attention_math"]
+    gemms = sum(s for name, depth, s in nested[math[0]:] if name == "aten::matmul" and depth == 2)
+    assert 0 < gemms < math[1]
+    for whatif in (WhatIf(fuse=("*attention_math",)), WhatIf(fuse=("*attention_math",), remove=("aten::dropout",))):
+        fused = {e.task_id: e for e in whatif.apply(trace, cpu, False).events}
+        assert fused[attn.task_id].end - fused[attn.task_id].start == pytest.approx(attn.end - attn.start - math[1] + gemms)
+        backward = [e for e in trace.events if "aten::_scaled_dot_product_attention_math" in e.tags.get("forward", ())]
+        assert {e.engine for e in backward} >= {"cube", "vector"}
+        for e in backward:
+            kept = fused[e.task_id].end - fused[e.task_id].start
+            assert kept == (e.end - e.start if e.engine == "cube" else 0.0)
 
 
 def test_ranks_sharing_the_host_share_its_cores():

@@ -177,15 +177,15 @@ class WhatIf:
                                          *e.tags.get("forward", ())) if isinstance(x, str)]
             rules = [(p.lower(), p, 1.0 / self.speedup[p] if p in self.speedup else 0.0, p in self.fuse)
                      for p in (*self.remove, *self.speedup, *self.fuse)]
-            whole = [r for r in rules if any(fnmatchcase(n, r[0]) for n in names)]
-            for _, p, keep, fused in whole:
+            hits = [r for r in rules if any(fnmatchcase(n, r[0]) for n in names)]
+            for _, p, keep, fused in hits:
                 matched[p] += 1
                 if not fused:
                     f, g = f * keep, g * (1.0 if p in self.speedup else keep)
-            fused = any(r[3] for r in whole)
+            fused = any(r[3] for r in hits)
             if fused and "nested" not in e.tags and e.engine != CUBE:  # no GEMM: its work stays on chip
                 f = g = 0.0
-            cut = _cut(e, [] if whole else rules, matched, fused)
+            cut = _cut(e, [] if hits else rules, matched, fused)
             if cut and e.end > e.start:
                 f *= max(0.0, 1.0 - cut / (e.end - e.start))
             if self.cuda_graphs and e.engine == HOST:

@@ -207,11 +207,7 @@ class TaskGraph(DAG):
                 preds = list(dict.fromkeys(preds + waits))  # control edges after derived ones
         else:
             preds = waits if len(waits) < 2 else list(dict.fromkeys(waits))
-        if self._pl is None:
-            self._pidx.extend(preds)
-            self._pptr.append(len(self._pidx))
-        else:
-            self._add_row(preds)
+        self._add_row(preds)
         view = Task(self, tid, op, self._eng_names[eng_code])
         if len(self._views) == tid:  # views were asked for: keep them complete
             self._views.append(view)

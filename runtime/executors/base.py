@@ -47,8 +47,7 @@ class RunResult:
 
 def _check_inputs(graph: TaskGraph, inputs: Mapping[str, torch.Tensor]) -> None:
     """Every input buffer given, as a tensor of its shape and dtype; no unknown names."""
-    unknown = sorted(set(inputs) - {b.name for b in graph.inputs})
-    if unknown:
+    if unknown := sorted(set(inputs) - {b.name for b in graph.inputs}):
         raise ExecutionError(f"graph {graph.name!r} has no input buffer named {', '.join(map(repr, unknown))}")
     for b in graph.inputs:
         if b.name not in inputs:
@@ -138,9 +137,8 @@ class Plan:
                     if name in scratch:
                         v = made.get((name, r.box))
                         if v is None:
-                            x = scratch[name]
-                            idx = _index(r.box, tuple(x.shape))
-                            v = made[name, r.box] = x if idx is None else x[idx]
+                            idx = _index(r.box, r.buffer.shape)
+                            v = made[name, r.box] = scratch[name] if idx is None else scratch[name][idx]
                         lst.append(v)
                     else:
                         lst.append(None)

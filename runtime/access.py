@@ -80,18 +80,25 @@ Gap = tuple[int, "Region", Box]
 def derive(frontiers: dict[str, Frontier], tid: int, ins: tuple[Region, ...], outs: tuple[Region, ...],
            gaps: list[Gap]) -> list[int]:
     """The predecessors of task ``tid`` by its accesses, in id order; records the accesses, and
-    each read of a graph-internal buffer that no earlier write covers in ``gaps`` (the first ten)."""
+    each read of a graph-internal buffer that no earlier write covers in ``gaps`` (the first ten).
+    (A read is recorded at once: only writes order a read, and the task's own accesses are no hazard.)"""
     before: list[int] = []
     for r in ins:
         f = frontiers[r.buffer.name]
         slot = f.slots.get(r.box) if f.disjoint else None
-        if slot is not None and slot[0] >= 0:  # a known tile, written: its last writer (read after write)
+        if slot is None:
+            found = f.writes_over(r.box)
+            before += [t for _, t in found]
+            slot = f.slots.get(r.box)  # (none for an empty box)
+        elif slot[0] >= 0:  # a known tile, written: its last writer (read after write)
             before.append(slot[0])
-            continue
-        found = f.writes_over(r.box)
-        before += [t for _, t in found]
-        if not r.buffer.is_input and len(gaps) < 10 and (gap := f.gap(r.box, found)) is not None:
+            found = None
+        else:
+            found = []
+        if found is not None and not r.buffer.is_input and len(gaps) < 10 and (gap := f.gap(r.box, found)) is not None:
             gaps.append((tid, r, gap))
+        if slot is not None:
+            slot.append(tid)
     for r in outs:
         f = frontiers[r.buffer.name]
         slot = f.slots.get(r.box) if f.disjoint else None
@@ -99,8 +106,7 @@ def derive(frontiers: dict[str, Frontier], tid: int, ins: tuple[Region, ...], ou
             before += slot[1:] if slot[0] < 0 else slot
         else:
             before += [t for _, t in f.reads_over(r.box)] + [t for _, t in f.writes_over(r.box)]
-    for r in ins:
-        frontiers[r.buffer.name].read(r.box, tid)
-    for r in outs:
-        frontiers[r.buffer.name].write(r.box, tid)
+        f.write(r.box, tid)
+    if len(before) == 1 and before[0] != tid:
+        return before
     return sorted(set(before) - {tid})

@@ -96,8 +96,7 @@ def _column(value: Any, n: int, what: str, key: Callable[[Any], Hashable] | None
         if codes.shape != (n,) or (n and codes.dtype.kind not in "iu"):
             raise GraphError(f"from_arrays {what}: codes must be {n} integers (one per task), got shape "
                              f"{codes.shape} of {codes.dtype}")
-        bad = np.flatnonzero((codes < 0) | (codes >= len(table)))
-        if len(bad):
+        if len(bad := np.flatnonzero((codes < 0) | (codes >= len(table)))):
             raise GraphError(f"from_arrays {what}: task {bad[0]} has code {codes[bad[0]]}, outside the table of "
                              f"{len(table)}")
         return table, codes.astype(np.int64, copy=False)
@@ -121,8 +120,7 @@ def _costs(g: TaskGraph, costs: Any, n: int) -> np.ndarray:
         table, codes = [costs], np.zeros(n, np.int64)
     else:  # Cost objects are not hashable: alike by identity
         table, codes = _column(costs, n, "costs", key=id)
-    bad = next((c for c in table if c is not None and not (isinstance(c, Cost) and c.valid())), None)
-    if bad is not None:
+    if (bad := next((c for c in table if c is not None and not (isinstance(c, Cost) and c.valid())), None)) is not None:
         raise GraphError(f"from_arrays costs: {bad!r} is not a Cost with finite figures >= 0 (or None)")
     remap = np.array([0 if c is None else g._cost_code(c) for c in table] or [0], np.uint32)
     return remap[codes]
@@ -173,9 +171,7 @@ def _preds(preds: Any) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fill(code: str, values: np.ndarray) -> array:
-    out = array(code)
-    out.frombytes(memoryview(np.ascontiguousarray(values, dtype=np.dtype(code))).cast("B"))
-    return out
+    return array(code, np.asarray(values, dtype=np.dtype(code)).tobytes())
 
 
 def from_arrays(g: TaskGraph, ops: Any, preds: Any, *, engines: Any = None, costs: Any = None,
@@ -203,8 +199,7 @@ def from_arrays(g: TaskGraph, ops: Any, preds: Any, *, engines: Any = None, cost
         return given[i] if given is not None else f"{g._op_names[op[i]]}#{i}"
 
     rows = np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))
-    bad = np.flatnonzero((idx < 0) | (idx >= n) | (idx == rows))
-    if len(bad):
+    if len(bad := np.flatnonzero((idx < 0) | (idx >= n) | (idx == rows))):
         b, a = int(rows[bad[0]]), int(idx[bad[0]])
         why = "cannot wait for itself" if a == b else f"waits for task id {a}, but the graph has {n} tasks (0..{n - 1})"
         raise GraphError(f"graph {g.name!r}: task {name(b)!r} {why}", tasks=(name(b),))

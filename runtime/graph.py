@@ -170,29 +170,24 @@ class TaskGraph(DAG):
         cost function; ``after`` adds control edges.
         """
         tid = len(self._op)
-        op_code = self._op_codes.get(op) if type(op) is str else None  # (type() is: cheaper than isinstance)
-        if op_code is None or (name is not None and type(name) is not str) or \
-                (engine is not None and type(engine) is not str):
-            if not (isinstance(op, str) and all(isinstance(s, (str, type(None))) for s in (name, engine))):
-                raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, "
-                                 f"{engine!r}")
-            op_code = self._code(0, op)
+        # (type() is: cheaper than isinstance; a name is formatted only for an error)
+        if type(op) is str and name is None and (engine is None or type(engine) is str):
+            op_code, eng_code = self._op_codes.get(op), self._eng_codes.get(
+                engine if engine is not None else self._default_engine.get(op))
+        else:
+            op_code = None
+        if op_code is None or eng_code is None:
+            op_code, eng_code = self._head(op, name, engine, tid)
         if priority:
             priority = integer(priority, f"task {name or op!r}: priority")
-        given = None if name is None or name == f"{op}#{tid}" else name
-        if given is not None and (given in self._by_name or self.task_id(given) is not None):
-            raise GraphError(f"task name {given!r} is used twice in graph {self.name!r}", tasks=(given,))
-        ins = self._regions(inputs, name or f"{op}#{tid}") if inputs else ()
-        outs = self._regions(outputs, name or f"{op}#{tid}") if outputs else ()
+        ins = self._regions(inputs, op, name, tid) if inputs else ()
+        outs = self._regions(outputs, op, name, tid) if outputs else ()
         waits = []  # (loops, not comprehensions: a closure would slow every local of this method)
         for a in after:
             waits.append((a if type(a) is Task and a.graph is self else self._own(a, name or f"{op}#{tid}")).id)
-        if engine is None:
-            engine = self._default_engine.get(op) or self._default_engine.setdefault(op, default_engine(op))
-        eng_code = self._eng_codes.get(engine)
         cost_code = 0 if cost is None else self._cost_codes.get(id(cost)) or self._cost_code(cost)  # (may raise)
         self._op.append(op_code)
-        self._eng.append(eng_code if eng_code is not None else self._code(1, engine))
+        self._eng.append(eng_code)
         self._cost.append(cost_code)
         if attrs:
             self._attrs[tid] = dict(attrs)
@@ -200,12 +195,10 @@ class TaskGraph(DAG):
             self._tags[tid] = dict(tags)
         if priority:
             self._prio[tid] = priority
-        if given is not None or self._names is not None:
-            if self._names is None:
-                self._names = [None] * tid
-            self._names.append(given)
-            if given is not None:
-                self._by_name[given] = tid
+        if self._names is not None:
+            self._names.append(None if name is None or name == f"{op}#{tid}" else name)
+            if self._names[tid] is not None:
+                self._by_name[name] = tid
         self._version += 1
         if ins or outs:
             self._io[tid] = (ins, outs)
@@ -214,26 +207,41 @@ class TaskGraph(DAG):
                 preds = list(dict.fromkeys(preds + waits))  # control edges after derived ones
         else:
             preds = waits if len(waits) < 2 else list(dict.fromkeys(waits))
-        if self._pl is None:
-            self._pidx.extend(preds)
-            self._pptr.append(len(self._pidx))
-        else:
-            self._add_row(preds)
-        view = Task(self, tid, op, engine)
+        self._add_row(preds)
+        view = Task(self, tid, op, self._eng_names[eng_code])
         if len(self._views) == tid:  # views were asked for: keep them complete
             self._views.append(view)
         return view
 
-    def _regions(self, xs: Iterable[Buffer | Region], task: str) -> tuple[Region, ...]:
-        """``xs`` as regions, each checked to be of a buffer of this graph and inside it."""
-        regions = tuple(map(self.as_region, xs))
-        for r in regions:
+    def _head(self, op: str, name: str | None, engine: str | None, tid: int) -> tuple[int, int]:
+        """The op and engine codes of a new task (``op``, ``name`` and ``engine`` checked; new
+        names added to the tables); a name given makes the graph keep a name column."""
+        if not (isinstance(op, str) and all(isinstance(s, (str, type(None))) for s in (name, engine))):
+            raise GraphError(f"task {name!r}: op, name and engine must be strings, got {op!r}, {name!r}, {engine!r}")
+        if name is not None and name != f"{op}#{tid}":
+            if name in self._by_name or self.task_id(name) is not None:
+                raise GraphError(f"task name {name!r} is used twice in graph {self.name!r}", tasks=(name,))
+            if self._names is None:
+                self._names = [None] * tid
+        if engine is None:
+            engine = self._default_engine.get(op) or self._default_engine.setdefault(op, default_engine(op))
+        return self._code(0, op), self._code(1, engine)
+
+    def _regions(self, xs: Iterable[Buffer | Region], op: str, name: str | None, tid: int) -> tuple[Region, ...]:
+        """``xs`` as regions, each checked to be of a buffer of this graph and inside it (``op``,
+        ``name`` and ``tid`` name the task in errors)."""
+        regions = []
+        for x in xs:
+            r = x if type(x) is Region else self.as_region(x)
             if self.buffers.get(r.buffer.name) is not r.buffer:
+                task = name or f"{op}#{tid}"
                 raise GraphError(f"task {task!r} uses buffer {r.buffer.name!r} of another graph", tasks=(task,))
             # (a tile of the buffer was checked when first used)
             if r.box not in self._frontiers[r.buffer.name].slots and not in_bounds(r.box, r.buffer.shape):
+                task = name or f"{op}#{tid}"
                 raise GraphError(f"task {task!r}: region {r} is outside buffer shape {r.buffer.shape}", tasks=(task,))
-        return regions
+            regions.append(r)
+        return tuple(regions)
 
     def _own(self, t: Task | str, then: str) -> Task:
         """``t`` (a task or its name), checked to be a task of this graph (``then``: the task

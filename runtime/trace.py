@@ -261,8 +261,7 @@ class Trace:
                 data = [self._columns.column(c) for c in _COLUMNS]
             else:
                 data = [[getattr(e, c) for e in self._events] for c in _COLUMNS]
-            bad = meta_problem(self.meta) or _data_problem(data)
-            if bad:
+            if bad := meta_problem(self.meta) or _data_problem(data):
                 raise TraceFormatError(f"{path}: not written: {bad}")
             try:
                 raw = msgpack.packb({"format": TRACE_FORMAT, "version": TRACE_VERSION, "meta": self.meta,

@@ -56,8 +56,7 @@ def _shapes(g: TaskGraph) -> Iterator[Problem]:
     bad = {c: why for c in bare if (why := shape_problem(g._op_names[c], (), (), {}))}
     found = g.cached("operand_facts", lambda: operand_facts(g))
     for i in (range(len(g)) if bad else sorted(own)):
-        why = found[i][0] if i in own else bad.get(g._op[i])
-        if why:
+        if why := found[i][0] if i in own else bad.get(g._op[i]):
             name = g.task_name(i)
             yield name, f"task {name!r}: {why}"
 
@@ -182,8 +181,7 @@ def _unwritten_outputs(g: TaskGraph) -> Iterator[Problem]:
     for name, boxes in covers.items():
         buf = g.buffers[name]
         boxes.sort(key=lambda box: tuple(a for a, _ in box))  # tiles in order leave few pieces
-        gaps = [gap for gap in uncovered(buf.full.box, boxes) if all(b > a for a, b in gap)]
-        if gaps:
+        if gaps := [gap for gap in uncovered(buf.full.box, boxes) if all(b > a for a, b in gap)]:
             yield "", (f"output {name!r}: no task writes {buf.region(gaps[0])}"
                        f"{f' (and {len(gaps) - 1} more regions)' if len(gaps) > 1 else ''}; "
                        "the run would return uninitialised memory there")

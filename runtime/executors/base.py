@@ -47,8 +47,7 @@ class RunResult:
 
 def _check_inputs(graph: TaskGraph, inputs: Mapping[str, torch.Tensor]) -> None:
     """Every input buffer given, as a tensor of its shape and dtype; no unknown names."""
-    unknown = sorted(set(inputs) - {b.name for b in graph.inputs})
-    if unknown:
+    if unknown := sorted(set(inputs) - {b.name for b in graph.inputs}):
         raise ExecutionError(f"graph {graph.name!r} has no input buffer named {', '.join(map(repr, unknown))}")
     for b in graph.inputs:
         if b.name not in inputs:
@@ -98,8 +97,9 @@ views into every task's arguments); larger inputs are viewed in place."""
 
 Call = tuple[Callable[[list, list], None], list[torch.Tensor], list[torch.Tensor]]
 """A task ready to run: ``fn(ins, outs)`` with its argument lists."""
-Maker = Callable[[Task, OpDef, Any], Callable[[list, list], None]]
-"""Makes a task's ``fn(ins, outs)`` from the task, its op and the run context: :func:`kernel_call`, :func:`reference_call`."""
+Maker = Callable[[TaskGraph, int, OpDef, Any], Callable[[list, list], None]]
+"""Makes a task's ``fn(ins, outs)`` from its graph, its id, its op and the run context: :func:`kernel_call`,
+:func:`reference_call`."""
 
 
 class Plan:
@@ -118,6 +118,7 @@ class Plan:
 
     def __init__(self, graph: TaskGraph, make: Maker, ctx: Any, device: torch.device):
         self.ops = {graph._op_names[c]: get_op(graph._op_names[c]) for c in set(graph._op)}
+        op_of = [self.ops.get(name) for name in graph._op_names]
         io = graph._io  # (tasks without regions have no entry)
         small = [b.name for b in graph.inputs if not b.is_output and math.prod(b.shape) <= SMALL_INPUT]
         reads = Counter(r.buffer.name for r in chain.from_iterable(chain.from_iterable(io.values()))) if small else {}
@@ -128,22 +129,21 @@ class Plan:
         slots: dict[str, dict[tuple, list[tuple[list, int]]]] = {}
         made: dict[tuple[str, tuple], torch.Tensor] = {}
         self.calls: list[Call] = []
-        for t in graph.tasks:
+        for tid, code in enumerate(graph._op):
             args: tuple[list, list] = (Args(), Args())
-            for lst, regs in zip(args, io.get(t.id, NO_IO)):
+            for lst, regs in zip(args, io.get(tid, NO_IO)):
                 for i, r in enumerate(regs):
                     name = r.buffer.name
                     if name in scratch:
                         v = made.get((name, r.box))
                         if v is None:
-                            x = scratch[name]
-                            idx = _index(r.box, tuple(x.shape))
-                            v = made[name, r.box] = x if idx is None else x[idx]
+                            idx = _index(r.box, r.buffer.shape)
+                            v = made[name, r.box] = scratch[name] if idx is None else scratch[name][idx]
                         lst.append(v)
                     else:
                         lst.append(None)
                         slots.setdefault(name, {}).setdefault(r.box, []).append((lst, i))
-            self.calls.append((make(t, self.ops[t.op], ctx), *args))
+            self.calls.append((make(graph, tid, op_of[code], ctx), *args))
         self.slots = [(graph.buffers[name], [(_index(box, graph.buffers[name].shape), places)
                                              for box, places in boxes.items()]) for name, boxes in slots.items()]
         self.lock = threading.Lock()
@@ -218,35 +218,36 @@ def bound_plan(graph: TaskGraph, make: Maker, ctx: ExecContext, inputs: Mapping[
     plan.lock.release()
 
 
-def reference_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
+def reference_call(graph: TaskGraph, tid: int, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
     """``fn(ins, outs)`` running the op's torch reference and copying its results into ``outs``
     (results that do not match the regions the task writes raise ExecutionError)."""
-    attrs = task.attrs
+    attrs = graph._attrs.get(tid, {})
 
     def run(ins: list, outs: list) -> None:
         results = run_reference(op, ins, attrs, ctx)
+        task = graph.task_name(tid)
         if len(results) != len(outs):
-            raise ExecutionError(f"op {task.op!r} returned {len(results)} outputs, task {task.name!r} declares "
-                                 f"{len(outs)}", task=task.name)
+            raise ExecutionError(f"op {op.name!r} returned {len(results)} outputs, task {task!r} declares "
+                                 f"{len(outs)}", task=task)
         for i, (o, r) in enumerate(zip(outs, results)):
             if not isinstance(r, torch.Tensor) or tuple(r.shape) != tuple(o.shape):
                 got = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
-                raise ExecutionError(f"op {task.op!r} returned {got} for output {i} of task {task.name!r}, "
-                                     f"which is {tuple(o.shape)}", task=task.name)
+                raise ExecutionError(f"op {op.name!r} returned {got} for output {i} of task {task!r}, "
+                                     f"which is {tuple(o.shape)}", task=task)
             o.copy_(r)
     return run
 
 
-def kernel_call(task: Task, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
+def kernel_call(graph: TaskGraph, tid: int, op: OpDef, ctx: Any) -> Callable[[list, list], None]:
     """``fn(ins, outs)`` running the op's kernel (copying inputs it writes over), or its reference."""
     if op.kernel is None:
-        return reference_call(task, op, ctx)
-    kw = {**task.graph._attrs.get(task.id, {}), **({"ctx": ctx} if op.context else {})}
+        return reference_call(graph, tid, op, ctx)
+    kw = {**graph._attrs.get(tid, {}), **({"ctx": ctx} if op.context else {})}
     bind = op.extra.get("bind")
     fn = bind(kw) if bind is not None else partial(op.kernel, **kw) if kw else op.kernel
     # inputs overlapping a region the task writes would be clobbered by a kernel writing its outputs in
     # place; an op marked ``in_place`` reads each element before it writes it: an input equal to an output is fine
-    ins, outs, in_place = *task.graph._io.get(task.id, NO_IO), op.extra.get("in_place", False)
+    ins, outs, in_place = *graph._io.get(tid, NO_IO), op.extra.get("in_place", False)
     copies = {i for i, r in enumerate(ins) for o in outs
               if o.buffer is r.buffer and overlaps(o.box, r.box) and not (in_place and o.box == r.box)}
     if not copies:

@@ -29,13 +29,12 @@ class ReferenceExecutor(Executor):
         graph.validate()
         units = {e: 1 for e in graph.cached("engines", graph.engines)}
         core = Core(graph, units)
-        engines = list(units)
         with bound_plan(graph, reference_call, self.ctx, inputs) as (plan, bufs):
             rec = Recorder(graph, self.observers, mode="reference", clock="wall", units=units, rank=self.ctx.rank,
                            world_size=self.ctx.world_size)
             calls = plan.calls
             while core.is_active:
-                tid = next(t for t in (core.pop(e) for e in engines) if t >= 0)  # FIFO: a valid DAG always has one
+                tid = next(t for t in (core.pop(e) for e in units) if t >= 0)  # FIFO: a valid DAG always has one
                 fn, ins, outs = calls[tid]
                 t0 = time.perf_counter()
                 try:

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from array import array
+from itertools import chain, count
 from dataclasses import KW_ONLY, dataclass
 from contextlib import nullcontext
 from typing import Callable, Iterable, Mapping
@@ -133,18 +134,14 @@ class ThreadExecutor(Executor):
 
 def _by_start(graph: TaskGraph, logs: list[_Log], rank: int):
     """Trace columns of a run's logs, ordered by start (ties: task id)."""
-    cols = [array(c) for c in "qdd"]
-    for _, *log in logs:
-        for col, part in zip(cols, log):
-            col.extend(part)
-    tid, start, end = (np.frombuffer(c, dtype=c.typecode) for c in cols)
-    unit = np.repeat([log[0] for log in logs], [len(log[1]) for log in logs]).astype(np.int64)
-    order = np.lexsort((tid, start))
-    return columns_of(graph, tid[order], unit[order], start[order], end[order], rank)
+    rows = np.frombuffer(array("d", chain.from_iterable(log for _, log in logs)), np.float64).reshape(-1, 3)
+    unit = np.repeat([u for u, _ in logs], [len(log) // 3 for _, log in logs]).astype(np.int64)
+    order = np.lexsort((rows[:, 0], rows[:, 1]))
+    return columns_of(graph, rows[order, 0].astype(np.int64), unit[order], rows[order, 1], rows[order, 2], rank)
 
 
-_Log = tuple[int, array, array, array]
-"""One engine unit's log: its number, then the ids, starts and ends of the tasks it ran."""
+_Log = tuple[int, array]
+"""One engine unit's log: its number, then the id, start and end of each task it ran, in turn."""
 
 
 SMALL_KERNEL_FLOPS = 2.0 ** 24
@@ -190,7 +187,7 @@ class _Pool:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.idle: list[_Worker] = []
-        self.started = 0
+        self.numbers = count(1)  # of the threads started
         self.closed = False
 
     def start(self, job: Callable[[_Worker], None], n: int) -> list[_Worker]:
@@ -198,10 +195,7 @@ class _Pool:
         with self.lock:
             if self.closed:
                 raise ExecutionError("the thread executor's worker pool is closed (the interpreter is exiting)")
-            workers = [self.idle.pop() for _ in range(min(n, len(self.idle)))]
-            for _ in range(n - len(workers)):
-                self.started += 1
-                workers.append(_Worker(self.started))
+            workers = [self.idle.pop() if self.idle else _Worker(next(self.numbers)) for _ in range(n)]
         for w in workers:
             w.job = job
             w.park.release()
@@ -251,7 +245,7 @@ class _Run:
         self.parked: list[_Worker] = []
         self.inside: set[_Worker] = set()  # workers not yet out of the run
         self.all_out = threading.Event()
-        self.logs = {e: [(array("q"), array("d"), array("d")) for _ in range(n)] for e, n in self.units.items()}
+        self.logs = {e: [array("d") for _ in range(n)] for e, n in self.units.items()}
         self.error: BaseException | None = None
         self.cancelled = False  # cancelled or interrupted by the caller: do not wait for kernels
         self.per_unit = getattr(core.policy, "per_unit", False)
@@ -294,7 +288,7 @@ class _Run:
             self._report_abandoned()
         if self.error is not None:
             raise self.error
-        return [(unit, *log) for logs in self.logs.values() for unit, log in enumerate(logs)]
+        return [(unit, log) for logs in self.logs.values() for unit, log in enumerate(logs)]
 
     def _report_abandoned(self) -> None:
         """Name the workers left inside a kernel (they rejoin the pool when it returns)."""
@@ -362,7 +356,7 @@ class _Run:
                     if tid < 0:
                         self._park(me)
                         continue
-                    log_tid, log_start, log_end = (c.append for c in logs[engine][unit])
+                    log = logs[engine][unit].extend
                     queue = fifo[engine] if fifo is not None else None
                 if parked and ready():  # chain: work is left for another worker
                     wake()
@@ -380,9 +374,7 @@ class _Run:
                     self._stop(e if isinstance(e, ExecutionError) else fail(self.graph.tasks[tid], e))
                     return
                 lock.acquire()
-                log_tid(tid)
-                log_start(t0)
-                log_end(t1)
+                log((tid, t0, t1))
                 unmet[tid] = DONE
                 core.remaining -= 1
                 for s in succ[tid]:

@@ -60,11 +60,6 @@ SYNC_ENGINE = "sync"
 """Engine kind of the rendezvous tasks."""
 
 
-def rank_engine(kind: str, rank: int) -> str:
-    """The world engine kind of rank ``rank``'s ``kind`` units, e.g. ``cube@3``."""
-    return f"{kind}@{rank}"
-
-
 class Rendezvous(NamedTuple):
     """One collective (or send/recv pair) instance: its label and the ``(rank, task id)`` that join it."""
 
@@ -175,10 +170,10 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
     owner = [(r, t) for r, g in enumerate(graphs) for t in range(len(g))] + [None] * len(rdv)
     offset = [0, *accumulate(map(len, graphs))]  # the world id of each rank's task 0
     for r, g in enumerate(graphs):
-        world_units.update({rank_engine(kind, r): units[kind] for kind in g.engines() if kind in units})  # Core checks
+        world_units.update({f"{kind}@{r}": units[kind] for kind in g.engines() if kind in units})  # Core checks
         costs = g.costs()
         for t, d in zip(g.tasks, durs[r]):
-            w.task(t.op, name=f"r{r}/{t.name}", engine=rank_engine(t.engine, r), attrs={DURATION_ATTR: d},
+            w.task(t.op, name=f"r{r}/{t.name}", engine=f"{t.engine}@{r}", attrs={DURATION_ATTR: d},
                    priority=t.priority, tags=t.tags, cost=costs[t.id])
         base, wt = offset[r], w.tasks
         for t, preds in enumerate(g.pred):
@@ -229,8 +224,7 @@ def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, 
     sched = sim.schedule(graph)
     records: list[list[tuple[int, int, float, float]]] = [[] for _ in graphs]
     for wid in sched.order:
-        own = owner[wid]
-        if own is not None:
+        if (own := owner[wid]) is not None:
             s = sched.start[wid]
             records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
     events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]

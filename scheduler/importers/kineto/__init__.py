@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -55,10 +54,9 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
     if not isinstance(props, list) or not props:
         report.notes.append("the trace has no deviceProperties: pass --recorded-profile for cross-device what-ifs")
         return None
-    used = [t.track[0] for t in tasks if "stream" in t.tags]
-    dev = max(set(used), key=used.count) if used else None
-    entry = next((p for p in props if isinstance(p, dict) and p.get("id") == dev), None)
-    entry = entry if entry is not None else props[0] if isinstance(props[0], dict) else {}
+    dev = statistics.mode([t.track[0] for t in tasks if "stream" in t.tags] or [None])  # the device of most kernels
+    entry = next((p for p in props if isinstance(p, dict) and p.get("id") == dev),
+                 props[0] if isinstance(props[0], dict) else {})
     prof = match_device(entry)
     report.device = f"{entry.get('name', '?')} -> {prof.name if prof else 'no profile'}"
     if prof is None:
@@ -83,14 +81,13 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
     new = {i: k for k, i in enumerate(order)}
     for consumer, producers in inferred.items():
         tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
-    units: Counter[str] = Counter()
-    unit_of: dict[tuple[str, tuple], int] = {}  # a unit per (engine, track), numbered in order of appearance
+    unit_of: dict[str, dict[tuple, int]] = {}  # engine -> a unit per track, numbered in order of appearance
     names: dict[str, int] = {}
     events = []
     for i in order:
         t = tasks[i]
-        unit = unit_of.setdefault((t.engine, t.track), units[t.engine])
-        units[t.engine] = max(units[t.engine], unit + 1)
+        tracks = unit_of.setdefault(t.engine, {})
+        unit = tracks.setdefault(t.track, len(tracks))
         n = names[t.name] = names.get(t.name, -1) + 1
         ready = max((tasks[d].end for d in t.deps), default=t0)
         if t.start > ready:
@@ -102,7 +99,7 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
                                  sorted({new[d] for d in t.deps}), t.tags, w.precision))
         report.count("engines", t.engine)
     report.tasks = len(events)
-    return events, dict(units)
+    return events, {e: len(tracks) for e, tracks in unit_of.items()}
 
 
 def import_torch_profiler(path: str | os.PathLike) -> tuple[Trace, ImportReport]:
@@ -147,11 +144,8 @@ def _import(raw: RawTrace, t0: float | None = None) -> tuple[Trace, ImportReport
     origin = model.t0 if t0 is None else t0
     events, units = _events(model.tasks, origin, rank, report, model.inferred)
     meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": SOURCE, "clock": "wall",
-            "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin}
-    if profile:
-        meta["profile"] = profile
-    if not model.has_device:
-        meta["cpu_only"] = True
+            "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin,
+            **({"profile": profile} if profile else {}), **({} if model.has_device else {"cpu_only": True})}
     return Trace(events, meta), report
 
 

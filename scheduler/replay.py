@@ -74,8 +74,7 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", durations:
         by_tid[e.task_id] = e
     g = TaskGraph(name)
     made = {}
-    for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way
-        e = by_tid[tid]
+    for tid, e in sorted(by_tid.items()):  # task ids keep their recorded order, so ties break the same way
         prio = e.tags.get("priority", 0)
         d = durations[tid] if durations is not None else max(e.end - e.start, 0.0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
@@ -153,8 +152,7 @@ def _handover(e: TraceEvent) -> float:
 def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
     """Replayed events start after their delay (the simulator ran delay and op as one task)."""
     for e in events:
-        d = delay_of(by_tid[e.task_id]) if e.task_id in by_tid else 0.0
-        if d:
+        if e.task_id in by_tid and (d := delay_of(by_tid[e.task_id])):
             e.start = min(e.start + d, e.end)
 
 
@@ -180,21 +178,19 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
     prof = load_profile(profile) if profile is not None else recorded
     whole = imported(trace)
     scale = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
-    recording = trace
-    if whatif is not None and not whatif.empty():
-        trace = whatif.apply(trace, recorded, whole)
-    chosen = {**prof.units, **recorded_units(trace), **({} if whole else units or {})}
+    asked = whatif.apply(trace, recorded, whole) if whatif is not None and not whatif.empty() else trace
+    chosen = {**prof.units, **recorded_units(asked), **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
-    ranks = trace.ranks or [0]
-    per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
+    ranks = asked.ranks or [0]
+    per_rank = {r: [e for e in asked.events if e.rank == r] for r in ranks}
     name = str(meta.get("graph", "replay"))
-    if len(ranks) > 1 and any(e.op in JOINED for e in trace.events):
-        out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in recording.events})
+    if len(ranks) > 1 and any(e.op in JOINED for e in asked.events):
+        out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in trace.events})
     else:
         results = []
-        host = _shared_host(recording, trace, prof, whatif.host_ranks) if whatif and whatif.host_ranks else None
+        host = _shared_host(trace, asked, prof, whatif.host_ranks) if whatif and whatif.host_ranks else None
         for rank, events in per_rank.items():
-            durations = _full_speed(events, recording, rank, host[0], scale) if host else _measured(events, scale)
+            durations = _full_speed(events, trace, rank, host[0], scale) if host else _measured(events, scale)
             graph = graph_from_events(events, name, durations, full_speed=host is not None)
             res = Simulator(host[1] if host else prof, chosen, pol).run(graph, validate=False)
             _shift(res.trace.events, {e.task_id: e for e in events})
@@ -203,9 +199,8 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
             results.append(res.trace)
         out = merge(results) if len(results) > 1 else results[0]
     out.meta["units"] = {k: n for k, n in chosen.items() if any(e.engine == k for e in out.events)}
-    out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(ranks)})
-    if whole:
-        out.meta["source"] = meta.get("source")
+    out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(ranks),
+                     **({"source": meta.get("source")} if whole else {})})
     return RunResult({}, out)
 
 

@@ -65,19 +65,14 @@ def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | Non
     return prof.name if prof else None
 
 
-def _order(tasks: list[Task]) -> list[int]:
-    """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
-    out = heap_order([set(t.deps) for t in tasks], lambda i: (tasks[i].start, tasks[i].end))
-    if len(out) != len(tasks):  # cannot happen: every edge points from an earlier end to a later start
-        raise TraceFormatError("imported dependencies form a cycle")
-    return out
-
-
 def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
             inferred: dict[int, list[int]]) -> tuple[list[TraceEvent], dict[str, int]]:
     """The tasks as trace events in a topological order (ids renumbered), each on a unit of its
-    engine per track, named uniquely, with its delay (seconds) after its dependencies were met."""
-    order = _order(tasks)
+    engine per track, named uniquely, with its delay (seconds) after its dependencies were met.
+    The order is by start time, each task after its dependencies (ties: zero-length producers first)."""
+    order = heap_order([set(t.deps) for t in tasks], lambda i: (tasks[i].start, tasks[i].end))
+    if len(order) != len(tasks):  # cannot happen: every edge points from an earlier end to a later start
+        raise TraceFormatError("imported dependencies form a cycle")
     new = {i: k for k, i in enumerate(order)}
     for consumer, producers in inferred.items():
         tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
@@ -89,15 +84,14 @@ def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
         tracks = unit_of.setdefault(t.engine, {})
         unit = tracks.setdefault(t.track, len(tracks))
         n = names[t.name] = names.get(t.name, -1) + 1
-        ready = max((tasks[d].end for d in t.deps), default=t0)
-        if t.start > ready:
+        if t.start > (ready := max((tasks[d].end for d in t.deps), default=t0)):
             t.tags["delay"] = (t.start - ready) * 1e-6  # each task owns its tags
             report.delay_s += t.tags["delay"]
         w = t.work or _NO_WORK
         events.append(TraceEvent(new[i], f"{t.name}#{n}" if n else t.name, t.op, t.engine, unit, rank,
                                  (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes,
                                  sorted({new[d] for d in t.deps}), t.tags, w.precision))
-        report.count("engines", t.engine)
+        report.engines[t.engine] += 1
     report.tasks = len(events)
     return events, {e: len(tracks) for e, tracks in unit_of.items()}
 
@@ -112,8 +106,8 @@ def import_torch_profiler(path: str | os.PathLike) -> tuple[Trace, ImportReport]
 def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
     """The tasks and edges of one trace: the passes of :mod:`.model`, in order."""
     m = Model(raw, report, world)
-    tracks: dict[tuple, list] = {}
-    for s in raw.slices:
+    tracks: dict[tuple, list] = {}  # each track's slices in start order, enclosing ones first
+    for s in sorted(raw.slices, key=lambda s: (s.start, -s.end, s.seq)):
         on_device = m.has_device and (s.cat in DEVICE_CATEGORIES or s.cat == "gpu_user_annotation")
         tracks.setdefault((on_device, s.pid, s.tid), []).append(s)
     for (on_device, *track), items in tracks.items():
@@ -135,7 +129,7 @@ def _import(raw: RawTrace, t0: float | None = None) -> tuple[Trace, ImportReport
     info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
     rank = _int(info.get("rank")) or 0
     world = _int(info.get("world_size"))
-    report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
+    report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=raw.skipped)
     if isinstance(raw.header.get("otherData"), dict) and {"graph", "mode"} <= raw.header["otherData"].keys():
         raise TraceFormatError(f"{path}: megaloom's own Perfetto export (no dependencies between its tasks) cannot be "
                                "replayed: replay the megaloom trace it was written from (the .mlt or .trace file)")
@@ -169,8 +163,7 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
     for i in order[1:]:
         mine = ends(traces[i])
         diffs = [mine[k] - ref[k] for k in mine.keys() & ref.keys()]
-        off = statistics.median(diffs) if diffs else 0.0
-        if off:
+        if diffs and (off := statistics.median(diffs)):
             for e in traces[i].events:
                 e.start, e.end = e.start - off, e.end - off
             offsets[str(traces[i].meta["rank"])] = off * 1e6

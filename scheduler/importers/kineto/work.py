@@ -70,9 +70,8 @@ def _concrete(args: dict, i: int) -> list[int] | None:
     """Recorded input ``i`` when it is a list of integers (``"[1, 1]"``), else None."""
     vals = args.get("Concrete Inputs")
     v = vals[i] if isinstance(vals, list) and i < len(vals) else None
-    if not (isinstance(v, str) and v.strip().startswith("[")):
-        return None
-    return [int(x) for x in re.findall(r"-?\d+", v)] or None
+    listed = isinstance(v, str) and v.strip().startswith("[")
+    return ([int(x) for x in re.findall(r"-?\d+", v)] or None) if listed else None
 
 
 def _gemm(name: str, ts: list[tuple[list[int], str]]) -> Work | None:

@@ -83,13 +83,12 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", durations:
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes, precision=e.precision))
     delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
                           attrs={DURATION_ATTR: unfold[tid]}) for tid in sorted(unfold) if tid in by_tid}
-    for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
-        first = delays.get(tid, made[tid])
-        for d in by_tid[tid].deps:
-            if d in made and d != tid:  # dependencies on tasks not traced are dropped
-                g.edge(made[d], first)
-        if tid in delays:
-            g.edge(first, made[tid])
+    # dependencies on tasks not traced are dropped; an unfolded event waits for its delay task alone
+    pred = [[made[d].id for d in e.deps if d in made and d != tid] for tid, e in sorted(by_tid.items())]
+    for tid, delay in delays.items():
+        pred.append(pred[made[tid].id])
+        pred[made[tid].id] = [delay.id]
+    g.set_edges(pred)
     g.topological_order()  # a cyclic trace raises GraphError naming the cycle
     return g
 

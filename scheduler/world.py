@@ -210,8 +210,7 @@ def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, 
     records: list[list[tuple[int, int, float, float]]] = [[] for _ in graphs]
     for wid in sched.order:
         if (own := owner[wid]) is not None:
-            s = sched.start[wid]
-            records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
+            records[own[0]].append((own[1], sched.unit[wid], sched.start[wid], sched.start[wid] + sched.duration[wid]))
     events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]
     events.sort(key=lambda e: (e.start, e.rank, e.task_id))
     used = {k: n for k, n in base.units.items() if any(k in g.engines() for g in graphs)}

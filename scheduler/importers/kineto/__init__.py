@@ -51,17 +51,15 @@ def _int(v: Any) -> int | None:
 def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | None:
     """The profile of the device the trace's kernels ran on, from ``deviceProperties``."""
     props = raw.header.get("deviceProperties")
-    if not isinstance(props, list) or not props:
-        report.notes.append("the trace has no deviceProperties: pass --recorded-profile for cross-device what-ifs")
-        return None
+    props = [p for p in props if isinstance(p, dict)] if isinstance(props, list) else []
     dev = statistics.mode([t.track[0] for t in tasks if "stream" in t.tags] or [None])  # the device of most kernels
-    entry = next((p for p in props if isinstance(p, dict) and p.get("id") == dev),
-                 props[0] if isinstance(props[0], dict) else {})
-    prof = match_device(entry)
-    report.device = f"{entry.get('name', '?')} -> {prof.name if prof else 'no profile'}"
+    entry = next((p for p in props if p.get("id") == dev), props[0] if props else None)
+    prof = match_device(entry) if entry else None  # an empty entry names no device either
+    if entry:
+        report.device = f"{entry.get('name', '?')} -> {prof.name if prof else 'no profile'}"
     if prof is None:
-        report.notes.append(f"device {entry.get('name', '?')!r} matches no profile: pass --recorded-profile "
-                            "for cross-device what-ifs")
+        why = f"device {entry.get('name', '?')!r} matches no profile" if entry else "the trace has no deviceProperties"
+        report.notes.append(f"{why}: pass --recorded-profile for cross-device what-ifs")
     return prof.name if prof else None
 
 

@@ -99,8 +99,7 @@ class CostModel:
 
     def task_duration(self, graph: TaskGraph, task: Task) -> float:
         """A task's duration: its measured ``attrs['duration']`` if it has one, else the model's."""
-        d = task.attrs.get(DURATION_ATTR) if task.attrs else None
-        if d is not None:
+        if (d := task.attrs.get(DURATION_ATTR) if task.attrs else None) is not None:
             if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < math.inf:
                 raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a finite non-negative number of "
                                   f"seconds, got {d!r}")
@@ -114,8 +113,7 @@ class CostModel:
     def compute(self, task: Task) -> float | None:
         """Seconds of arithmetic of ``task`` on one unit when its op computes them (``extra["compute"]``,
         as a fused DVM node sums its primitives at their own rates), else None."""
-        fn = OPS.get(task.op).extra.get("compute") if task.op in OPS else None
-        if fn is None:
+        if (fn := OPS.get(task.op).extra.get("compute") if task.op in OPS else None) is None:
             return None
 
         def rate(op: str, precision: str) -> float:

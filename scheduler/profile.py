@@ -97,8 +97,7 @@ class HardwareProfile:
 
     def peak(self, engine: str, precision: str = "fp32") -> float:
         """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
-        rates = self.peaks.get(engine)
-        if not rates:
+        if not (rates := self.peaks.get(engine)):
             raise ConfigError(f"profile {self.name!r} has no peak rates for engine {engine!r}")
         if precision not in FALLBACK:
             raise ConfigError(f"profile {self.name!r}: unknown precision {precision!r}; known: {', '.join(FALLBACK)}")

@@ -123,8 +123,7 @@ def _shared_host(recording: Trace, asked: Trace, prof: HardwareProfile, ranks: i
     """Ranks sharing a host's cores (the profile's ``contention.cores``) as recorded, and the
     profile whose contention gives each of ``ranks`` its share: every engine of a host thread
     shares them in ``asked``, the run asked about (the ranks run alike: one rank's replay stands for each)."""
-    c = prof.contention
-    if c is None:
+    if (c := prof.contention) is None:
         raise ConfigError(f"host ranks: profile {prof.name!r} has no contention section (the cores ranks share): "
                           "run `megaloom calibrate` or add one")
     if len(recording.ranks or [0]) > 1:

@@ -64,8 +64,7 @@ def _format(path: Path) -> Format:
             head = f.read(64)
     except OSError as e:
         raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from None
-    fmt = next((f for f in FORMATS if f.sniff(head)), None)
-    if fmt is None:
+    if (fmt := next((f for f in FORMATS if f.sniff(head)), None)) is None:
         raise TraceFormatError(f"{path}: not a trace megaloom reads ({', '.join(f.name for f in reversed(FORMATS))}): "
                                f"it looks like {describe(head)}")
     return fmt

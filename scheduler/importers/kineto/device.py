@@ -41,8 +41,7 @@ def link_launches(m: Model) -> None:
     m.by_corr = {track: index((m.ops[i].corr, i) for i in ids if m.ops[i].corr is not None)
                  for track, ids in m.stream_ops.items()}
     for i, op in enumerate(m.ops):
-        ci = m.corr_call.get(op.corr)
-        if ci is None:
+        if (ci := m.corr_call.get(op.corr)) is None:
             m.report.deps["device op without a recorded launch (stream order only)"] += 1
             continue
         op.call = ci

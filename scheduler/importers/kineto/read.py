@@ -191,8 +191,7 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             if not open_b.get((pid, tid)):
                 raise _bad(i, f"end event with no open begin on track {(pid, tid)}")
             j, b = open_b[pid, tid].pop()
-            end = _time(e, "ts", i)
-            if end < b.start:
+            if (end := _time(e, "ts", i)) < b.start:
                 raise _bad(i, f"ends at {end} before its begin (event {j}) at {b.start} (clock wrap?)")
             b.cat, b.end, b.seq = b.cat or cat, end, len(slices)
             slices.append(b)

@@ -81,8 +81,7 @@ def syncs(m: Model) -> None:
             else:
                 m.explicit_waits.append((p, q))
             continue
-        ci = m.corr_call.get(c)
-        if ci is None:
+        if (ci := m.corr_call.get(c)) is None:
             m.report.skipped[f"{kind} record without its host call"] += 1
             continue
         if kind == "Context Sync":
@@ -106,8 +105,7 @@ def syncs(m: Model) -> None:
                 m.after_wait.add(min(call.launched, key=lambda i: m.ops[i].s.start))
                 waiting = False
     for call in m.calls:
-        c = corr(call.s)
-        if c is None or c in recorded:
+        if (c := corr(call.s)) is None or c in recorded:
             continue
         kind = sync_kind(call.s.name)
         copies = [i for i in call.launched if m.ops[i].s.cat in ("gpu_memcpy", "gpu_memset")]

@@ -129,8 +129,7 @@ def _attention(name: str, ts: list[tuple[list[int], str]]) -> Work | None:
 
 def op_work(name: str, args: dict) -> Work | None:
     """Figures of one CPU op from its recorded shapes, or None when it has none."""
-    ts = _tensors(args)
-    if not ts:
+    if not (ts := _tensors(args)):
         return None
     if _GEMM.match(name):
         return _gemm(name, ts)
@@ -188,8 +187,7 @@ def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | No
     dt, n = dtype_name(args.get("dtype")), args.get("Group size", world_size)
     if kind not in WIRE or dt is None or type(n) is not int or n < 1 or not elems:
         return None
-    size = float(max(elems) * itemsize(dt))
-    wire = size * WIRE[kind](n) if n > 1 else 0.0
+    wire = float(max(elems) * itemsize(dt)) * WIRE[kind](n) if n > 1 else 0.0  # of the largest message
     return Work(0.0, float(sum(elems) * itemsize(dt)), wire, precision_of(dt), "inter" if n > NODE_GPUS else "intra")
 
 
@@ -201,8 +199,7 @@ def tensor_bytes(args: dict) -> float:
 
 def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
     """Figures of a backend's own collective annotation (``gloo:all_reduce``) from its tensor's shape."""
-    ts = _tensors(args)
-    if not ts:
+    if not (ts := _tensors(args)):
         return None
     n = prod(ts[0][0])
     return comm_work("send_recv" if kind in ("send", "recv") else kind,

@@ -88,12 +88,10 @@ class CostModel:
             wire = cost.comm_bytes / (o.throughput or beta / p.units.get(engine, 1) * width) if cost.comm_bytes else 0.0
             memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + (alpha + p.task_overhead if o.overhead is None else o.overhead)
-        if compute is not None and o.throughput is None:
-            compute /= width
-        elif cost.flops:
-            compute = cost.flops / (o.throughput or p.unit_peak(engine, cost.precision) * width)  # a fit is positive
+        if compute is None or o.throughput is not None:  # a fit of the op's own class takes precedence (and is > 0)
+            compute = cost.flops / (o.throughput or p.unit_peak(engine, cost.precision) * width) if cost.flops else 0.0
         else:
-            compute = 0.0
+            compute /= width
         memory = cost.bytes / (p.unit_mem_bw(engine) * width if o.mem_bw is None else o.mem_bw)
         return (compute if compute > memory else memory) + (p.task_overhead if o.overhead is None else o.overhead)
 

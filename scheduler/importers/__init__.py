@@ -79,8 +79,7 @@ def load_traces(paths: list[str | os.PathLike]) -> tuple[Trace, list]:
     """One trace of one file, of several ranks' files, or of every ``*.json[.gz]`` in a
     directory (sorted by name); and the import reports (none for a megaloom trace)."""
     if len(paths) == 1 and Path(paths[0]).is_dir():
-        found = sorted(p for p in Path(paths[0]).iterdir() if p.name.endswith((".json", ".json.gz")))
-        if not found:
+        if not (found := sorted(p for p in Path(paths[0]).iterdir() if p.name.endswith((".json", ".json.gz")))):
             raise TraceFormatError(f"{paths[0]}: no .json or .json.gz trace files in this directory")
         paths = found
     fmts = [_format(Path(p)) for p in paths]

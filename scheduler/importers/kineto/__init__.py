@@ -175,8 +175,7 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
     time origin for all, clocks aligned on collective ends (:func:`_align_clocks`) unless every
     file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for
     matching (process group and sequence number where recorded)."""
-    paths = list(paths)
-    if not paths:
+    if not (paths := list(paths)):
         raise TraceFormatError("no trace files given")
     with gc_paused():
         raws = [read(p) for p in paths]

@@ -141,8 +141,7 @@ class Model:
                 if src is None or dst is None or src == dst:
                     self.report.dropped["flow with an end on no task"] += 1
                     continue
-                p = self.consistent(src, self.tasks[dst].start, "flow")
-                if p is not None and p != dst:
+                if (p := self.consistent(src, self.tasks[dst].start, "flow")) is not None and p != dst:
                     self.tasks[dst].deps.append(p)
                     self.report.deps[f"flow {a.get('cat')}"] += 1
                     if (anns := self.tasks[src].tags.get("annotations")) and "annotations" not in self.tasks[dst].tags:

@@ -255,9 +255,8 @@ def match_device(props: dict[str, Any]) -> HardwareProfile | None:
             p = load_profile(n)
         except ConfigError:
             continue  # a broken user profile does not hide the others
-        hit = max((len(s) for s in p.device.get("names", []) if s.lower() in name), default=0)
-        if hit > longest:  # the first of equally long hits
-            best, longest = p, hit
+        if (hit := max((len(s) for s in p.device.get("names", []) if s.lower() in name), default=0)) > longest:
+            best, longest = p, hit  # the first of equally long hits
         if (want := p.device.get("fingerprint")) and all(fp.get(k) == v for k, v in want.items()):
             by_fp.append(p)
     return best or (by_fp[0] if len(by_fp) == 1 else None)

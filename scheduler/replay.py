@@ -209,9 +209,9 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
     ranks = sorted(per_rank)
     colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
     durs = {r: _measured(per_rank[r], scale) for r in ranks}
-    plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
     tid_of = {r: sorted(e.task_id for e in per_rank[r]) for r in ranks}  # graph task t: the rank's t-th task id
-    for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank was ready
+    # each copy lasts what it recorded after the last rank was ready
+    for rv in match_collectives([graph_from_events(per_rank[r], f"{name}[{r}]") for r in ranks]):
         members = [(ranks[i], tid_of[ranks[i]][t]) for i, t in rv.members]
         if all((r, t) in recorded for r, t in members):
             last = max(recorded[r, t].start - _handover(recorded[r, t]) for r, t in members)
@@ -228,12 +228,11 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
         by_tid = {e.task_id: e for e in per_rank[r]}
         mine = {e.task_id: e for e in res.trace.events if e.rank == i}
         kept = [e for e in mine.values() if e.engine != DELAY_ENGINE]
-        arrive = {e.task_id: max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
-                  for e in kept if e.task_id in colls[r]}  # a collective's copy runs from this rank's arrival
         _shift([e for e in kept if e.task_id not in colls[r]], by_tid)
         for e in kept:
-            if e.task_id in arrive:  # from this rank's arrival (a backend thread's: after its own hand-over)
-                e.start = min(arrive[e.task_id] + _handover(by_tid[e.task_id]), e.end)
+            if e.task_id in colls[r]:  # from this rank's arrival (a backend thread's: after its own hand-over)
+                arrive = max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
+                e.start = min(arrive + _handover(by_tid[e.task_id]), e.end)
             e.rank = r
             e.deps = list(by_tid[e.task_id].deps)
         out.extend(kept)

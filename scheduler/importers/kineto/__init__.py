@@ -110,13 +110,8 @@ def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
         tracks.setdefault((on_device, s.pid, s.tid), []).append(s)
     for (on_device, *track), items in tracks.items():
         (device.sweep if on_device else host.sweep)(m, tuple(track), items)
-    device.link_launches(m)
-    waits.syncs(m)
-    device.tasks(m)
-    host.tasks(m)
-    device.deps(m)
-    m.flows()
-    waits.explain(m)
+    for step in (device.link_launches, waits.syncs, device.tasks, host.tasks, device.deps, Model.flows, waits.explain):
+        step(m)
     return m
 
 

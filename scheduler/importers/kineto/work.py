@@ -208,8 +208,7 @@ def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
 
 def copy_work(name: str, args: dict) -> Work | None:
     """Figures of a memcpy or memset from its ``bytes`` argument, or None."""
-    n = args.get("bytes")
-    if type(n) is not int or n < 0:
+    if type(n := args.get("bytes")) is not int or n < 0:
         return None
     upper = name.upper()
     if any(k in upper for k in ("HTOD", "DTOH", "HTOH")):

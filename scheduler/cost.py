@@ -88,19 +88,16 @@ class CostModel:
             wire = cost.comm_bytes / (o.throughput or beta / p.units.get(engine, 1) * width) if cost.comm_bytes else 0.0
             memory = cost.bytes / (p.unit_mem_bw(engine) * width) if cost.bytes else 0.0
             return (wire if wire > memory else memory) + (alpha + p.task_overhead if o.overhead is None else o.overhead)
-        if compute is not None and o.throughput is None:
-            compute /= width
-        elif cost.flops:
-            compute = cost.flops / (o.throughput or p.unit_peak(engine, cost.precision) * width)  # a fit is positive
+        if compute is None or o.throughput is not None:  # a fit of the op's own class takes precedence (and is > 0)
+            compute = cost.flops / (o.throughput or p.unit_peak(engine, cost.precision) * width) if cost.flops else 0.0
         else:
-            compute = 0.0
+            compute /= width
         memory = cost.bytes / (p.unit_mem_bw(engine) * width if o.mem_bw is None else o.mem_bw)
         return (compute if compute > memory else memory) + (p.task_overhead if o.overhead is None else o.overhead)
 
     def task_duration(self, graph: TaskGraph, task: Task) -> float:
         """A task's duration: its measured ``attrs['duration']`` if it has one, else the model's."""
-        d = task.attrs.get(DURATION_ATTR) if task.attrs else None
-        if d is not None:
+        if (d := task.attrs.get(DURATION_ATTR) if task.attrs else None) is not None:
             if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 <= d < math.inf:
                 raise ConfigError(f"task {task.name!r}: attrs['duration'] must be a finite non-negative number of "
                                   f"seconds, got {d!r}")
@@ -114,8 +111,7 @@ class CostModel:
     def compute(self, task: Task) -> float | None:
         """Seconds of arithmetic of ``task`` on one unit when its op computes them (``extra["compute"]``,
         as a fused DVM node sums its primitives at their own rates), else None."""
-        fn = OPS.get(task.op).extra.get("compute") if task.op in OPS else None
-        if fn is None:
+        if (fn := OPS.get(task.op).extra.get("compute") if task.op in OPS else None) is None:
             return None
 
         def rate(op: str, precision: str) -> float:

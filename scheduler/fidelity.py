@@ -97,8 +97,7 @@ def frozen_share(trace: Trace) -> dict[str, float]:
 
 def frozen_line(trace: Trace) -> str:
     """The frozen share of ``trace``'s run as the CLI prints it (empty without delays)."""
-    parts = frozen_share(trace)
-    if not parts:
+    if not (parts := frozen_share(trace)):
         return ""
     causes = ", ".join(f"{k} {v:.1%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]))
     return f"  frozen (no what-if moves it): {sum(parts.values()):.1%} of the run: {causes}"

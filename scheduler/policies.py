@@ -178,8 +178,7 @@ class ExpertInterleavePolicy(Policy):
         self._queues[self._engine[tid]].setdefault(self._group[tid], deque()).append(tid)
 
     def pop(self, engine: str, unit: int) -> int:
-        ready = [g for g, q in self._queues[engine].items() if q]
-        if not ready:
+        if not (ready := [g for g, q in self._queues[engine].items() if q]):
             return -1
         g = self._last[engine] = min((g for g in ready if g > self._last[engine]), default=min(ready))
         return self._queues[engine][g].popleft()

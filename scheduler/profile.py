@@ -52,13 +52,8 @@ from megaloom.runtime.files import load_yaml
 from megaloom.runtime.plugins import Registry
 
 FALLBACK: dict[str, tuple[str, ...]] = {
-    "mxfp8": ("fp8", "bf16", "fp16", "fp32"),
-    "fp8": ("bf16", "fp16", "fp32"),
-    "bf16": ("fp16", "fp32"),
-    "fp16": ("bf16", "fp32"),
-    "fp64": ("fp32",),
-    "fp32": (),
-}
+    "mxfp8": ("fp8", "bf16", "fp16", "fp32"), "fp8": ("bf16", "fp16", "fp32"), "bf16": ("fp16", "fp32"),
+    "fp16": ("bf16", "fp32"), "fp64": ("fp32",), "fp32": ()}
 FINGERPRINT_KEYS = ("compute", "sms", "warp")
 OP_FIT_KEYS = ("throughput", "overhead", "mem_bw", "samples", "median_rel_error", "max_rel_error")
 PACKAGED_DIR = Path(__file__).resolve().parent / "profiles"
@@ -102,8 +97,7 @@ class HardwareProfile:
 
     def peak(self, engine: str, precision: str = "fp32") -> float:
         """Chip-wide flop/s of ``engine`` at ``precision`` (with the documented fallback)."""
-        rates = self.peaks.get(engine)
-        if not rates:
+        if not (rates := self.peaks.get(engine)):
             raise ConfigError(f"profile {self.name!r} has no peak rates for engine {engine!r}")
         if precision not in FALLBACK:
             raise ConfigError(f"profile {self.name!r}: unknown precision {precision!r}; known: {', '.join(FALLBACK)}")
@@ -148,10 +142,8 @@ def checked_units(units: Mapping[Any, Any], name: Callable[[str], str] = "units[
 
 
 def _number(where: str, key: str, v: Any, *, positive: bool = True) -> float:
-    if isinstance(v, bool):
-        raise ConfigError(f"{where}: key {key!r} must be a number, got {v!r}")
-    try:
-        x = float(v)
+    try:  # YAML reads 1.6e12 as a string; a boolean is no number
+        x = float(v if not isinstance(v, bool) else "")
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: key {key!r} must be a number, got {v!r}") from None
     if not (x == x and x != float("inf")) or x < 0 or (positive and x == 0):
@@ -167,8 +159,7 @@ def _mapping(where: str, key: str, v: Any) -> dict[str, Any]:
 
 def _known(where: str, key: str, v: Any, known: tuple[str, ...]) -> dict[str, Any]:
     """``v`` as a non-empty mapping with no fields but ``known``."""
-    unknown = sorted(set(_mapping(where, key, v)) - set(known))
-    if unknown:
+    if unknown := sorted(set(_mapping(where, key, v)) - set(known)):
         raise ConfigError(f"{where}: key {key!r} has unknown fields {unknown}; known: {', '.join(known)}")
     return v
 
@@ -186,8 +177,7 @@ def parse_profile(data: Any, where: str) -> HardwareProfile:
     for e, rates in peak.items():
         if e not in units:
             raise ConfigError(f"{where}: key 'peak.{e}' names an engine missing from 'units'")
-        unknown = sorted(set(_mapping(where, f"peak.{e}", rates)) - set(FALLBACK))
-        if unknown:
+        if unknown := sorted(set(_mapping(where, f"peak.{e}", rates)) - set(FALLBACK)):
             raise ConfigError(f"{where}: key 'peak.{e}.{unknown[0]}' is not a known precision ({', '.join(FALLBACK)})")
     peaks = {e: {p: _number(where, f"peak.{e}.{p}", v) for p, v in rates.items()} for e, rates in peak.items()}
     links = {}
@@ -265,11 +255,9 @@ def match_device(props: dict[str, Any]) -> HardwareProfile | None:
             p = load_profile(n)
         except ConfigError:
             continue  # a broken user profile does not hide the others
-        hit = max((len(s) for s in p.device.get("names", []) if s.lower() in name), default=0)
-        if hit > longest:  # the first of equally long hits
-            best, longest = p, hit
-        want = p.device.get("fingerprint")
-        if want and all(fp.get(k) == v for k, v in want.items()):
+        if (hit := max((len(s) for s in p.device.get("names", []) if s.lower() in name), default=0)) > longest:
+            best, longest = p, hit  # the first of equally long hits
+        if (want := p.device.get("fingerprint")) and all(fp.get(k) == v for k, v in want.items()):
             by_fp.append(p)
     return best or (by_fp[0] if len(by_fp) == 1 else None)
 

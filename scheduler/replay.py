@@ -74,8 +74,7 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", durations:
         by_tid[e.task_id] = e
     g = TaskGraph(name)
     made = {}
-    for tid in sorted(by_tid):  # task ids keep their recorded order, so ties break the same way
-        e = by_tid[tid]
+    for tid, e in sorted(by_tid.items()):  # task ids keep their recorded order, so ties break the same way
         prio = e.tags.get("priority", 0)
         d = durations[tid] if durations is not None else max(e.end - e.start, 0.0)
         made[tid] = g.task(e.op, name=e.task, engine=e.engine, tags=e.tags, priority=prio if isinstance(prio, int) else 0,
@@ -84,13 +83,12 @@ def graph_from_events(events: list[TraceEvent], name: str = "replay", durations:
                            cost=Cost(flops=e.flops, bytes=e.bytes, comm_bytes=e.comm_bytes, precision=e.precision))
     delays = {tid: g.task("delay", name=f"delay/{by_tid[tid].task}", engine=DELAY_ENGINE, cost=Cost(),
                           attrs={DURATION_ATTR: unfold[tid]}) for tid in sorted(unfold) if tid in by_tid}
-    for tid in sorted(by_tid):  # successor lists in task id order, as the builder makes them
-        first = delays.get(tid, made[tid])
-        for d in by_tid[tid].deps:
-            if d in made and d != tid:  # dependencies on tasks not traced are dropped
-                g.edge(made[d], first)
-        if tid in delays:
-            g.edge(first, made[tid])
+    # dependencies on tasks not traced are dropped; an unfolded event waits for its delay task alone
+    pred = [[made[d].id for d in e.deps if d in made and d != tid] for tid, e in sorted(by_tid.items())]
+    for tid, delay in delays.items():
+        pred.append(pred[made[tid].id])
+        pred[made[tid].id] = [delay.id]
+    g.set_edges(pred)
     g.topological_order()  # a cyclic trace raises GraphError naming the cycle
     return g
 
@@ -125,8 +123,7 @@ def _shared_host(recording: Trace, asked: Trace, prof: HardwareProfile, ranks: i
     """Ranks sharing a host's cores (the profile's ``contention.cores``) as recorded, and the
     profile whose contention gives each of ``ranks`` its share: every engine of a host thread
     shares them in ``asked``, the run asked about (the ranks run alike: one rank's replay stands for each)."""
-    c = prof.contention
-    if c is None:
+    if (c := prof.contention) is None:
         raise ConfigError(f"host ranks: profile {prof.name!r} has no contention section (the cores ranks share): "
                           "run `megaloom calibrate` or add one")
     if len(recording.ranks or [0]) > 1:
@@ -153,8 +150,7 @@ def _handover(e: TraceEvent) -> float:
 def _shift(events: list[TraceEvent], by_tid: Mapping[int, TraceEvent]) -> None:
     """Replayed events start after their delay (the simulator ran delay and op as one task)."""
     for e in events:
-        d = delay_of(by_tid[e.task_id]) if e.task_id in by_tid else 0.0
-        if d:
+        if e.task_id in by_tid and (d := delay_of(by_tid[e.task_id])):
             e.start = min(e.start + d, e.end)
 
 
@@ -180,21 +176,19 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
     prof = load_profile(profile) if profile is not None else recorded
     whole = imported(trace)
     scale = device_ratio(recorded, prof, whole) if prof.name != recorded.name or prof.path != recorded.path else None
-    recording = trace
-    if whatif is not None and not whatif.empty():
-        trace = whatif.apply(trace, recorded, whole)
-    chosen = {**prof.units, **recorded_units(trace), **({} if whole else units or {})}
+    asked = whatif.apply(trace, recorded, whole) if whatif is not None and not whatif.empty() else trace
+    chosen = {**prof.units, **recorded_units(asked), **({} if whole else units or {})}
     pol = policy if policy is not None else meta.get("policy")
-    ranks = trace.ranks or [0]
-    per_rank = {r: [e for e in trace.events if e.rank == r] for r in ranks}
+    ranks = asked.ranks or [0]
+    per_rank = {r: [e for e in asked.events if e.rank == r] for r in ranks}
     name = str(meta.get("graph", "replay"))
-    if len(ranks) > 1 and any(e.op in JOINED for e in trace.events):
-        out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in recording.events})
+    if len(ranks) > 1 and any(e.op in JOINED for e in asked.events):
+        out = _replay_world(per_rank, name, prof, chosen, pol, scale, {(e.rank, e.task_id): e for e in trace.events})
     else:
         results = []
-        host = _shared_host(recording, trace, prof, whatif.host_ranks) if whatif and whatif.host_ranks else None
+        host = _shared_host(trace, asked, prof, whatif.host_ranks) if whatif and whatif.host_ranks else None
         for rank, events in per_rank.items():
-            durations = _full_speed(events, recording, rank, host[0], scale) if host else _measured(events, scale)
+            durations = _full_speed(events, trace, rank, host[0], scale) if host else _measured(events, scale)
             graph = graph_from_events(events, name, durations, full_speed=host is not None)
             res = Simulator(host[1] if host else prof, chosen, pol).run(graph, validate=False)
             _shift(res.trace.events, {e.task_id: e for e in events})
@@ -203,9 +197,8 @@ def replay(trace: Trace, profile: HardwareProfile | str | None = None, units: Ma
             results.append(res.trace)
         out = merge(results) if len(results) > 1 else results[0]
     out.meta["units"] = {k: n for k, n in chosen.items() if any(e.engine == k for e in out.events)}
-    out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(ranks)})
-    if whole:
-        out.meta["source"] = meta.get("source")
+    out.meta.update({"mode": "replay", "replayed_from": meta.get("mode", "?"), "world_size": len(ranks),
+                     **({"source": meta.get("source")} if whole else {})})
     return RunResult({}, out)
 
 
@@ -216,9 +209,9 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
     ranks = sorted(per_rank)
     colls = {r: frozenset(e.task_id for e in per_rank[r] if e.op in JOINED) for r in ranks}
     durs = {r: _measured(per_rank[r], scale) for r in ranks}
-    plain = [graph_from_events(per_rank[r], f"{name}[{r}]", durations=durs[r]) for r in ranks]
     tid_of = {r: sorted(e.task_id for e in per_rank[r]) for r in ranks}  # graph task t: the rank's t-th task id
-    for rv in match_collectives(plain):  # each copy lasts what it recorded after the last rank was ready
+    # each copy lasts what it recorded after the last rank was ready
+    for rv in match_collectives([graph_from_events(per_rank[r], f"{name}[{r}]") for r in ranks]):
         members = [(ranks[i], tid_of[ranks[i]][t]) for i, t in rv.members]
         if all((r, t) in recorded for r, t in members):
             last = max(recorded[r, t].start - _handover(recorded[r, t]) for r, t in members)
@@ -235,12 +228,11 @@ def _replay_world(per_rank: dict[int, list[TraceEvent]], name: str, prof: Hardwa
         by_tid = {e.task_id: e for e in per_rank[r]}
         mine = {e.task_id: e for e in res.trace.events if e.rank == i}
         kept = [e for e in mine.values() if e.engine != DELAY_ENGINE]
-        arrive = {e.task_id: max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
-                  for e in kept if e.task_id in colls[r]}  # a collective's copy runs from this rank's arrival
         _shift([e for e in kept if e.task_id not in colls[r]], by_tid)
         for e in kept:
-            if e.task_id in arrive:  # from this rank's arrival (a backend thread's: after its own hand-over)
-                e.start = min(arrive[e.task_id] + _handover(by_tid[e.task_id]), e.end)
+            if e.task_id in colls[r]:  # from this rank's arrival (a backend thread's: after its own hand-over)
+                arrive = max((mine[p].end for p in graphs[i].pred[e.task_id]), default=e.start)
+                e.start = min(arrive + _handover(by_tid[e.task_id]), e.end)
             e.rank = r
             e.deps = list(by_tid[e.task_id].deps)
         out.extend(kept)

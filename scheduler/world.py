@@ -60,11 +60,6 @@ SYNC_ENGINE = "sync"
 """Engine kind of the rendezvous tasks."""
 
 
-def rank_engine(kind: str, rank: int) -> str:
-    """The world engine kind of rank ``rank``'s ``kind`` units, e.g. ``cube@3``."""
-    return f"{kind}@{rank}"
-
-
 class Rendezvous(NamedTuple):
     """One collective (or send/recv pair) instance: its label and the ``(rank, task id)`` that join it."""
 
@@ -92,35 +87,27 @@ def heap_order(preds: Sequence[Collection[int]], key: Callable[[int], Any] = int
     return out
 
 
-def issue_order(graph: TaskGraph) -> list[int]:
-    """Task ids in a topological order, ready ties broken by the smaller id."""
-    out = heap_order(graph.pred)
-    if len(out) != len(graph.tasks):
-        graph.topological_order()  # raises GraphError naming the cycle
-    return out
-
-
 def _group_key(task: Task) -> tuple[str, int] | None:
     pg, seq = task.tags.get("pg"), task.tags.get("seq")
     return (str(pg), seq) if pg is not None and isinstance(seq, int) and not isinstance(seq, bool) else None
 
 
 def _issues(rank: int, task: Task | None, colls: list[int]) -> str:
-    if task is None:
-        return f"rank {rank} issues none (it has {len(colls)} collectives)"
-    return f"rank {rank} issues {task.op} {task.name!r}"
+    what = f"none (it has {len(colls)} collectives)" if task is None else f"{task.op} {task.name!r}"
+    return f"rank {rank} issues {what}"
 
 
 def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     """Every collective instance (by issue order) and send/recv pair (by peer and tag)."""
     world = len(graphs)
-    orders = [issue_order(g) for g in graphs]
     keyed: dict[tuple[str, int], list[tuple[int, int]]] = {}
-    colls: list[list[int]] = []
+    colls: list[list[int]] = [[] for _ in graphs]  # each rank's unkeyed collectives in issue order
     sends: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
     recvs: dict[tuple[int, int, object], list[tuple[int, int]]] = {}
-    for r, (g, order) in enumerate(zip(graphs, orders)):
-        mine = []
+    for r, g in enumerate(graphs):
+        order = heap_order(g.pred)  # the issue order: ready ties broken by the smaller task id
+        if len(order) != len(g.tasks):
+            g.topological_order()  # raises GraphError naming the cycle
         for t in order:
             task = g.tasks[t]
             if task.op in P2P_OPS:
@@ -132,10 +119,9 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
                 key = (r, peer, tag) if task.op == "send" else (peer, r, tag)
                 (sends if task.op == "send" else recvs).setdefault(key, []).append((r, t))
             elif task.op in COLLECTIVE_OPS and _group_key(task) is None:
-                mine.append(t)
+                colls[r].append(t)
             elif task.op in COLLECTIVE_OPS:
                 keyed.setdefault(_group_key(task), []).append((r, t))
-        colls.append(mine)
     out: list[Rendezvous] = [Rendezvous(f"{graphs[m[0][0]].tasks[m[0][1]].op} {k[0]}#{k[1]}", m)
                              for k, m in sorted(keyed.items()) if len(m) > 1]
     for k in range(max(map(len, colls), default=0)):
@@ -149,11 +135,9 @@ def match_collectives(graphs: Sequence[TaskGraph]) -> list[Rendezvous]:
     for key in sorted(set(sends) | set(recvs), key=repr):
         s, v = sends.get(key, []), recvs.get(key, [])
         if len(s) != len(v):
-            src, dst, tag = key
-            lone = (s if len(s) > len(v) else v)[min(len(s), len(v))]
-            name = graphs[lone[0]].tasks[lone[1]].name
-            raise ScheduleError(f"rank {src} sends {len(s)} message(s) with tag {tag!r} to rank {dst}, which receives "
-                                f"{len(v)}: {name!r} on rank {lone[0]} has no partner")
+            r, t = (s if len(s) > len(v) else v)[min(len(s), len(v))]
+            raise ScheduleError(f"rank {key[0]} sends {len(s)} message(s) with tag {key[2]!r} to rank {key[1]}, which "
+                                f"receives {len(v)}: {graphs[r].tasks[t].name!r} on rank {r} has no partner")
         out += [Rendezvous(f"p2p {key[0]}->{key[1]} tag {key[2]!r} #{i}", [a, b]) for i, (a, b) in enumerate(zip(s, v))]
     return out
 
@@ -171,26 +155,22 @@ def world_graph(graphs: Sequence[TaskGraph], units: Mapping[str, int], cost_mode
             for r, t in rv.members:
                 durs[r][t] = longest
     w = TaskGraph(f"world[{len(graphs)}]")
-    world_units: dict[str, int] = {}
+    world_units = {f"{kind}@{r}": units[kind] for r, g in enumerate(graphs) for kind in g.engines() if kind in units}
     owner = [(r, t) for r, g in enumerate(graphs) for t in range(len(g))] + [None] * len(rdv)
     offset = [0, *accumulate(map(len, graphs))]  # the world id of each rank's task 0
     for r, g in enumerate(graphs):
-        world_units.update({rank_engine(kind, r): units[kind] for kind in g.engines() if kind in units})  # Core checks
         costs = g.costs()
         for t, d in zip(g.tasks, durs[r]):
-            w.task(t.op, name=f"r{r}/{t.name}", engine=rank_engine(t.engine, r), attrs={DURATION_ATTR: d},
+            w.task(t.op, name=f"r{r}/{t.name}", engine=f"{t.engine}@{r}", attrs={DURATION_ATTR: d},
                    priority=t.priority, tags=t.tags, cost=costs[t.id])
-        base, wt = offset[r], w.tasks
-        for t, preds in enumerate(g.pred):
-            for p in preds:
-                w.edge(wt[base + p], wt[base + t])
-    for i, rv in enumerate(rdv):
-        sync = w.task("rendezvous", name=f"sync/{i}.{rv.label}", engine=SYNC_ENGINE, attrs={DURATION_ATTR: 0.0},
-                      cost=Cost(), tags={"collective": i})
+    pred = [[base + p for p in ps] for base, g in zip(offset, graphs) for ps in g.pred]  # each rank's own edges
+    for i, rv in enumerate(rdv):  # a rendezvous waits for what each member waits for; each member waits for it
+        w.task("rendezvous", name=f"sync/{i}.{rv.label}", engine=SYNC_ENGINE, attrs={DURATION_ATTR: 0.0},
+               cost=Cost(), tags={"collective": i})
+        pred.append([offset[r] + p for r, t in rv.members for p in graphs[r].pred[t]])
         for r, t in rv.members:
-            for p in graphs[r].pred[t]:
-                w.edge(w.tasks[offset[r] + p], sync)
-            w.edge(sync, w.tasks[offset[r] + t])
+            pred[offset[r] + t].append(len(pred) - 1)
+    w.set_edges(pred)
     if rdv:
         world_units[SYNC_ENGINE] = len(rdv)
     try:
@@ -229,10 +209,8 @@ def simulate_world(graphs: Sequence[TaskGraph], profile: HardwareProfile | str, 
     sched = sim.schedule(graph)
     records: list[list[tuple[int, int, float, float]]] = [[] for _ in graphs]
     for wid in sched.order:
-        own = owner[wid]
-        if own is not None:
-            s = sched.start[wid]
-            records[own[0]].append((own[1], sched.unit[wid], s, s + sched.duration[wid]))
+        if (own := owner[wid]) is not None:
+            records[own[0]].append((own[1], sched.unit[wid], sched.start[wid], sched.start[wid] + sched.duration[wid]))
     events = [e for r, g in enumerate(graphs) for e in events_of(g, records[r], r)]
     events.sort(key=lambda e: (e.start, e.rank, e.task_id))
     used = {k: n for k, n in base.units.items() if any(k in g.engines() for g in graphs)}

@@ -64,8 +64,7 @@ def _format(path: Path) -> Format:
             head = f.read(64)
     except OSError as e:
         raise TraceFormatError(f"{path}: cannot read: {e.strerror}") from None
-    fmt = next((f for f in FORMATS if f.sniff(head)), None)
-    if fmt is None:
+    if (fmt := next((f for f in FORMATS if f.sniff(head)), None)) is None:
         raise TraceFormatError(f"{path}: not a trace megaloom reads ({', '.join(f.name for f in reversed(FORMATS))}): "
                                f"it looks like {describe(head)}")
     return fmt
@@ -80,8 +79,7 @@ def load_traces(paths: list[str | os.PathLike]) -> tuple[Trace, list]:
     """One trace of one file, of several ranks' files, or of every ``*.json[.gz]`` in a
     directory (sorted by name); and the import reports (none for a megaloom trace)."""
     if len(paths) == 1 and Path(paths[0]).is_dir():
-        found = sorted(p for p in Path(paths[0]).iterdir() if p.name.endswith((".json", ".json.gz")))
-        if not found:
+        if not (found := sorted(p for p in Path(paths[0]).iterdir() if p.name.endswith((".json", ".json.gz")))):
             raise TraceFormatError(f"{paths[0]}: no .json or .json.gz trace files in this directory")
         paths = found
     fmts = [_format(Path(p)) for p in paths]

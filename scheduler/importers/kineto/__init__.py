@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -52,57 +51,47 @@ def _int(v: Any) -> int | None:
 def _device(raw: RawTrace, tasks: list[Task], report: ImportReport) -> str | None:
     """The profile of the device the trace's kernels ran on, from ``deviceProperties``."""
     props = raw.header.get("deviceProperties")
-    if not isinstance(props, list) or not props:
-        report.notes.append("the trace has no deviceProperties: pass --recorded-profile for cross-device what-ifs")
-        return None
-    used = [t.track[0] for t in tasks if "stream" in t.tags]
-    dev = max(set(used), key=used.count) if used else None
-    entry = next((p for p in props if isinstance(p, dict) and p.get("id") == dev), None)
-    entry = entry if entry is not None else props[0] if isinstance(props[0], dict) else {}
-    prof = match_device(entry)
-    report.device = f"{entry.get('name', '?')} -> {prof.name if prof else 'no profile'}"
+    props = [p for p in props if isinstance(p, dict)] if isinstance(props, list) else []
+    dev = statistics.mode([t.track[0] for t in tasks if "stream" in t.tags] or [None])  # the device of most kernels
+    entry = next((p for p in props if p.get("id") == dev), props[0] if props else None)
+    prof = match_device(entry) if entry else None  # an empty entry names no device either
+    if entry:
+        report.device = f"{entry.get('name', '?')} -> {prof.name if prof else 'no profile'}"
     if prof is None:
-        report.notes.append(f"device {entry.get('name', '?')!r} matches no profile: pass --recorded-profile "
-                            "for cross-device what-ifs")
+        why = f"device {entry.get('name', '?')!r} matches no profile" if entry else "the trace has no deviceProperties"
+        report.notes.append(f"{why}: pass --recorded-profile for cross-device what-ifs")
     return prof.name if prof else None
-
-
-def _order(tasks: list[Task]) -> list[int]:
-    """Task indices by start time, each after its dependencies (ties: zero-length producers first)."""
-    out = heap_order([set(t.deps) for t in tasks], lambda i: (tasks[i].start, tasks[i].end))
-    if len(out) != len(tasks):  # cannot happen: every edge points from an earlier end to a later start
-        raise TraceFormatError("imported dependencies form a cycle")
-    return out
 
 
 def _events(tasks: list[Task], t0: float, rank: int, report: ImportReport,
             inferred: dict[int, list[int]]) -> tuple[list[TraceEvent], dict[str, int]]:
     """The tasks as trace events in a topological order (ids renumbered), each on a unit of its
-    engine per track, named uniquely, with its delay (seconds) after its dependencies were met."""
-    order = _order(tasks)
+    engine per track, named uniquely, with its delay (seconds) after its dependencies were met.
+    The order is by start time, each task after its dependencies (ties: zero-length producers first)."""
+    order = heap_order([set(t.deps) for t in tasks], lambda i: (tasks[i].start, tasks[i].end))
+    if len(order) != len(tasks):  # cannot happen: every edge points from an earlier end to a later start
+        raise TraceFormatError("imported dependencies form a cycle")
     new = {i: k for k, i in enumerate(order)}
     for consumer, producers in inferred.items():
         tasks[consumer].tags["inferred"] = sorted({new[p] for p in producers})
-    units: Counter[str] = Counter()
-    unit_of: dict[tuple[str, tuple], int] = {}  # a unit per (engine, track), numbered in order of appearance
+    unit_of: dict[str, dict[tuple, int]] = {}  # engine -> a unit per track, numbered in order of appearance
     names: dict[str, int] = {}
     events = []
     for i in order:
         t = tasks[i]
-        unit = unit_of.setdefault((t.engine, t.track), units[t.engine])
-        units[t.engine] = max(units[t.engine], unit + 1)
+        tracks = unit_of.setdefault(t.engine, {})
+        unit = tracks.setdefault(t.track, len(tracks))
         n = names[t.name] = names.get(t.name, -1) + 1
-        ready = max((tasks[d].end for d in t.deps), default=t0)
-        if t.start > ready:
+        if t.start > (ready := max((tasks[d].end for d in t.deps), default=t0)):
             t.tags["delay"] = (t.start - ready) * 1e-6  # each task owns its tags
             report.delay_s += t.tags["delay"]
         w = t.work or _NO_WORK
         events.append(TraceEvent(new[i], f"{t.name}#{n}" if n else t.name, t.op, t.engine, unit, rank,
                                  (t.start - t0) * 1e-6, (t.end - t0) * 1e-6, w.flops, w.bytes, w.comm_bytes,
                                  sorted({new[d] for d in t.deps}), t.tags, w.precision))
-        report.count("engines", t.engine)
+        report.engines[t.engine] += 1
     report.tasks = len(events)
-    return events, dict(units)
+    return events, {e: len(tracks) for e, tracks in unit_of.items()}
 
 
 def import_torch_profiler(path: str | os.PathLike) -> tuple[Trace, ImportReport]:
@@ -115,19 +104,14 @@ def import_torch_profiler(path: str | os.PathLike) -> tuple[Trace, ImportReport]
 def _build(raw: RawTrace, report: ImportReport, world: int | None) -> Model:
     """The tasks and edges of one trace: the passes of :mod:`.model`, in order."""
     m = Model(raw, report, world)
-    tracks: dict[tuple, list] = {}
-    for s in raw.slices:
+    tracks: dict[tuple, list] = {}  # each track's slices in start order, enclosing ones first
+    for s in sorted(raw.slices, key=lambda s: (s.start, -s.end, s.seq)):
         on_device = m.has_device and (s.cat in DEVICE_CATEGORIES or s.cat == "gpu_user_annotation")
         tracks.setdefault((on_device, s.pid, s.tid), []).append(s)
     for (on_device, *track), items in tracks.items():
         (device.sweep if on_device else host.sweep)(m, tuple(track), items)
-    device.link_launches(m)
-    waits.syncs(m)
-    device.tasks(m)
-    host.tasks(m)
-    device.deps(m)
-    m.flows()
-    waits.explain(m)
+    for step in (device.link_launches, waits.syncs, device.tasks, host.tasks, device.deps, Model.flows, waits.explain):
+        step(m)
     return m
 
 
@@ -138,7 +122,7 @@ def _import(raw: RawTrace, t0: float | None = None) -> tuple[Trace, ImportReport
     info = raw.header.get("distributedInfo") if isinstance(raw.header.get("distributedInfo"), dict) else {}
     rank = _int(info.get("rank")) or 0
     world = _int(info.get("world_size"))
-    report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=dict(raw.skipped))
+    report = ImportReport(path=os.fspath(path), rank=rank, world_size=world or 1, skipped=raw.skipped)
     if isinstance(raw.header.get("otherData"), dict) and {"graph", "mode"} <= raw.header["otherData"].keys():
         raise TraceFormatError(f"{path}: megaloom's own Perfetto export (no dependencies between its tasks) cannot be "
                                "replayed: replay the megaloom trace it was written from (the .mlt or .trace file)")
@@ -147,11 +131,8 @@ def _import(raw: RawTrace, t0: float | None = None) -> tuple[Trace, ImportReport
     origin = model.t0 if t0 is None else t0
     events, units = _events(model.tasks, origin, rank, report, model.inferred)
     meta = {"graph": os.path.basename(os.fspath(path)), "mode": "import", "source": SOURCE, "clock": "wall",
-            "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin}
-    if profile:
-        meta["profile"] = profile
-    if not model.has_device:
-        meta["cpu_only"] = True
+            "units": units, "world_size": world or 1, "rank": rank, "t0_us": origin,
+            **({"profile": profile} if profile else {}), **({} if model.has_device else {"cpu_only": True})}
     return Trace(events, meta), report
 
 
@@ -175,8 +156,7 @@ def _align_clocks(traces: list[Trace], reports: list[ImportReport]) -> dict[str,
     for i in order[1:]:
         mine = ends(traces[i])
         diffs = [mine[k] - ref[k] for k in mine.keys() & ref.keys()]
-        off = statistics.median(diffs) if diffs else 0.0
-        if off:
+        if diffs and (off := statistics.median(diffs)):
             for e in traces[i].events:
                 e.start, e.end = e.start - off, e.end - off
             offsets[str(traces[i].meta["rank"])] = off * 1e6
@@ -190,8 +170,7 @@ def import_ranks(paths: Iterable[str | os.PathLike]) -> tuple[Trace, list[Import
     time origin for all, clocks aligned on collective ends (:func:`_align_clocks`) unless every
     file names one ``host_name`` (one clock: ranks keep their skew), collectives tagged for
     matching (process group and sequence number where recorded)."""
-    paths = list(paths)
-    if not paths:
+    if not (paths := list(paths)):
         raise TraceFormatError("no trace files given")
     with gc_paused():
         raws = [read(p) for p in paths]

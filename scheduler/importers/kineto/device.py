@@ -20,8 +20,8 @@ from megaloom.scheduler.importers.kineto.work import Work, comm_work, copy_work,
 
 
 def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
-    """Device ops of one stream in start order, tagged with the GPU annotations over them."""
-    items.sort(key=lambda s: (s.start, -s.end, s.seq))
+    """Device ops of one stream (``items`` in start order, enclosing ones first), tagged with
+    the GPU annotations over them."""
     stack: list[tuple[float, tuple]] = []
     mine = m.stream_ops.setdefault(track, [])
     for s in items:
@@ -29,7 +29,7 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
             stack.pop()
         anns = stack[-1][1] if stack else ()
         if s.cat == "gpu_user_annotation":
-            m.report.count("context", s.cat)
+            m.report.context[s.cat] += 1
             stack.append((s.end, anns + (s.name,)))
             continue
         mine.append(len(m.ops))
@@ -41,9 +41,8 @@ def link_launches(m: Model) -> None:
     m.by_corr = {track: index((m.ops[i].corr, i) for i in ids if m.ops[i].corr is not None)
                  for track, ids in m.stream_ops.items()}
     for i, op in enumerate(m.ops):
-        ci = m.corr_call.get(op.corr)
-        if ci is None:
-            m.report.count("deps", "device op without a recorded launch (stream order only)")
+        if (ci := m.corr_call.get(op.corr)) is None:
+            m.report.deps["device op without a recorded launch (stream order only)"] += 1
             continue
         op.call = ci
         m.calls[ci].launched.append(i)
@@ -84,9 +83,8 @@ def tasks(m: Model) -> None:
             f = (m.tasks[t].end - m.tasks[t].start) / whole if whole > 0 else 1.0 / len(tids)
             m.tasks[t].work = Work(w.flops * f, w.bytes * f, 0.0, w.precision)
     works = [m.tasks[op.task].work for op in m.ops]
-    rep = m.report
-    rep.with_work = sum(w is not None and bool(w.flops or w.bytes or w.comm_bytes) for w in works)
-    rep.device_ops, rep.without_work = len(m.ops), len(m.ops) - rep.with_work
+    m.report.with_work = sum(w is not None and bool(w.flops or w.bytes or w.comm_bytes) for w in works)
+    m.report.device_ops, m.report.without_work = len(m.ops), len(m.ops) - m.report.with_work
 
 
 def _launching_op(call: Call) -> Slice | None:
@@ -120,10 +118,10 @@ def deps(m: Model) -> None:
                                                          "launch (kernel starts before its launch call)")
             if launch is not None:
                 t.deps.append(launch)
-                m.report.count("deps", "launch")
+                m.report.deps["launch"] += 1
     order = [(p, q, "stream order") for ids in m.stream_ops.values() for p, q in zip(ids, ids[1:])]
     for p, q, kind in order + [(p, q, "event wait") for p, q in m.explicit_waits]:
         t = m.tasks[m.ops[q].task]
         if (d := m.consistent(m.ops[p].task, t.start, kind)) is not None:
             t.deps.append(d)
-            m.report.count("deps", kind)
+            m.report.deps[kind] += 1

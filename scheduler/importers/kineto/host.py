@@ -17,7 +17,6 @@ a collective to a backend thread is host work.
 from __future__ import annotations
 
 import re
-from collections import Counter
 from typing import Any
 
 from megaloom.runtime.registry import COMM, HOST
@@ -33,13 +32,12 @@ _BACKWARD = "autograd::engine::"
 
 
 def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
-    """Outermost calls of one thread; annotations and CPU ops become their context."""
-    items.sort(key=lambda s: (s.start, -s.end, s.seq))
+    """Outermost calls of one thread (``items`` in start order, enclosing ones first);
+    annotations and CPU ops become their context."""
     rep, gpu, calls_all, corr_call = m.report, m.has_device, m.calls, m.corr_call
     calls = m.thread_calls.setdefault(track, [])
     busy = m.thread_busy.setdefault(track, [])
     marks = m.thread_marks.setdefault(track, [])
-    context: Counter[str] = Counter()
     stack: list[tuple[float, tuple, tuple, int]] = [(float("inf"), (), (), -1)]  # (end, annotations, ops, owning call)
     for s in items:
         start = s.start
@@ -53,7 +51,7 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
         marks += (start, s.end)
         cat = s.cat
         if cat in CONTEXT_CATEGORIES and (gpu or not backend_op(s.name)):
-            context[cat] += 1
+            rep.context[cat] += 1
             named = cat == "user_annotation" or s.name.startswith("nn.Module: ")
             stack.append((s.end, anns + (s.name.removeprefix("nn.Module: "),) if named else anns, ops, owner))
             continue
@@ -70,13 +68,11 @@ def sweep(m: Model, track: tuple, items: list[Slice]) -> None:
         else:
             if owner >= 0:
                 calls_all[owner].nested.append(s)
-            context[cat or "uncategorised"] += 1
+            rep.context[cat or "uncategorised"] += 1
         if owner >= 0 and (c := corr(s)) is not None:
             corr_call.setdefault(c, owner)
         stack.append((s.end, anns, ops if runtime else ops + (s,), owner))
     marks.sort()
-    for k, n in context.items():
-        rep.count("context", k, n)
 
 
 def tasks(m: Model) -> None:
@@ -140,8 +136,7 @@ def _cpu_op(m: Model, call: Call, tags: dict) -> tuple[str, str, str, Any]:
                 if len(peer) == 2:
                     tags.update(peer=peer[0], tag=peer[1])
             return COMM, "cpu_comm", kind, backend_work(kind, o.args, m.world_size)
-    grad = sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad")
-    if grad:
+    if grad := sum(tensor_bytes(o.args) for o in nest if o.name == "torch::autograd::AccumulateGrad"):
         tags["grad_bytes"] = grad  # what a data-parallel group would all-reduce
     if s.name.startswith(_BACKWARD) and (fwd := m.forward_of.get(s.args.get("Sequence number"))):
         tags["forward"] = list(fwd)  # the forward ops (outermost first) that recorded the node this runs
@@ -201,7 +196,7 @@ def _pieces(m: Model, track: tuple, call: Call) -> list[int]:
         piece = call.pieces[wait_piece]
         m.tasks[piece].deps.extend(waits)
         m.tasks[piece].tags = dict(m.tasks[piece].tags, sync=call.wait_kind)
-        rep.count("inferred" if call.wait_inferred else "deps", call.wait_kind)
+        (rep.inferred if call.wait_inferred else rep.deps)[call.wait_kind] += 1
         if call.wait_inferred:
             m.inferred.setdefault(piece, []).extend(waits)
     return call.pieces

@@ -108,7 +108,7 @@ class Model:
         """An edge derived from timing: kept, counted and tagged as inferred."""
         self.tasks[consumer].deps.append(producer)
         self.inferred.setdefault(consumer, []).append(producer)
-        self.report.count("inferred", kind)
+        self.report.inferred[kind] += 1
 
     def consistent(self, producer: int, at: float, kind: str) -> int | None:
         """``producer``, or the latest earlier task on its track that had ended by ``at``."""
@@ -119,9 +119,9 @@ class Model:
         k = bisect.bisect_left(line, producer)
         for q in reversed(line[max(0, k - 64):k]):  # the 64 tasks before it at most
             if self.tasks[q].end <= at:
-                self.report.count("retargeted", kind)
+                self.report.retargeted[kind] += 1
                 return q
-        self.report.count("dropped", f"{kind}: producer ends after the consumer starts, nothing earlier ended")
+        self.report.dropped[f"{kind}: producer ends after the consumer starts, nothing earlier ended"] += 1
         return None
 
     def flows(self) -> None:
@@ -132,21 +132,19 @@ class Model:
             try:
                 chains.setdefault((e.get("cat"), e.get("id")), []).append(e)
             except TypeError:  # a list or object as flow id or category: no chain to join
-                self.report.count("skipped", "flow event with a malformed id or category")
+                self.report.skipped["flow event with a malformed id or category"] += 1
         starts = {t: [self.tasks[i].start for i in ids] for t, ids in self.track_tasks.items()}
         for chain in chains.values():
             chain.sort(key=lambda e: ("stf".index(e["ph"]), float(e["ts"])))
             for a, b in zip(chain, chain[1:]):
                 src, dst = self._at(a, starts, False), self._at(b, starts, True)
                 if src is None or dst is None or src == dst:
-                    self.report.count("dropped", "flow with an end on no task")
+                    self.report.dropped["flow with an end on no task"] += 1
                     continue
-                p = self.consistent(src, self.tasks[dst].start, "flow")
-                if p is not None and p != dst:
+                if (p := self.consistent(src, self.tasks[dst].start, "flow")) is not None and p != dst:
                     self.tasks[dst].deps.append(p)
-                    self.report.count("deps", f"flow {a.get('cat')}")
-                    anns = self.tasks[src].tags.get("annotations")
-                    if anns and "annotations" not in self.tasks[dst].tags:
+                    self.report.deps[f"flow {a.get('cat')}"] += 1
+                    if (anns := self.tasks[src].tags.get("annotations")) and "annotations" not in self.tasks[dst].tags:
                         self.tasks[dst].tags = dict(self.tasks[dst].tags, annotations=anns)
 
     def _at(self, e: dict, starts: dict, after: bool) -> int | None:

@@ -55,7 +55,7 @@ class RawTrace:
     flows: list[dict]
     syncs: list[dict]
     header: dict[str, Any]
-    skipped: dict[str, int] = field(default_factory=dict)
+    skipped: Counter[str] = field(default_factory=Counter)
 
 
 def describe(raw: bytes) -> str:
@@ -174,11 +174,10 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
                     skipped["sync on a stream that is a list"] += 1
                 else:
                     syncs.append(e)
-                continue
-            if cat == "Trace":  # the profiler's own span
+            elif cat == "Trace":  # the profiler's own span
                 skipped["profiler span"] += 1
-                continue
-            slices.append(_slice(i, e, cat, float(ts), float(ts + dur), len(slices)))
+            else:
+                slices.append(_slice(i, e, cat, float(ts), float(ts + dur), len(slices)))
         elif ph in ("s", "t", "f"):
             _time(e, "ts", i)
             if cat == "ac2g":  # launch flows: the correlation ids say the same
@@ -192,8 +191,7 @@ def _sort(path: str, events: list[Any], header: dict[str, Any]) -> RawTrace:
             if not open_b.get((pid, tid)):
                 raise _bad(i, f"end event with no open begin on track {(pid, tid)}")
             j, b = open_b[pid, tid].pop()
-            end = _time(e, "ts", i)
-            if end < b.start:
+            if (end := _time(e, "ts", i)) < b.start:
                 raise _bad(i, f"ends at {end} before its begin (event {j}) at {b.start} (clock wrap?)")
             b.cat, b.end, b.seq = b.cat or cat, end, len(slices)
             slices.append(b)

@@ -1,6 +1,7 @@
 """The import report: every event of the file accounted for, every dependency by kind."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -15,19 +16,19 @@ class ImportReport:
     rank: int = 0
     world_size: int = 1
     tasks: int = 0
-    engines: dict[str, int] = field(default_factory=dict)
+    engines: Counter[str] = field(default_factory=Counter)
     device_ops: int = 0
     host_calls: int = 0
     split_calls: int = 0
     """Host calls cut where a kernel started inside them or where a sync returned."""
-    context: dict[str, int] = field(default_factory=dict)
+    context: Counter[str] = field(default_factory=Counter)
     """Events kept as tags or as context of the tasks beneath them (annotations, CPU ops)."""
-    deps: dict[str, int] = field(default_factory=dict)
-    inferred: dict[str, int] = field(default_factory=dict)
-    retargeted: dict[str, int] = field(default_factory=dict)
+    deps: Counter[str] = field(default_factory=Counter)
+    inferred: Counter[str] = field(default_factory=Counter)
+    retargeted: Counter[str] = field(default_factory=Counter)
     """Dependencies whose producer ended after the consumer started (clock rounding or overlap),
     moved to the latest earlier task on the producer's track that had ended."""
-    dropped: dict[str, int] = field(default_factory=dict)
+    dropped: Counter[str] = field(default_factory=Counter)
     overhangs: int = 0
     max_overhang_us: float = 0.0
     truncated: int = 0
@@ -37,12 +38,8 @@ class ImportReport:
     """Device ops with / without work figures (those without keep their duration in what-ifs)."""
     delay_s: float = 0.0
     """Untraced time kept as delays before tasks (host time between calls, launch latency)."""
-    skipped: dict[str, int] = field(default_factory=dict)
+    skipped: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
-
-    def count(self, table: str, key: str, n: int = 1) -> None:
-        d = getattr(self, table)
-        d[key] = d.get(key, 0) + n
 
     def text(self) -> str:
         """The report as the CLI prints it."""

@@ -72,18 +72,17 @@ def syncs(m: Model) -> None:
         stream = (pid, args.get("stream", e.get("tid")))
         if kind == "Stream Wait Event":
             if c is None or not event:
-                m.report.count("skipped", "stream waits on an event recorded outside the trace")
+                m.report.skipped["stream waits on an event recorded outside the trace"] += 1
                 continue
             recorded.add(c)
             p, q = _adjacent(m, (pid, on), rec), _adjacent(m, stream, c, after=True)
             if p is None or q is None:
-                m.report.count("skipped", "stream wait on a stream with no op before the event record")
+                m.report.skipped["stream wait on a stream with no op before the event record"] += 1
             else:
                 m.explicit_waits.append((p, q))
             continue
-        ci = m.corr_call.get(c)
-        if ci is None:
-            m.report.count("skipped", f"{kind} record without its host call")
+        if (ci := m.corr_call.get(c)) is None:
+            m.report.skipped[f"{kind} record without its host call"] += 1
             continue
         if kind == "Context Sync":
             waits = [_adjacent(m, t, c) for t in streams if pid is None or t[0] == pid]
@@ -92,7 +91,7 @@ def syncs(m: Model) -> None:
         elif kind == "Event Sync" and event:
             waits = [_adjacent(m, (pid, on), rec)]
         else:
-            m.report.count("skipped", f"{kind} record naming no stream or event")
+            m.report.skipped[f"{kind} record naming no stream or event"] += 1
             continue
         recorded.add(c)
         _wait(m.calls[ci], waits, kind.lower().replace(" ", "_"))
@@ -106,8 +105,7 @@ def syncs(m: Model) -> None:
                 m.after_wait.add(min(call.launched, key=lambda i: m.ops[i].s.start))
                 waiting = False
     for call in m.calls:
-        c = corr(call.s)
-        if c is None or c in recorded:
+        if (c := corr(call.s)) is None or c in recorded:
             continue
         kind = sync_kind(call.s.name)
         copies = [i for i in call.launched if m.ops[i].s.cat in ("gpu_memcpy", "gpu_memset")]
@@ -118,11 +116,10 @@ def syncs(m: Model) -> None:
             if cands:
                 _wait(call, [max(cands, key=lambda w: m.ops[w].s.end)], f"{kind}_sync", inferred=True)
         elif copies and (kind == "copy" or any(_to_pageable(m.ops[i].s.name) for i in copies)):
-            done = [i for i in copies if m.ops[i].s.end <= call.s.end]
-            if done:
+            if done := [i for i in copies if m.ops[i].s.end <= call.s.end]:
                 _wait(call, done, "synchronous_copy")
             else:
-                m.report.count("skipped", "copy call returned before its copy ended (asynchronous)")
+                m.report.skipped["copy call returned before its copy ended (asynchronous)"] += 1
     _implicit(m)
 
 
@@ -161,7 +158,7 @@ def handed_over(m: Model) -> dict[int, int]:
             p = m.consistent(op, m.tasks[q].start, "collective handed over")
             if p is not None and m.tasks[p].track != m.tasks[q].track:
                 m.tasks[q].deps.append(p)
-                m.report.count("deps", "collective handed over")
+                m.report.deps["collective handed over"] += 1
     return handed
 
 
@@ -181,7 +178,7 @@ def explain(m: Model) -> None:
             if (best := _latest(by_end, others, t.start, ready)) is not None:
                 m.infer(i, best, "event wait (from timing)")
             else:
-                m.report.count("skipped", "stream wait with nothing to wait for")
+                m.report.skipped["stream wait with nothing to wait for"] += 1
         elif "stream" not in t.tags and t.start - ready > HOST_WAIT_US:
             q = handed.get(prev.get(i, -1))
             if q is not None and m.tasks[prev[i]].end < m.tasks[q].end <= t.start:  # a synchronous collective
@@ -193,8 +190,7 @@ def explain(m: Model) -> None:
             gap, woke = max((b - a, b) for a, b in zip(times, times[1:]))
             if gap <= HOST_WAIT_US:
                 continue
-            best = _woken_by(m, by_end, t.track, woke, woke - gap, next_start)
-            if best is not None:
+            if (best := _woken_by(m, by_end, t.track, woke, woke - gap, next_start)) is not None:
                 kind = "collective" if m.tasks[best].engine == COMM else "another thread"
                 m.infer(i, best, f"host waits for {kind} (from timing)")
 

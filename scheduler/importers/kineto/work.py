@@ -70,9 +70,8 @@ def _concrete(args: dict, i: int) -> list[int] | None:
     """Recorded input ``i`` when it is a list of integers (``"[1, 1]"``), else None."""
     vals = args.get("Concrete Inputs")
     v = vals[i] if isinstance(vals, list) and i < len(vals) else None
-    if not (isinstance(v, str) and v.strip().startswith("[")):
-        return None
-    return [int(x) for x in re.findall(r"-?\d+", v)] or None
+    listed = isinstance(v, str) and v.strip().startswith("[")
+    return ([int(x) for x in re.findall(r"-?\d+", v)] or None) if listed else None
 
 
 def _gemm(name: str, ts: list[tuple[list[int], str]]) -> Work | None:
@@ -130,8 +129,7 @@ def _attention(name: str, ts: list[tuple[list[int], str]]) -> Work | None:
 
 def op_work(name: str, args: dict) -> Work | None:
     """Figures of one CPU op from its recorded shapes, or None when it has none."""
-    ts = _tensors(args)
-    if not ts:
+    if not (ts := _tensors(args)):
         return None
     if _GEMM.match(name):
         return _gemm(name, ts)
@@ -189,8 +187,7 @@ def comm_work(kind: str | None, args: dict, world_size: int | None) -> Work | No
     dt, n = dtype_name(args.get("dtype")), args.get("Group size", world_size)
     if kind not in WIRE or dt is None or type(n) is not int or n < 1 or not elems:
         return None
-    size = float(max(elems) * itemsize(dt))
-    wire = size * WIRE[kind](n) if n > 1 else 0.0
+    wire = float(max(elems) * itemsize(dt)) * WIRE[kind](n) if n > 1 else 0.0  # of the largest message
     return Work(0.0, float(sum(elems) * itemsize(dt)), wire, precision_of(dt), "inter" if n > NODE_GPUS else "intra")
 
 
@@ -202,8 +199,7 @@ def tensor_bytes(args: dict) -> float:
 
 def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
     """Figures of a backend's own collective annotation (``gloo:all_reduce``) from its tensor's shape."""
-    ts = _tensors(args)
-    if not ts:
+    if not (ts := _tensors(args)):
         return None
     n = prod(ts[0][0])
     return comm_work("send_recv" if kind in ("send", "recv") else kind,
@@ -212,8 +208,7 @@ def backend_work(kind: str, args: dict, world_size: int | None) -> Work | None:
 
 def copy_work(name: str, args: dict) -> Work | None:
     """Figures of a memcpy or memset from its ``bytes`` argument, or None."""
-    n = args.get("bytes")
-    if type(n) is not int or n < 0:
+    if type(n := args.get("bytes")) is not int or n < 0:
         return None
     upper = name.upper()
     if any(k in upper for k in ("HTOD", "DTOH", "HTOH")):

@@ -64,13 +64,12 @@ class Layout:
 @dataclass(slots=True)
 class Plan:
     """One step's plan (see the module doc); ``start``/``n``: each local expert's first row and rows;
-    ``tile``: (expert, rows) per tile; ``shift``: pooled row minus send-layout row per global expert."""
+    ``tile``: (expert, rows) per tile."""
 
     start: list[int]
     n: list[int]
     tile: list[tuple[int, int]]
     comm: list  # [2][E_l][W] of (src off, src rows, dst off, dst rows, most rows)
-    shift: list[int]
 
     def meta(self, layout: Layout) -> torch.Tensor:
         ends = [s + -(-n // layout.align) * layout.align for s, n in zip(self.start, self.n)]
@@ -97,8 +96,7 @@ def make_plan(layout: Layout, c: Counts) -> Plan:
             tile[j] = (e, min(tm, start[e] + n[e] - j * tm))
     comm = [] if layout.pooled else [[[_round(c, e, j, combine) for j in range(W)] for e in range(El)]
                                      for combine in (False, True)]
-    shift = [start[g] - c.send_off[g] for g in range(El)] if layout.pooled else []
-    return Plan(start, n, tile, comm, shift)
+    return Plan(start, n, tile, comm)
 
 
 def _round(c: Counts, e: int, j: int, combine: bool) -> tuple[int, int, int, int, int]:
@@ -116,8 +114,9 @@ def step_inputs(layout: Layout, routing: Routing) -> tuple[dict[str, torch.Tenso
     ins = {"meta": plan.meta(layout)}
     if not layout.pooled:
         return {**ins, "comm": torch.tensor(plan.comm, dtype=torch.int64), "tok": routing.tok, "pos": routing.pos}, None
-    counts = torch.tensor(routing.counts.counts[0], dtype=torch.int64)
-    rows = torch.arange(layout.spec.rows) + torch.repeat_interleave(torch.tensor(plan.shift), counts)
+    # each expert's block of send-layout rows, moved to its pooled start (no repeat_interleave: it
+    # spreads over torch's thread pool, costly for a thousand rows on a busy machine)
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(plan.start, plan.n)])
     return {**ins, "tok": place(rows, routing.tok, layout), "pos": rows[routing.pos]}, rows
 
 

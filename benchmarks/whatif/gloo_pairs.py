@@ -1,6 +1,6 @@
-"""Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, and
-a second data-parallel rank on the same machine. B is predicted from A's profiler traces alone,
-with the link's alpha-beta model measured once on these ranks and the cores the machine's
+"""Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, a
+second data-parallel rank on the same machine, and a MoE step's experts spread over both ranks.
+B is predicted from A's profiler traces alone, with the link's alpha-beta model measured once on these ranks and the cores the machine's
 threads share measured as ``megaloom calibrate`` does.
 
 The two ranks live in a pool of worker processes that stay up for the whole suite: each
@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from benchmarks.whatif import moe_ep
 from benchmarks.whatif.pair import Pair
 from benchmarks.whatif.record import STEPS, TRACE_DIR, predicted_ratio, profile_steps, timed
 from megaloom.scheduler.calibrate import shared_cores
@@ -51,7 +52,9 @@ def _training(model: nn.Module, extra: Callable[[], None] | None = None) -> Call
 
 def workload(name: str) -> Callable[[], None]:
     """``bucket:N`` (a quarter-width MLP step, then an all-reduce of N floats: comm about half the
-    step), ``ddp`` (the MLP in DDP), ``mlp``."""
+    step), ``ddp`` (the MLP in DDP), ``moe:N`` (a MoE step at expert-parallel degree N), ``mlp``."""
+    if name.startswith("moe:"):
+        return moe_ep.step(int(name.split(":")[1]))
     if name.startswith("bucket:"):
         buf = torch.zeros(int(name.split(":")[1]))
         return _training(mlp(WIDTH // 4), lambda: dist.all_reduce(buf))
@@ -167,9 +170,13 @@ def pairs() -> list[Pair]:
     traces: dict = {}
     local: dict = {}
 
-    def record_bucket() -> None:  # the recording both ranks took least time in: the least disturbed
-        tries = list(zip(*pool().ask("record", f"bucket:{BUCKET}", "bucket")))
-        traces["bucket"] = [path for path, _ in min(tries, key=lambda ranks: max(t for _, t in ranks))]
+    def record_ranks(name: str, key: str, warm: str | None = None) -> None:
+        if warm:  # side B's first step (its allocations) outside the timed rounds
+            pool().ask("time", warm, 1)
+        # the recording both ranks took least time in: the least disturbed
+        tries = list(zip(*pool().ask("record", name, key)))
+        traces[key] = [path for path, _ in min(tries, key=lambda ranks: max(t for _, t in ranks))]
+        link_profile()
 
     def record_single() -> None:
         torch.set_num_threads(1)
@@ -185,9 +192,14 @@ def pairs() -> list[Pair]:
     return [
         Pair("comm", f"2 gloo ranks, all-reduce of {BUCKET * 4 >> 20} MiB -> {BUCKET * 2 >> 20} MiB per step",
              _ranks(f"bucket:{BUCKET}"), _ranks(f"bucket:{BUCKET // 2}"),
-             lambda: predicted_ratio(traces["bucket"], WhatIf(comm_bytes=0.5), link_profile()), record_bucket),
+             lambda: predicted_ratio(traces["bucket"], WhatIf(comm_bytes=0.5), link_profile()),
+             lambda: record_ranks(f"bucket:{BUCKET}", "bucket")),
         Pair("parallelism", "MLP step, data-parallel degree 1 -> 2 gloo ranks (DDP)", single, _ranks("ddp"),
              lambda: predicted_ratio(traces["mlp"], WhatIf(dp=2, host_ranks=2), link_profile()), record_single),
+        Pair("parallelism", f"MoE step ({moe_ep.EXPERTS} experts, top-{moe_ep.TOP_K}), expert-parallel degree 1 -> 2 "
+             "on 2 gloo ranks", _ranks("moe:1"), _ranks("moe:2"),
+             lambda: predicted_ratio(traces["moe"], WhatIf(ep=2, scope=("experts",)), link_profile()),
+             lambda: record_ranks("moe:1", "moe", warm="moe:2")),
     ]
 
 

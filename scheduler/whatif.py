@@ -238,11 +238,11 @@ def _closure(dims: dict[int, int], events: list[TraceEvent]) -> dict[int, int]:
     return out
 
 
-def _threads(events: list[TraceEvent]) -> list[list[int]]:
-    """Indices of the events of each thread (rank, engine, unit, thread), in start order."""
+def _threads(events: list[TraceEvent], key=lambda e: (e.rank, e.engine, e.unit)) -> list[list[int]]:
+    """Indices of the events of each thread (``key`` and its ``thread`` tag), in start order."""
     threads: dict[tuple, list[int]] = {}
     for i, e in enumerate(events):
-        threads.setdefault((e.rank, e.engine, e.unit, e.tags.get("thread")), []).append(i)
+        threads.setdefault((*key(e), e.tags.get("thread")), []).append(i)
     return [sorted(ids, key=lambda i: events[i].start) for ids in threads.values()]
 
 
@@ -261,17 +261,18 @@ def _all_to_alls(events: list[TraceEvent], scoped: list[bool], model: CostModel,
     for e in events:
         ids[e.rank] = max(ids.get(e.rank, 0), e.task_id + 1)
     seq = dict.fromkeys(ids, 0)
-    for thread in _threads([replace(e, engine=HOST, unit=0) for e in events]):
+    for thread in _threads(events, key=lambda e: (e.rank,)):  # a host thread's ops, whatever their engine
         run: list[int] = []
         for i in [*thread, None]:
             if i is not None and (run and "grad_bytes" in events[i].tags or scoped[i] and events[i].engine != COMM
                                   and not collective(events[i].op)):
                 run.append(i)
                 continue
-            for at, start, deps, waits in [(run[0], events[run[0]].start, events[run[0]].deps, run[0]),
-                                           (run[-1], events[run[-1]].end, [events[run[-1]].task_id], i)] if run else []:
-                r = events[at].rank
-                ids[r], seq[r] = ids[r] + 1, seq[r] + 1
+            if not run:
+                continue
+            first, last, r = events[run[0]], events[run[-1]], events[run[0]].rank
+            for start, deps, waits in [(first.start, first.deps, run[0]), (last.end, [last.task_id], i)]:
+                ids[r], seq[r] = ids[r] + 1, seq[r] + 1  # the tokens out to the experts' ranks, or back
                 out.append(TraceEvent(ids[r] - 1, f"expert all_to_all #{seq[r]}", "all_to_all", COMM, unit, r, start,
                                       start + model.duration(Cost(0.0, 0.0, wire), COMM, "intra"), 0.0, 0.0, wire,
                                       list(deps), {"class": "added", "link": "intra", "pg": "experts", "seq": seq[r]}))

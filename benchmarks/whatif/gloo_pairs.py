@@ -23,6 +23,7 @@ from benchmarks.whatif import moe_ep
 from benchmarks.whatif.pair import Pair
 from benchmarks.whatif.record import STEPS, TRACE_DIR, predicted_ratio, profile_steps, timed
 from megaloom.scheduler.calibrate import shared_cores
+from megaloom.scheduler.importers.kineto.work import WIRE
 from megaloom.scheduler.profile import Contention, load_profile
 from megaloom.scheduler.replay import WhatIf
 
@@ -90,14 +91,14 @@ def _worker(rank: int, port: int, conn) -> None:
                     t = time.perf_counter()
                     tries.append((profile_steps(step, f"{arg}.{k}.rank{rank}", warmup=0, tries=1), time.perf_counter() - t))
                 conn.send(tries)
-            else:  # the link: median all-reduce time per size
+            else:  # the link: median time of the collective ``name`` per size
                 out = []
                 for n in arg:
-                    buf, times = torch.ones(n), []
+                    buf, got, times = torch.ones(n), torch.empty(n), []
                     for _ in range(9):
                         dist.barrier()
                         t = time.perf_counter()
-                        dist.all_reduce(buf)
+                        dist.all_reduce(buf) if name == "all_reduce" else dist.all_to_all_single(got, buf)
                         times.append(time.perf_counter() - t)
                     out.append(statistics.median(times))
                 conn.send(out)
@@ -147,19 +148,23 @@ def close() -> None:
         _pool = None
 
 
-def link_profile():
-    """The ``cpu`` profile with the gloo link these ranks measured (alpha and beta from two sizes)
-    and the cores the machine's threads really share (as ``megaloom calibrate`` measures them)."""
-    if "profile" not in _link:
+def link_profile(collective: str = "all_reduce"):
+    """The ``cpu`` profile with the gloo link these ranks measured with ``collective`` (alpha and
+    beta from two sizes: the alpha of a collective counts its own rounds, two for a ring
+    all-reduce, one for an all-to-all of 2 ranks) and the cores the machine's threads really
+    share (as ``megaloom calibrate`` measures them)."""
+    if collective not in _link:
         small, large = 1 << 14, 1 << 22
-        t = [max(x) for x in zip(*pool().ask("link", "", [small, large]))]
-        beta = 4 * (large - small) / (t[1] - t[0])  # a ring all-reduce of 2 ranks puts the message on the wire once
-        alpha = max(t[0] - 4 * small / beta, 0.0)
+        t = [max(x) for x in zip(*pool().ask("link", collective, [small, large]))]
+        wire = 4 * WIRE[collective](2)  # bytes on the wire per float of the message
+        beta = wire * (large - small) / (t[1] - t[0])
+        alpha = max(t[0] - wire * small / beta, 0.0)
         base = load_profile("cpu")
-        cores = Contention(shared_cores(os.cpu_count() or 1, 128, 1.0), base.contention.engines)
-        _link["profile"] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)},
-                                               contention=cores)
-    return _link["profile"]
+        if "cores" not in _link:
+            _link["cores"] = Contention(shared_cores(os.cpu_count() or 1, 128, 1.0), base.contention.engines)
+        _link[collective] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)},
+                                                contention=_link["cores"])
+    return _link[collective]
 
 
 def _ranks(name: str) -> Callable[[], float]:
@@ -170,13 +175,13 @@ def pairs() -> list[Pair]:
     traces: dict = {}
     local: dict = {}
 
-    def record_ranks(name: str, key: str, warm: str | None = None) -> None:
+    def record_ranks(name: str, key: str, warm: str | None = None, link: str = "all_reduce") -> None:
         if warm:  # side B's first step (its allocations) outside the timed rounds
             pool().ask("time", warm, 1)
         # the recording both ranks took least time in: the least disturbed
         tries = list(zip(*pool().ask("record", name, key)))
         traces[key] = [path for path, _ in min(tries, key=lambda ranks: max(t for _, t in ranks))]
-        link_profile()
+        link_profile(link)
 
     def record_single() -> None:
         torch.set_num_threads(1)
@@ -198,8 +203,8 @@ def pairs() -> list[Pair]:
              lambda: predicted_ratio(traces["mlp"], WhatIf(dp=2, host_ranks=2), link_profile()), record_single),
         Pair("parallelism", f"MoE step ({moe_ep.EXPERTS} experts, top-{moe_ep.TOP_K}), expert-parallel degree 1 -> 2 "
              "on 2 gloo ranks", _ranks("moe:1"), _ranks("moe:2"),
-             lambda: predicted_ratio(traces["moe"], WhatIf(ep=2, scope=("experts",)), link_profile()),
-             lambda: record_ranks("moe:1", "moe", warm="moe:2")),
+             lambda: predicted_ratio(traces["moe"], WhatIf(ep=2, scope=("experts",)), link_profile("all_to_all")),
+             lambda: record_ranks("moe:1", "moe", warm="moe:2", link="all_to_all")),
     ]
 
 

@@ -31,7 +31,8 @@ from megaloom.runtime.registry import COMM, CUBE, HOST, Cost
 from megaloom.runtime.trace import Trace, TraceEvent
 from megaloom.scheduler.cost import CostModel
 from megaloom.scheduler.importers import labels, reshaped
-from megaloom.scheduler.importers.kineto.work import WIRE, has_formula
+from megaloom.scheduler.importers.kineto.classes import collective
+from megaloom.scheduler.importers.kineto.work import WIRE, dtype_name, has_formula, itemsize
 from megaloom.scheduler.profile import HardwareProfile
 
 KIND_OF = {"speedup": "op_speed", "remove": "op_speed", "fuse": "op_speed", "cuda_graphs": "op_speed", "dims": "shape", "layers": "shape",
@@ -157,6 +158,8 @@ class WhatIf:
                               f"op, task or annotation in it); classes and engines: {', '.join(known)}")
         if self.dp and self.dp > 1 and world == 1 and not any(e.op == "all_reduce" for e in ev):
             out += _gradient_all_reduces(out, model, self.dp)
+        if self.ep and self.ep > 1 and self.scope and not any(e.op == "all_to_all" for e in ev):
+            out += _all_to_alls(out, scoped, model, self.ep)
         return Trace(out, trace.meta)
 
     def _in_scope(self, e: TraceEvent, matched: dict) -> bool:
@@ -188,13 +191,13 @@ class WhatIf:
             cut = _cut(e, [] if hits else rules, matched, fused)
             if cut and e.end > e.start:
                 f *= max(0.0, 1.0 - cut / (e.end - e.start))
+            if self.ep and self.scope and world <= self.ep and collective(e.op) == "all_reduce":
+                return 0.0, 0.0  # the experts' gradients stay on their rank: no all-reduce, nor the call issuing it
             if self.cuda_graphs and e.engine == HOST:
                 f = g = 0.0
             ratio = reshaped(source, e.tags["sources"], dims) if dims and e.tags.get("sources") else None
             if ratio is not None:
                 f *= recost(model, e, whole, *ratio)
-            if self.ep and e.op != "all_to_all" and self.scope:  # the experts of one rank: more ranks, fewer each
-                f *= recost(model, e, whole, world / self.ep, world / self.ep)
         if e.engine == COMM:
             f /= self.comm_speedup
             if self.link_bandwidth is not None and e.comm_bytes > 0:
@@ -202,6 +205,8 @@ class WhatIf:
                                                    self.link_bandwidth))
             wire = self.comm_bytes
             n = {"all_reduce": self.dp, "all_to_all": self.ep}.get(e.op)  # the group it re-sizes
+            if e.op == "all_reduce" and self.ep and self.scope and inside:  # the experts' data-parallel group
+                n = world // self.ep
             if n and world > 1:
                 wire *= WIRE[e.op](n) / WIRE[e.op](world)
             if wire != 1.0:
@@ -271,6 +276,50 @@ def _closure(dims: dict[int, int], events: list[TraceEvent]) -> dict[int, int]:
     return out
 
 
+def _threads(events: list[TraceEvent], key=lambda e: (e.rank, e.engine, e.unit)) -> list[list[int]]:
+    """Indices of the events of each thread (``key`` and its ``thread`` tag), in start order."""
+    threads: dict[tuple, list[int]] = {}
+    for i, e in enumerate(events):
+        threads.setdefault((*key(e), e.tags.get("thread")), []).append(i)
+    return [sorted(ids, key=lambda i: events[i].start) for ids in threads.values()]
+
+
+def _all_to_alls(events: list[TraceEvent], scoped: list[bool], model: CostModel, n: int) -> list[TraceEvent]:
+    """The all-to-alls an expert-parallel group of ``n`` adds to a trace with none: on each host
+    thread, one before and one after each run of its tasks in scope (the experts' forward, then
+    their backward: gradient accumulation does not end a run), each sending the tokens (the
+    first input of the first forward GEMM in scope) to the ranks of their experts; the run's
+    first task and the task after it wait for them. Matched across ranks by their order."""
+    gemm = next((e.tags["sources"][0] for e, inside in zip(events, scoped) if inside and e.tags.get("sources")
+                 and e.tags["class"] == "cpu_gemm" and not e.op.startswith("autograd::")), [0, None, None])
+    if not (gemm[1] and gemm[2]):
+        raise ConfigError("no GEMM with shapes in the experts' scope: profile with record_shapes=True to add all-to-alls")
+    wire = math.prod(gemm[1][0]) * itemsize(dtype_name(gemm[2][0]) or "float") * WIRE["all_to_all"](n)
+    unit, ids, out = 1 + max((e.unit for e in events if e.engine == COMM), default=-1), {}, []
+    for e in events:
+        ids[e.rank] = max(ids.get(e.rank, 0), e.task_id + 1)
+    seq = dict.fromkeys(ids, 0)
+    for thread in _threads(events, key=lambda e: (e.rank,)):  # a host thread's ops, whatever their engine
+        run: list[int] = []
+        for i in [*thread, None]:
+            if i is not None and (run and "grad_bytes" in events[i].tags or scoped[i] and events[i].engine != COMM
+                                  and not collective(events[i].op)):
+                run.append(i)
+                continue
+            if not run:
+                continue
+            first, last, r = events[run[0]], events[run[-1]], events[run[0]].rank
+            for start, deps, waits in [(first.start, first.deps, run[0]), (last.end, [last.task_id], i)]:
+                ids[r], seq[r] = ids[r] + 1, seq[r] + 1  # the tokens out to the experts' ranks, or back
+                out.append(TraceEvent(ids[r] - 1, f"expert all_to_all #{seq[r]}", "all_to_all", COMM, unit, r, start,
+                                      start + model.duration(Cost(0.0, 0.0, wire), COMM, "intra"), 0.0, 0.0, wire,
+                                      list(deps), {"class": "added", "link": "intra", "pg": "experts", "seq": seq[r]}))
+                if waits is not None:
+                    events[waits] = replace(events[waits], deps=[*events[waits].deps, ids[r] - 1])
+            run = []
+    return out
+
+
 def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) -> list[TraceEvent]:
     """The all-reduces a data-parallel group of ``n`` adds to one rank's steps: in each backward
     pass (a run of autograd-engine tasks on a thread), the gradients in buckets as they are
@@ -282,11 +331,7 @@ def _gradient_all_reduces(events: list[TraceEvent], model: CostModel, n: int) ->
     out: list[TraceEvent] = []
     next_id = max(e.task_id for e in events) + 1
     unit = 1 + max((e.unit for e in events if e.engine == COMM), default=-1)
-    threads: dict[tuple, list[int]] = {}
-    for i, e in enumerate(events):
-        threads.setdefault((e.rank, e.engine, e.unit, e.tags.get("thread")), []).append(i)
-    for ids in threads.values():
-        ids.sort(key=lambda i: events[i].start)
+    for ids in _threads(events):
         size, cap, prev, mine, last = 0.0, FIRST_BUCKET_BYTES, None, [], None
         for i in [*ids, None]:  # None: the thread's end closes its last pass
             e = events[i] if i is not None else None

@@ -1,7 +1,8 @@
-"""Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, and
-a second data-parallel rank on the same machine. B is predicted from A's profiler traces alone,
-with the link's alpha-beta model measured once on these ranks and the cores the two ranks'
-processes share (matmuls on one rank alone against both at once).
+"""Pairs on two gloo ranks (two processes, one thread each): all-reduces of another size, a
+second data-parallel rank on the same machine, and a MoE step's experts spread over both ranks.
+B is predicted from A's profiler traces alone, with the link's alpha-beta model measured once on
+these ranks and the cores the two ranks' processes share (matmuls on one rank alone against both
+at once).
 
 The two ranks live in a pool of worker processes that stay up for the whole suite: each
 command (time a workload, record it, measure the link) runs on both at once.
@@ -19,8 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from benchmarks.whatif import moe_ep
 from benchmarks.whatif.pair import Pair
 from benchmarks.whatif.record import STEPS, TRACE_DIR, predicted_ratio, profile_steps, timed
+from megaloom.scheduler.importers.kineto.work import WIRE
 from megaloom.scheduler.profile import Contention, load_profile
 from megaloom.scheduler.replay import WhatIf
 
@@ -50,7 +53,9 @@ def _training(model: nn.Module, extra: Callable[[], None] | None = None) -> Call
 
 def workload(name: str) -> Callable[[], None]:
     """``bucket:N`` (a quarter-width MLP step, then an all-reduce of N floats: comm about half the
-    step), ``ddp`` (the MLP in DDP), ``mlp``."""
+    step), ``ddp`` (the MLP in DDP), ``moe:N`` (a MoE step at expert-parallel degree N), ``mlp``."""
+    if name.startswith("moe:"):
+        return moe_ep.step(int(name.split(":")[1]))
     if name.startswith("bucket:"):
         buf = torch.zeros(int(name.split(":")[1]))
         return _training(mlp(WIDTH // 4), lambda: dist.all_reduce(buf))
@@ -103,14 +108,14 @@ def _worker(rank: int, port: int, conn) -> None:
                 for _ in range(5):
                     out.append([_matmuls(a, rank == 0 or both) for both in (False, True)])
                 conn.send(out)
-            else:  # the link: median all-reduce time per size
+            else:  # the link: median time of the collective ``name`` per size
                 out = []
                 for n in arg:
-                    buf, times = torch.ones(n), []
+                    buf, got, times = torch.ones(n), torch.empty(n), []
                     for _ in range(9):
                         dist.barrier()
                         t = time.perf_counter()
-                        dist.all_reduce(buf)
+                        dist.all_reduce(buf) if name == "all_reduce" else dist.all_to_all_single(got, buf)
                         times.append(time.perf_counter() - t)
                     out.append(statistics.median(times))
                 conn.send(out)
@@ -160,21 +165,25 @@ def close() -> None:
         _pool = None
 
 
-def link_profile():
-    """The ``cpu`` profile with the gloo link these ranks measured (alpha and beta from two sizes)
-    and the cores the two ranks share (matmuls on rank 0 alone against both ranks at once)."""
-    if "profile" not in _link:
+def link_profile(collective: str = "all_reduce"):
+    """The ``cpu`` profile with the gloo link these ranks measured with ``collective`` (alpha and
+    beta from two sizes: the alpha of a collective counts its own rounds, two for a ring
+    all-reduce, one for an all-to-all of 2 ranks) and the cores the two ranks share (matmuls on
+    rank 0 alone against both ranks at once)."""
+    if collective not in _link:
         small, large = 1 << 14, 1 << 22
-        t = [max(x) for x in zip(*pool().ask("link", "", [small, large]))]
-        beta = 4 * (large - small) / (t[1] - t[0])  # a ring all-reduce of 2 ranks puts the message on the wire once
-        alpha = max(t[0] - 4 * small / beta, 0.0)
+        t = [max(x) for x in zip(*pool().ask("link", collective, [small, large]))]
+        wire = 4 * WIRE[collective](2)  # bytes on the wire per float of the message
+        beta = wire * (large - small) / (t[1] - t[0])
+        alpha = max(t[0] - wire * small / beta, 0.0)
         base = load_profile("cpu")
-        alone, both = zip(*pool().ask("cores")[0])  # rank 0's rounds: alone, then beside rank 1
-        cores = Contention(min(2.0, max(1.0, statistics.median(2 * a / b for a, b in zip(alone, both)))),
-                           base.contention.engines)
-        _link["profile"] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)},
-                                               contention=cores)
-    return _link["profile"]
+        if "cores" not in _link:
+            alone, both = zip(*pool().ask("cores")[0])  # rank 0's rounds: alone, then beside rank 1
+            _link["cores"] = Contention(min(2.0, max(1.0, statistics.median(2 * a / b for a, b in zip(alone, both)))),
+                                        base.contention.engines)
+        _link[collective] = dataclasses.replace(base, name="cpu-gloo", links={**base.links, "intra": (alpha, beta)},
+                                                contention=_link["cores"])
+    return _link[collective]
 
 
 def _ranks(name: str) -> Callable[[], float]:
@@ -185,9 +194,13 @@ def pairs() -> list[Pair]:
     traces: dict = {}
     local: dict = {}
 
-    def record_bucket() -> None:  # the recording both ranks took least time in: the least disturbed
-        tries = list(zip(*pool().ask("record", f"bucket:{BUCKET}", "bucket")))
-        traces["bucket"] = [path for path, _ in min(tries, key=lambda ranks: max(t for _, t in ranks))]
+    def record_ranks(name: str, key: str, warm: str | None = None, link: str = "all_reduce") -> None:
+        if warm:  # side B's first step (its allocations) outside the timed rounds
+            pool().ask("time", warm, 1)
+        # the recording both ranks took least time in: the least disturbed
+        tries = list(zip(*pool().ask("record", name, key)))
+        traces[key] = [path for path, _ in min(tries, key=lambda ranks: max(t for _, t in ranks))]
+        link_profile(link)
 
     def record_single() -> None:
         torch.set_num_threads(1)
@@ -203,9 +216,14 @@ def pairs() -> list[Pair]:
     return [
         Pair("comm", f"2 gloo ranks, all-reduce of {BUCKET * 4 >> 20} MiB -> {BUCKET * 2 >> 20} MiB per step",
              _ranks(f"bucket:{BUCKET}"), _ranks(f"bucket:{BUCKET // 2}"),
-             lambda: predicted_ratio(traces["bucket"], WhatIf(comm_bytes=0.5), link_profile()), record_bucket),
+             lambda: predicted_ratio(traces["bucket"], WhatIf(comm_bytes=0.5), link_profile()),
+             lambda: record_ranks(f"bucket:{BUCKET}", "bucket")),
         Pair("parallelism", "MLP step, data-parallel degree 1 -> 2 gloo ranks (DDP)", single, _ranks("ddp"),
              lambda: predicted_ratio(traces["mlp"], WhatIf(dp=2, host_ranks=2), link_profile()), record_single),
+        Pair("parallelism", f"MoE step ({moe_ep.EXPERTS} experts, top-{moe_ep.TOP_K}), expert-parallel degree 1 -> 2 "
+             "on 2 gloo ranks", _ranks("moe:1"), _ranks("moe:2"),
+             lambda: predicted_ratio(traces["moe"], WhatIf(ep=2, scope=("experts",)), link_profile("all_to_all")),
+             lambda: record_ranks("moe:1", "moe", warm="moe:2", link="all_to_all")),
     ]
 
 

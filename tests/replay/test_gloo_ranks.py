@@ -18,13 +18,14 @@ N = 1 << 16
 def _record(comm, out: str) -> int:
     import torch
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     rank, x = dist.get_rank(), torch.ones(N)
     dist.all_reduce(x)  # gloo connects on first use: outside the recording
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         torch.randn(64, 64) @ torch.randn(64, 64)
-        dist.all_reduce(x)
+        with record_function("experts.grad_sync"):
+            dist.all_reduce(x)
         if rank == 1:
             time.sleep(0.05)  # rank 0's work.wait() below surely waits (for rank 1 to join)
         work = dist.all_reduce(x[: N // 4], async_op=True)
@@ -51,6 +52,8 @@ def test_gloo_collectives_are_comm_tasks_with_bytes_matched_across_ranks(ranks):
         assert [(e.op, e.tags["peer"], e.comm_bytes) for e in comm if e.op in ("send", "recv")] == \
             [("send" if r == 0 else "recv", 1 - r, 400)]
         assert reports[r].deps["collective handed over"] == 2  # each all-reduce after the c10d op issuing it
+        # gloo's thread runs it, under the annotations of the call that issued it (a scope what-if finds it)
+        assert [e.tags.get("annotations") for e in comm if e.op == "all_reduce"] == [["experts.grad_sync"], None]
     assert any("host waits for collective" in k for rep in reports for k in rep.inferred)
     assert abs(fidelity(trace, replay(trace).trace).error("span")) < 0.05  # ranks joined at every collective
 

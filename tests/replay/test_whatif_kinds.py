@@ -197,3 +197,72 @@ def test_ranks_sharing_the_host_share_its_cores():
     no_cores = dataclasses.replace(load_profile("cpu"), contention=None)
     with pytest.raises(ConfigError, match="has no contention section"):
         replay(trace, recorded_profile=no_cores, whatif=WhatIf(host_ranks=2))
+
+
+def _moe_rank(rank: int, world: int) -> list[TraceEvent]:
+    """One rank's MoE step at expert-parallel degree 1, as the importer gives it: a router op, the
+    experts' GEMM (tokens [8, 64, 256] x weights [8, 256, 512]) and its backward under ``experts``
+    (the weight's gradient accumulated in between), the experts' gradient all-reduce (issued under
+    ``experts.grad_sync``, run on gloo's thread), then the optimizer."""
+    gemm = ["aten::bmm", [[8, 64, 256], [8, 256, 512]], ["float", "float"], ["", ""]]
+    ms, main = 1e-3, {"thread": 1}
+
+    def ev(i, op, engine, t0, t1, deps=(), scope=None, **tags):
+        anns = {"annotations": [scope]} if scope else {}
+        return TraceEvent(i, f"{op}#{i}", op, engine, 0, rank, t0 * ms, t1 * ms, deps=list(deps), tags={**main, **anns, **tags})
+
+    return [ev(0, "aten::linear", "vector", 0, 1, **{"class": "cpu_op"}),
+            ev(1, "aten::bmm", "cube", 1, 3, [0], "experts", sources=[gemm], **{"class": "cpu_gemm"}),
+            ev(2, "aten::index_add", "vector", 3, 4, [1], **{"class": "cpu_op"}),
+            ev(3, "autograd::engine::evaluate_function: BmmBackward0", "cube", 4, 8, [2], "experts",
+               sources=[gemm], **{"class": "cpu_gemm"}),
+            ev(4, "autograd::engine::evaluate_function: torch::autograd::AccumulateGrad", "vector", 8, 8.5, [3],
+               grad_bytes=4.0 * 2**20, **{"class": "cpu_op"}),
+            ev(5, "autograd::engine::evaluate_function: LinearBackward0", "vector", 8.5, 9, [4], **{"class": "cpu_op"}),
+            ev(6, "c10d::allreduce_", "host", 9, 9.2, [5], "experts.grad_sync", **{"class": "runtime"}),
+            TraceEvent(7, "gloo:all_reduce#7", "all_reduce", "comm", 0, rank, 9.2e-3, 13e-3, comm_bytes=4.0 * 2**20,
+                       deps=[6], tags={"thread": 2, "class": "cpu_comm", "annotations": ["experts.grad_sync"]}),
+            ev(8, "aten::_foreach_add_", "vector", 13, 14, [6, 7], **{"class": "cpu_op"})]
+
+
+def test_ep_what_if_trades_the_experts_gradient_all_reduce_for_all_to_alls():
+    """Degree 1 -> 2 on 2 ranks: the experts' gradients stay on their rank (their all-reduce and
+    the call issuing it gone), the tokens go to the experts' ranks and back around the experts'
+    forward and again around their backward (4 all-to-alls of half the token buffer each, on
+    the alpha-beta link), and each rank's expert GEMMs keep their work (as many tokens, in
+    fewer, larger GEMMs)."""
+    prof = load_profile("cpu")
+    trace = Trace(_moe_rank(0, 2) + _moe_rank(1, 2), {"profile": "cpu", "world_size": 2, "source": "kineto"})
+    out = WhatIf(ep=2, scope=("experts",)).apply(trace, prof, True)
+    for r in (0, 1):
+        mine = {e.task_id: e for e in out.events if e.rank == r}
+        a2a = sorted((e for e in mine.values() if e.op == "all_to_all"), key=lambda e: e.start)
+        wire = 8 * 64 * 256 * 4 / 2  # float tokens, half of them to the other rank
+        alpha, beta = prof.link("intra")
+        assert [e.comm_bytes for e in a2a] == [wire] * 4
+        assert [e.duration for e in a2a] == pytest.approx([alpha + prof.task_overhead + wire / beta] * 4)
+        assert [e.tags["seq"] for e in a2a] == [1, 2, 3, 4]  # matched across ranks by group and order
+        # each waits for what preceded its boundary; the task on the far side waits for it
+        assert [e.deps for e in a2a] == [[0], [1], [2], [4]]
+        assert [a2a[0].task_id in mine[1].deps, a2a[1].task_id in mine[2].deps,
+                a2a[2].task_id in mine[3].deps, a2a[3].task_id in mine[5].deps] == [True] * 4
+        assert mine[6].duration == mine[7].duration == 0.0  # no gradient all-reduce, nor its call
+        assert mine[1].duration == pytest.approx(2e-3) and mine[3].duration == pytest.approx(4e-3)
+    span = replay(trace, recorded_profile=prof).trace.makespan
+    changed = replay(trace, recorded_profile=prof, whatif=WhatIf(ep=2, scope=("experts",))).trace.makespan
+    assert span == pytest.approx(14e-3) and changed == pytest.approx(span - 4e-3 + 4 * a2a[0].duration, rel=1e-6)
+
+
+def test_ep_what_if_resizes_the_experts_data_parallel_group():
+    """Degree 2 on 4 ranks: the experts' gradient all-reduce runs over the 2 ranks holding the same
+    experts, its wire bytes 2 (n-1)/n for n = 2 instead of 4 (alpha kept); the dense work stays."""
+    prof = load_profile("cpu")
+    trace = Trace([e for r in range(4) for e in _moe_rank(r, 4)], {"profile": "cpu", "world_size": 4})
+    out = {(e.rank, e.task_id): e for e in WhatIf(ep=2, scope=("experts",)).apply(trace, prof, True).events}
+    alpha, d = prof.link("intra")[0], 3.8e-3
+    assert out[0, 7].duration == pytest.approx(alpha + (d - alpha) * (1.0 / 1.5))
+    assert out[0, 6].duration == pytest.approx(0.2e-3) and out[0, 0].duration == pytest.approx(1e-3)
+    assert out[0, 1].duration == pytest.approx(2e-3)  # each rank's experts: as many tokens, as much work
+    with pytest.raises(ConfigError, match="no GEMM with shapes"):
+        WhatIf(ep=2, scope=("experts",)).apply(Trace([e for e in trace.events if e.op != "aten::bmm" and "Bmm" not in e.op],
+                                                      trace.meta), prof, True)

@@ -155,6 +155,8 @@ def handed_over(m: Model) -> dict[int, int]:
         ids.sort(key=lambda i: m.tasks[i].start)
         for q, op in zip(ids, sorted(issued.get(kind, ()), key=lambda i: m.tasks[i].start)):
             handed[op] = q
+            if (anns := m.tasks[op].tags.get("annotations")) and "annotations" not in m.tasks[q].tags:
+                m.tasks[q].tags = dict(m.tasks[q].tags, annotations=anns)  # the scope that issued it
             p = m.consistent(op, m.tasks[q].start, "collective handed over")
             if p is not None and m.tasks[p].track != m.tasks[q].track:
                 m.tasks[q].deps.append(p)

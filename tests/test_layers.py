@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # bottom to top; a module may import its own layer and the layers below it
 LAYERS = ["runtime", "ops", "comm", "scheduler", "graphs", "megaloom"]
 # code lines per layer: docstrings, comments and blank lines are free (never golf them away)
-LINE_BUDGETS = {"runtime": 2825, "ops": 2199, "comm": 1235, "scheduler": 2696, "graphs": 2428, "megaloom": 3187}
+LINE_BUDGETS = {"runtime": 2816, "ops": 2199, "comm": 1235, "scheduler": 2682, "graphs": 2425, "megaloom": 3190}
 _NOT_CODE = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING,
              tokenize.ENDMARKER}
 
